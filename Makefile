@@ -1,0 +1,38 @@
+# make setup | test | unit | demo | bench | clean | distclean
+# Every target that runs code first runs scripts/setup.sh, which installs only what
+# is missing and returns in about a second when nothing is.
+
+VENV ?= .venv
+PY = $(VENV)/bin/python
+PYTEST_ARGS ?=
+export VENV
+
+.PHONY: all setup test unit demo bench clean distclean
+
+all: test
+
+setup:
+	bash scripts/setup.sh
+
+# pytest's exit status is make's: a failing or empty run fails the target.
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+unit: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/unit
+
+demo: setup
+	bash scripts/demo.sh
+
+bench: setup
+	$(PY) scripts/bench_completion.py
+
+# Caches and build output only; run/ is skipped since it may hold a live mount.
+clean:
+	find . \( -path ./.git -o -path ./$(VENV) -o -path ./run \) -prune -o \
+		\( -name __pycache__ -o -name .pytest_cache -o -name '*.egg-info' \) \
+		-prune -exec rm -rf {} +
+	rm -rf build dist
+
+distclean: clean
+	rm -rf $(VENV)

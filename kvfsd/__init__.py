@@ -1,0 +1,1 @@
+"""kvfsd: the FUSE daemon that exposes KV caches as files."""

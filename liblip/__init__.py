@@ -1,0 +1,24 @@
+"""liblip: the system calls of an LLM Inference Program, and the `lip` command.
+
+    import liblip as lip
+    kv = lip.kv_create()
+    d = lip.pred(kv, lip.tokenize("Hello"))
+    lip.send_to_user(lip.detokenize([d.argmax()]))
+
+Never imports torch: a LIP stays a small process.
+"""
+from liblip.api import (KV, Distribution, Sampled, chat_template, client, connect,
+                        detokenize, fsck, generate, generate_stream, info, kv_close,
+                        kv_create, kv_export, kv_extract, kv_fork, kv_free, kv_import,
+                        kv_merge, kv_open, kv_positions, kv_remove, kv_save, kv_stat,
+                        kv_tokens, kv_truncate, pred, prefill, ps, send_to_user, stats,
+                        tokenize)
+from liblip.client import LipError
+
+__all__ = [
+    "KV", "Distribution", "LipError", "Sampled", "chat_template", "client", "connect",
+    "detokenize", "fsck", "generate", "generate_stream", "info", "kv_close", "kv_create",
+    "kv_export", "kv_extract", "kv_fork", "kv_free", "kv_import", "kv_merge", "kv_open",
+    "kv_positions", "kv_remove", "kv_save", "kv_stat", "kv_tokens", "kv_truncate", "pred",
+    "prefill", "ps", "send_to_user", "stats", "tokenize",
+]

@@ -1,0 +1,365 @@
+"""The system calls a LIP makes: `import liblip as lip`.
+
+A process-wide client connects lazily to $PREDD_ADDR on first use and is shared by all
+threads. KV handles are capabilities; `kv_open` gets one through kvfsd (a permission-
+checked open of a `.kv` file, kept open while the handle lives, so POSIX unlink
+semantics hold) and `kv_save` publishes one as a file (kvfsd forks it).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from liblip import descriptor
+from liblip.client import Client, LipError
+from liblip.protocol import default_mount
+
+_client: Client | None = None
+_client_lock = threading.Lock()
+
+
+def client() -> Client:
+    """The process's predd connection, opened on first use."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            _client = Client()
+            atexit.register(_client.close)
+        return _client
+
+
+def connect(addr: str | None = None, **kwargs) -> Client:
+    """(Re)connect the process-wide client, e.g. to a non-default address."""
+    global _client
+    with _client_lock:
+        if _client is not None:
+            _client.close()
+        _client = Client(addr, **kwargs)
+        atexit.register(_client.close)
+        return _client
+
+
+# ---------------------------------------------------------------- handles
+
+@dataclass(eq=False)
+class KV:
+    """A capability to a KV object. `path`/`fd` are set when it came from a file."""
+    cap: str
+    rights: str = "rw"
+    path: str | None = None
+    fd: int | None = None
+    closed: bool = False
+
+    @classmethod
+    def from_capability(cls, cap: str, rights: str = "rw") -> KV:
+        return cls(cap, rights)
+
+    def __repr__(self) -> str:   # capabilities are secrets: never print them whole
+        where = f" {self.path}" if self.path else ""
+        return f"<KV {self.rights}{where} cap:{self.cap[:4]}…>"
+
+    def __enter__(self) -> KV:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        kv_close(self)
+
+
+@dataclass
+class Distribution:
+    """The next-token distribution at one position: raw float32 logits."""
+    logits: np.ndarray
+    cost: dict = field(default_factory=dict)
+
+    def logprobs(self) -> np.ndarray:
+        x = self.logits.astype(np.float64)
+        m = x.max()
+        return (x - m - np.log(np.exp(x - m).sum())).astype(np.float32)
+
+    def probs(self) -> np.ndarray:
+        return np.exp(self.logprobs())
+
+    def argmax(self) -> int:
+        return int(np.argmax(self.logits))
+
+    def topk(self, k: int) -> tuple[list[int], list[float]]:
+        lp = self.logprobs()
+        ids = np.argsort(-lp, kind="stable")[:k]
+        return ids.tolist(), lp[ids].tolist()
+
+    def sample(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+               rng: np.random.Generator | int | None = None) -> int:
+        if temperature == 0:
+            return self.argmax()
+        rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        x = self.logits.astype(np.float64) / temperature
+        if top_k:
+            x[x < np.sort(x)[-min(top_k, x.size)]] = -np.inf
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        if top_p < 1.0:
+            order = np.argsort(-p, kind="stable")
+            sp = p[order]
+            sp[np.cumsum(sp) - sp >= top_p] = 0
+            p = np.zeros_like(p)
+            p[order] = sp
+            p /= p.sum()
+        return int(rng.choice(p.size, p=p))
+
+
+@dataclass
+class Sampled:
+    """Server-side sampling result: the token at the last requested output, and all."""
+    token: int
+    logprob: float
+    tokens: list[int]
+    logprobs: list[float]
+    cost: dict
+
+
+# ---------------------------------------------------------------- text and server
+
+def tokenize(text: str, add_special: bool = False) -> list[int]:
+    return client().call("tokenize", text=text, add_special=add_special)["tokens"]
+
+
+def detokenize(tokens: Sequence[int], skip_special: bool = False) -> str:
+    return client().call("detokenize", tokens=[int(t) for t in tokens],
+                         skip_special=skip_special)["text"]
+
+
+def chat_template(messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` rendered with the model's chat template."""
+    return client().call("chat_template", messages=messages,
+                         add_generation_prompt=add_generation_prompt)["tokens"]
+
+
+def info() -> dict:
+    return _strip(client().call("info"))
+
+
+def stats() -> dict:
+    return _strip(client().call("stats"))
+
+
+def fsck() -> dict:
+    return _strip(client().call("fsck"))
+
+
+def ps() -> list[dict]:
+    return client().call("ps")["sessions"]
+
+
+def _strip(reply: dict) -> dict:
+    return {k: v for k, v in reply.items() if k not in ("rid", "ok")}
+
+
+def send_to_user(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------- KV objects
+
+def _handle(reply: dict) -> KV:
+    return KV(reply["cap"], reply["rights"])
+
+
+def kv_create() -> KV:
+    return _handle(client().call("kv_create"))
+
+
+def kv_fork(kv: KV, rights: str = "rw") -> KV:
+    return _handle(client().call("kv_fork", cap=kv.cap, rights=rights))
+
+
+def kv_stat(kv: KV) -> dict:
+    return _strip(client().call("kv_stat", cap=kv.cap))
+
+
+def kv_tokens(kv: KV, start: int = 0, end: int | None = None) -> list[int]:
+    return client().call("kv_tokens", cap=kv.cap, start=start, end=end)["tokens"]
+
+
+def kv_positions(kv: KV, start: int = 0, end: int | None = None) -> list[int]:
+    return client().call("kv_tokens", cap=kv.cap, start=start, end=end)["positions"]
+
+
+def kv_truncate(kv: KV, length: int) -> None:
+    client().call("kv_truncate", cap=kv.cap, length=length)
+
+
+def kv_extract(kv: KV, ranges: Sequence[tuple[int, int]]) -> KV:
+    return _handle(client().call("kv_extract", cap=kv.cap,
+                                 ranges=[[int(a), int(b)] for a, b in ranges]))
+
+
+def kv_merge(kvs: Sequence[KV]) -> KV:
+    return _handle(client().call("kv_merge", caps=[kv.cap for kv in kvs]))
+
+
+def kv_export(kv: KV) -> bytes:
+    return bytes(client().request("kv_export", cap=kv.cap)[1][0])
+
+
+def kv_import(blob: bytes) -> KV:
+    return _handle(client().request("kv_import", frames=(blob,))[0])
+
+
+def kv_close(kv: KV) -> None:
+    """Drop a handle: an anonymous object's capability is freed; an opened file is
+    closed (its cache lives on under its name)."""
+    if kv.closed:
+        return
+    kv.closed = True
+    if kv.fd is not None:
+        os.close(kv.fd)
+        return
+    client().call("kv_free", cap=kv.cap)
+
+
+def kv_remove(kv: KV) -> None:
+    """Free a cache: unlink its file if it came from one, and drop the handle."""
+    if kv.path is not None:
+        os.unlink(kv.path)
+    kv_close(kv)
+
+
+kv_free = kv_close
+
+
+def _kvfs_path(path: str) -> str:
+    return path if os.path.isabs(path) else os.path.join(default_mount(), path)
+
+
+def kv_open(path: str, write: bool = False, create: bool = False) -> KV:
+    """A handle to the cache file `path` (relative paths are under $KVFS_MOUNT).
+    `write=True` needs write permission and gives a read-write capability."""
+    full = _kvfs_path(path)
+    flags = (os.O_RDWR if write else os.O_RDONLY) | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(full, flags, 0o644)
+        data = os.pread(fd, descriptor.MAX_LEN, 0)
+    except OSError as exc:
+        if "fd" in locals():
+            os.close(fd)
+        raise LipError(_errno_name(exc), f"{full}: {exc.strerror}") from None
+    try:
+        desc = descriptor.parse(data)
+    except ValueError as exc:
+        os.close(fd)
+        raise LipError("EINVAL", f"{full}: not a KV cache file ({exc})") from None
+    return KV(desc.cap, desc.rights, path=full, fd=fd)
+
+
+def kv_save(kv: KV, path: str) -> None:
+    """Publish `kv` as the file `path`: kvfsd makes it a copy-on-write fork of kv."""
+    full = _kvfs_path(path)
+    desc = descriptor.Descriptor(kv.cap, kv.rights)
+    try:
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, desc.encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise LipError(_errno_name(exc), f"{full}: {exc.strerror}") from None
+
+
+def _errno_name(exc: OSError) -> str:
+    import errno
+    return errno.errorcode.get(exc.errno or 0, "EIO")
+
+
+# ---------------------------------------------------------------- pred and generate
+
+def pred(kv: KV, tokens: Sequence[int], positions: Sequence[int] | None = None,
+         outputs: Sequence[int] | None = None, sample: dict | None = None,
+         topk: int = 0, mask: Sequence[int] | bytes | None = None):
+    """Append `tokens` to `kv` and predict.
+
+    Returns a Distribution (raw logits) for the last token — or a list of them, one per
+    index in `outputs`. With `sample={temperature, top_p, top_k, seed}` predd samples
+    and returns a `Sampled`; with `topk=k` it returns (ids, logprobs) per output.
+    `outputs=[]` only appends (prefill) and returns None.
+    """
+    fields = {"cap": kv.cap, "tokens": [int(t) for t in tokens]}
+    if positions is not None:
+        fields["positions"] = [int(p) for p in positions]
+    if outputs is not None:
+        fields["outputs"] = [int(o) for o in outputs]
+    if sample is not None:
+        fields["sample"] = sample
+    if topk:
+        fields["topk"] = topk
+    if mask is not None:
+        fields["mask"] = mask if isinstance(mask, bytes) else [int(m) for m in mask]
+    header, frames = client().request("pred", **fields)
+    cost = header.get("cost", {})
+    if sample is not None:
+        return Sampled(header["token"], header["logprob"], header["tokens"],
+                       header["logprobs"], cost)
+    if topk:
+        pairs = list(zip(header["topk_ids"], header["topk_logprobs"]))
+        return pairs if outputs is not None else pairs[-1]
+    if outputs is not None and len(outputs) == 0:
+        return None
+    shape = header["logits"]["shape"]
+    logits = np.frombuffer(frames[0], dtype=np.float32).reshape(shape)
+    dists = [Distribution(row, cost) for row in logits]
+    return dists if outputs is not None else dists[-1]
+
+
+def prefill(kv: KV, tokens: Sequence[int]) -> dict:
+    """Append tokens without asking for a prediction; returns the cost."""
+    header, _ = client().request("pred", cap=kv.cap, tokens=[int(t) for t in tokens],
+                                 outputs=[])
+    return header.get("cost", {})
+
+
+def _generate_fields(kv: KV, tokens, max_tokens, stop, sample, ignore_eos) -> dict:
+    stop = list(stop or [])
+    ids = [s for s in stop if isinstance(s, int)]
+    texts = [s for s in stop if isinstance(s, str)]
+    fields = {"cap": kv.cap, "tokens": [int(t) for t in tokens], "max_tokens": max_tokens,
+              "stop_text": texts}
+    if ids or ignore_eos:
+        fields["stop"] = ids + ([] if ignore_eos else info_cached()["eos_ids"])
+    if sample is not None:
+        fields["sample"] = sample
+    return fields
+
+
+def generate_stream(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
+                    stop: Sequence[int | str] | None = None, sample: dict | None = None,
+                    ignore_eos: bool = False) -> Iterator[int]:
+    """Tokens as predd's loop produces them. The cache ends as a pred loop leaves it:
+    every generated token but the last is appended."""
+    fields = _generate_fields(kv, tokens, max_tokens, stop, sample, ignore_eos)
+    for reply in client().stream("generate", stream=True, **fields):
+        yield from reply.get("tokens", [])
+
+
+def generate(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
+             stop: Sequence[int | str] | None = None, sample: dict | None = None,
+             ignore_eos: bool = False) -> list[int]:
+    """Greedy (or `sample`d) completion inside predd; stops at EOS, a stop token or
+    text, or max_tokens. Returns the generated ids (a stop token included)."""
+    fields = _generate_fields(kv, tokens, max_tokens, stop, sample, ignore_eos)
+    return client().call("generate", stream=False, **fields)["tokens"]
+
+
+_info: dict | None = None
+
+
+def info_cached() -> dict:
+    global _info
+    if _info is None:
+        _info = info()
+    return _info

@@ -1,0 +1,359 @@
+"""The wire format between LIPs, kvfsd and predd — written once, imported by all.
+
+A request is one msgpack map `{"op": ..., "rid": int, ...fields}` optionally followed by
+binary frames; a reply echoes `rid` with `"ok": true` and results, or `"ok": false` and
+`{"error": {"code": ERRNO_NAME, "message": ...}}`. Every op's fields are a dataclass below;
+`decode_request` validates a raw map against it and raises `ProtocolError` (EINVAL,
+EBADMSG, ENOSYS) — never anything else — so a server can answer bad input and go on.
+This module is pure Python (no torch, no zmq) so any process may import it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+RIGHTS = ("r", "rw")
+CAP_HEX_LEN = 32  # 128-bit capabilities, hex
+
+
+class ProtocolError(Exception):
+    """An errno-named failure that travels over the wire."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+# ---------------------------------------------------------------- requests
+
+@dataclass
+class Request:
+    rid: int
+    op: ClassVar[str] = ""
+
+
+@dataclass
+class Hello(Request):
+    client: str = ""
+    pid: int = 0
+    uid: int = -1
+    lease_s: float = 10.0
+    op: ClassVar[str] = "hello"
+
+
+@dataclass
+class Bye(Request):
+    op: ClassVar[str] = "bye"
+
+
+@dataclass
+class Ping(Request):
+    op: ClassVar[str] = "ping"
+
+
+@dataclass
+class Info(Request):
+    op: ClassVar[str] = "info"
+
+
+@dataclass
+class Stats(Request):
+    op: ClassVar[str] = "stats"
+
+
+@dataclass
+class Ps(Request):
+    op: ClassVar[str] = "ps"
+
+
+@dataclass
+class Fsck(Request):
+    op: ClassVar[str] = "fsck"
+
+
+@dataclass
+class Tokenize(Request):
+    text: str = ""
+    add_special: bool = False
+    op: ClassVar[str] = "tokenize"
+
+
+@dataclass
+class Detokenize(Request):
+    tokens: list[int] = field(default_factory=list)
+    skip_special: bool = False
+    op: ClassVar[str] = "detokenize"
+
+
+@dataclass
+class ChatTemplate(Request):
+    messages: list[dict] = field(default_factory=list)
+    add_generation_prompt: bool = True
+    op: ClassVar[str] = "chat_template"
+
+
+@dataclass
+class KvCreate(Request):
+    persist: bool = False
+    op: ClassVar[str] = "kv_create"
+
+
+@dataclass
+class KvFork(Request):
+    cap: str = ""
+    rights: str = "rw"
+    persist: bool = False
+    op: ClassVar[str] = "kv_fork"
+
+
+@dataclass
+class KvGrant(Request):
+    """A second capability to the same object, with rights at most the given one's."""
+    cap: str = ""
+    rights: str = "r"
+    persist: bool = False
+    op: ClassVar[str] = "kv_grant"
+
+
+@dataclass
+class KvFree(Request):
+    cap: str = ""
+    op: ClassVar[str] = "kv_free"
+
+
+@dataclass
+class KvStat(Request):
+    cap: str = ""
+    op: ClassVar[str] = "kv_stat"
+
+
+@dataclass
+class KvTokens(Request):
+    cap: str = ""
+    start: int = 0
+    end: int | None = None
+    op: ClassVar[str] = "kv_tokens"
+
+
+@dataclass
+class KvTruncate(Request):
+    cap: str = ""
+    length: int = 0
+    op: ClassVar[str] = "kv_truncate"
+
+
+@dataclass
+class KvExtract(Request):
+    cap: str = ""
+    ranges: list[list[int]] = field(default_factory=list)
+    persist: bool = False
+    op: ClassVar[str] = "kv_extract"
+
+
+@dataclass
+class KvMerge(Request):
+    caps: list[str] = field(default_factory=list)
+    persist: bool = False
+    op: ClassVar[str] = "kv_merge"
+
+
+@dataclass
+class KvExport(Request):
+    cap: str = ""
+    op: ClassVar[str] = "kv_export"
+
+
+@dataclass
+class KvImport(Request):
+    """Followed by one binary frame: the bytes `kv_export` returned."""
+    persist: bool = False
+    op: ClassVar[str] = "kv_import"
+
+
+@dataclass
+class Pred(Request):
+    cap: str = ""
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] | None = None
+    outputs: list[int] | None = None
+    sample: dict | None = None
+    topk: int = 0
+    mask: list[int] | bytes | None = None
+    op: ClassVar[str] = "pred"
+
+
+@dataclass
+class Generate(Request):
+    cap: str = ""
+    tokens: list[int] = field(default_factory=list)
+    max_tokens: int = 16
+    sample: dict | None = None
+    stop: list[int] | None = None
+    stop_text: list[str] = field(default_factory=list)
+    stream: bool = True
+    op: ClassVar[str] = "generate"
+
+
+REQUESTS: dict[str, type[Request]] = {
+    cls.op: cls for cls in (
+        Hello, Bye, Ping, Info, Stats, Ps, Fsck, Tokenize, Detokenize, ChatTemplate,
+        KvCreate, KvFork, KvGrant, KvFree, KvStat, KvTokens, KvTruncate, KvExtract,
+        KvMerge, KvExport, KvImport, Pred, Generate)
+}
+
+SAMPLE_KEYS = {"temperature": float, "top_p": float, "top_k": int, "seed": int}
+
+
+@dataclass(frozen=True)
+class SampleParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @classmethod
+    def from_wire(cls, raw: dict | None) -> SampleParams | None:
+        if raw is None:
+            return None
+        for key, value in raw.items():
+            kind = SAMPLE_KEYS.get(key)
+            if kind is None:
+                raise ProtocolError("EINVAL", f"sample: unknown key {key!r}")
+            if value is None and key == "seed":
+                continue
+            if not _is_instance(value, kind):
+                raise ProtocolError("EINVAL", f"sample.{key}: expected {kind.__name__}")
+        params = cls(**raw)
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
+            raise ProtocolError("EINVAL", "sample: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        return params
+
+
+# ---------------------------------------------------------------- validation
+
+def _is_instance(value: Any, kind: Any) -> bool:
+    """isinstance for the few annotation shapes the records use."""
+    origin = typing.get_origin(kind)
+    if kind is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, arg) for arg in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(kind) or (Any,)
+        return isinstance(value, list) and all(_is_instance(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, kind)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def decode_frames(frames: list[bytes]) -> tuple[dict, list[bytes]]:
+    """Unpack the header frame of a message; raise EBADMSG on anything but a msgpack map."""
+    if not frames:
+        raise ProtocolError("EBADMSG", "empty message")
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types on garbage
+        raise ProtocolError("EBADMSG", f"not msgpack: {type(exc).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("EBADMSG", "header is not a map")
+    return header, list(frames[1:])
+
+
+def decode_request(header: dict) -> Request:
+    """Validate a raw request map into its record; ProtocolError on any mismatch."""
+    op = header.get("op")
+    rid = header.get("rid")
+    if not isinstance(rid, int) or isinstance(rid, bool):
+        raise ProtocolError("EINVAL", "rid: expected int")
+    if not isinstance(op, str):
+        raise ProtocolError("EINVAL", "op: expected str")
+    cls = REQUESTS.get(op)
+    if cls is None:
+        raise ProtocolError("ENOSYS", f"unknown op {op!r}")
+    hints = _hints(cls)
+    fields_ = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in header.items():
+        if key == "op":
+            continue
+        if key not in fields_:
+            raise ProtocolError("EINVAL", f"{op}: unknown field {key!r}")
+        if not _is_instance(value, hints[key]):
+            raise ProtocolError("EINVAL", f"{op}.{key}: expected {_type_name(hints[key])}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _type_name(kind: Any) -> str:
+    return getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+
+
+def check_rights(rights: str) -> str:
+    if rights not in RIGHTS:
+        raise ProtocolError("EINVAL", f"rights must be one of {RIGHTS}, got {rights!r}")
+    return rights
+
+
+# ---------------------------------------------------------------- encoding
+
+def pack(obj: dict) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def encode_request(op: str, rid: int, fields_: dict) -> bytes:
+    return pack({"op": op, "rid": rid, **fields_})
+
+
+def ok_reply(rid: int | None, **results: Any) -> dict:
+    return {"rid": rid, "ok": True, **results}
+
+
+def error_reply(rid: int | None, code: str, message: str) -> dict:
+    return {"rid": rid, "ok": False, "error": {"code": code, "message": message}}
+
+
+# ---------------------------------------------------------------- where things are
+
+def default_rundir() -> str:
+    """$SYMPHONY_RUNDIR, else a per-user directory under /run or /tmp."""
+    import os
+    if os.environ.get("SYMPHONY_RUNDIR"):
+        return os.environ["SYMPHONY_RUNDIR"]
+    if os.geteuid() == 0:
+        return "/run/symphony"
+    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"symphony-{os.geteuid()}")
+
+
+def default_addr(rundir: str | None = None) -> str:
+    """$PREDD_ADDR, else the ipc socket in the run directory."""
+    import os
+    if rundir is None and os.environ.get("PREDD_ADDR"):
+        return os.environ["PREDD_ADDR"]
+    return f"ipc://{os.path.join(rundir or default_rundir(), 'predd.sock')}"
+
+
+def default_mount() -> str:
+    import os
+    return os.environ.get("KVFS_MOUNT", "/mnt/kvfs")

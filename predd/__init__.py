@@ -1,0 +1,1 @@
+"""predd: the pred daemon — sessions, KV store, scheduler, runner and model."""

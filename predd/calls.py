@@ -1,0 +1,83 @@
+"""A pred or generate call in flight: its inputs, its results so far and what it cost.
+
+The scheduler sees only counters (`Call.total`, `Call.computed`); this record is the
+engine's payload on the call. `finish_*` build the replies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from liblip.protocol import SampleParams, ok_reply
+from predd import sampling
+
+
+@dataclass
+class CallState:
+    identity: bytes
+    rid: int
+    op: str                          # "pred" | "generate"
+    tokens: list[int]
+    positions: list[int] | None      # resolved at admission when None
+    outputs: list[int]               # pred: indices into tokens whose logits are wanted
+    sample: SampleParams | None
+    allowed: torch.Tensor | None     # mask
+    topk: int = 0
+    # generate
+    max_tokens: int = 0
+    stop: frozenset[int] = frozenset()
+    stop_text: tuple[str, ...] = ()
+    stream: bool = True
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    # results and cost
+    logits: list[torch.Tensor] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    arrival: float = 0.0
+    admitted_at: float = 0.0
+    reused: int = 0
+    step_s: float = 0.0
+
+    def chunk(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Token ids, positions and wanted-output indices (chunk-relative) of a chunk."""
+        tokens = np.asarray(self.tokens[start:start + count], dtype=np.int32)
+        positions = np.asarray(self.positions[start:start + count], dtype=np.int32)
+        if self.op == "generate":
+            wanted = [count - 1] if start + count == len(self.tokens) else []
+        else:
+            wanted = [o - start for o in self.outputs if start <= o < start + count]
+        return tokens, positions, np.asarray(wanted, dtype=np.int64)
+
+    def cost(self, computed: int, pages: int) -> dict:
+        return {"computed": computed, "reused": self.reused, "pages": pages,
+                "queue_ms": round((self.admitted_at - self.arrival) * 1e3, 3),
+                "step_ms": round(self.step_s * 1e3, 3)}
+
+    def pred_reply(self, cost: dict) -> tuple[dict, list[bytes]]:
+        """The reply to a finished pred: raw logits, sampled tokens or top-k."""
+        logits = (torch.cat(self.logits) if self.logits
+                  else torch.empty(0, 0, dtype=torch.float32))
+        logits = sampling.apply_mask(logits, self.allowed)
+        if self.sample is not None:
+            picks = [sampling.sample(row, self.sample, self.generator) for row in logits]
+            tokens = [t for t, _ in picks]
+            lps = [lp for _, lp in picks]
+            head = ok_reply(self.rid, tokens=tokens, logprobs=lps, cost=cost,
+                            token=tokens[-1] if tokens else None,
+                            logprob=lps[-1] if lps else None)
+            return head, []
+        if self.topk:
+            picks = [sampling.topk(row, self.topk) for row in logits]
+            return ok_reply(self.rid, topk_ids=[i for i, _ in picks],
+                            topk_logprobs=[lp for _, lp in picks], cost=cost), []
+        data = logits.contiguous().numpy()
+        head = ok_reply(self.rid, logits={"shape": list(data.shape), "dtype": "float32"},
+                        cost=cost)
+        return head, [data.tobytes()]
+
+    def next_token(self) -> tuple[int, float]:
+        row = sampling.apply_mask(self.logits.pop()[0], self.allowed)
+        params = self.sample or SampleParams(temperature=0.0)
+        return sampling.sample(row, params, self.generator)

@@ -1,0 +1,455 @@
+"""The engine: requests in, replies out; one step = schedule -> execute -> update.
+
+Everything here runs on one thread (the server loop), so there are no locks. Ordering
+rule: requests naming an object run in arrival order. A call (pred/generate) waits in
+the scheduler; any other request on an object that has queued calls, or earlier
+deferred requests, is deferred and replayed when the object's calls are done.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from liblip import protocol as p
+from liblip.protocol import ProtocolError, error_reply, ok_reply
+from predd import sampling
+from predd.calls import CallState
+from predd.caps import Capabilities, Capability
+from predd.kvstore import KVStore
+from predd.pool import Pool
+from predd.runner import Chunk, Runner
+from predd.scheduler import Call, Scheduler, SchedulerConfig
+from predd.sessions import Session, Sessions
+from predd.tokenizer import Tokenizer
+
+Send = Callable[[bytes, dict, list[bytes]], None]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    lease_s: float = 10.0
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    calls: int = 0
+    tokens_computed: int = 0
+    tokens_reused: int = 0
+    queue_wait_s: float = 0.0
+    step_s: float = 0.0
+    requests: int = 0
+    errors: int = 0
+
+
+class Engine:
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, config: EngineConfig,
+                 send: Send, log: Callable[[str], None] = lambda msg: None) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.send = send
+        self.log = log
+        self.pool = Pool(runner.config.kv_pages, runner.config.page_size)
+        self.store = KVStore(self.pool, runner.cache)
+        self.caps = Capabilities(self._free_object)
+        self.sessions = Sessions(config.lease_s)
+        self.scheduler = Scheduler(config.scheduler)
+        self.counters = Counters()
+        self.deferred: dict[int, list[tuple[bytes, p.Request, list[bytes]]]] = {}
+        self.vocab = runner.cfg.vocab_size
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------ requests
+
+    def handle(self, identity: bytes, frames: list[bytes], now: float) -> None:
+        """Answer one raw message (or queue it); never raises."""
+        self.counters.requests += 1
+        rid = None
+        try:
+            header, extra = p.decode_frames(frames)
+            rid = header.get("rid") if isinstance(header.get("rid"), int) else None
+            request = p.decode_request(header)
+            session = self.sessions.touch(identity, now)
+            self._dispatch(identity, session, request, extra, now)
+        except ProtocolError as exc:
+            self._error(identity, rid, exc)
+        except Exception as exc:  # a bug must not take the daemon down
+            self.log(f"internal error on request {rid}: {type(exc).__name__}: {exc}")
+            self._error(identity, rid, ProtocolError("EIO", f"internal error: {exc}"))
+
+    def _error(self, identity: bytes, rid: int | None, exc: ProtocolError) -> None:
+        self.counters.errors += 1
+        self.send(identity, error_reply(rid, exc.code, exc.message), [])
+
+    def _dispatch(self, identity: bytes, session: Session, req: p.Request,
+                  extra: list[bytes], now: float) -> None:
+        oids = self._objects_of(req)
+        if any(self.scheduler.busy(o) or self.deferred.get(o) for o in oids):
+            # Wait behind the object's earlier requests (keyed on the first busy one).
+            key = next(o for o in oids if self.scheduler.busy(o) or self.deferred.get(o))
+            self.deferred.setdefault(key, []).append((identity, req, extra))
+            return
+        handler = getattr(self, "op_" + req.op)
+        result = handler(session, req, extra, now)
+        if result is not None:
+            head, frames = result if isinstance(result, tuple) else (result, [])
+            self.send(identity, ok_reply(req.rid, **head), frames)
+
+    def _objects_of(self, req: p.Request) -> list[int]:
+        tokens = [req.cap] if hasattr(req, "cap") else list(getattr(req, "caps", []))
+        return [self.caps.lookup(t).oid for t in tokens]
+
+    def replay_deferred(self, now: float) -> None:
+        for oid in list(self.deferred):
+            if self.scheduler.busy(oid):
+                continue
+            queue = self.deferred.pop(oid)
+            while queue:
+                identity, req, extra = queue.pop(0)
+                session = self.sessions.get(self._session_of(identity))
+                if session is None:
+                    continue
+                try:
+                    self._dispatch(identity, session, req, extra, now)
+                except ProtocolError as exc:
+                    self._error(identity, req.rid, exc)
+                if self.scheduler.busy(oid) and queue:
+                    self.deferred.setdefault(oid, [])[:0] = queue
+                    break
+
+    def _session_of(self, identity: bytes) -> int:
+        s = self.sessions._by_identity.get(identity)
+        return s.sid if s else -1
+
+    def _cap(self, token: str, write: bool = False) -> Capability:
+        return self.caps.lookup(token, write)
+
+    # ------------------------------------------------------------ sessions
+
+    def op_hello(self, s: Session, r: p.Hello, extra, now) -> dict:
+        if r.lease_s <= 0:
+            raise ProtocolError("EINVAL", "lease_s must be positive")
+        s.client, s.pid, s.uid, s.lease_s = r.client, r.pid, r.uid, r.lease_s
+        return {"session": s.sid, "version": p.PROTOCOL_VERSION, "lease_s": s.lease_s,
+                "model": self.runner.cfg.name}
+
+    def op_bye(self, s: Session, r, extra, now) -> dict:
+        self.end_session(s, "bye")
+        return {}
+
+    def op_ping(self, s, r, extra, now) -> dict:
+        return {}
+
+    def end_session(self, s: Session, why: str) -> None:
+        dropped = self.scheduler.cancel(lambda c: c.session == s.sid)
+        for call in dropped:
+            self.store.release_reservation(call.oid)
+        for oid, queue in list(self.deferred.items()):
+            queue[:] = [q for q in queue if q[0] != s.identity]
+            if not queue:
+                del self.deferred[oid]
+        freed = self.caps.revoke_session(s.sid)
+        self.sessions.end(s.sid)
+        self.log(f"session {s.sid} ({s.client or 'anonymous'} pid {s.pid}) ended ({why}): "
+                 f"{freed} capabilities revoked, {len(dropped)} calls dropped")
+
+    def expire_sessions(self, now: float) -> None:
+        for s in self.sessions.expired(now):
+            self.end_session(s, "lease expired")
+
+    def _free_object(self, oid: int) -> None:
+        for call in self.scheduler.cancel(lambda c: c.oid == oid):
+            st: CallState = call.payload
+            self.send(st.identity, error_reply(st.rid, "EBADF", "KV object was freed"), [])
+        self.deferred.pop(oid, None)
+        self.scheduler.forget(oid)
+        self.store.free(oid)
+
+    # ------------------------------------------------------------ info
+
+    def info(self) -> dict:
+        cfg = self.runner.cfg
+        return {"model": cfg.name, "vocab_size": cfg.vocab_size,
+                "eos_ids": list(self.tokenizer.eos_ids), "bos_id": self.tokenizer.bos_id,
+                "page_size": self.pool.page_size, "pages_total": self.pool.num_pages,
+                "pages_free": self.pool.free_pages,
+                "bytes_per_page": self.runner.cache.bytes_per_page,
+                "max_position": cfg.max_position, "device": self.runner.config.device,
+                "dtype": self.runner.config.dtype, "attention": self.runner.backend.name,
+                "num_layers": cfg.num_layers, "version": p.PROTOCOL_VERSION}
+
+    def op_info(self, s, r, extra, now) -> dict:
+        return self.info()
+
+    def op_stats(self, s, r, extra, now) -> dict:
+        c = self.counters
+        return {"pages_total": self.pool.num_pages, "pages_free": self.pool.free_pages,
+                "pages_used": self.pool.used_pages, "objects": len(self.store.objects),
+                "capabilities": len(self.caps), "sessions": len(self.sessions),
+                "steps": c.steps, "calls": c.calls,
+                "mean_batch": round(c.calls / c.steps, 3) if c.steps else 0.0,
+                "tokens_computed": c.tokens_computed, "tokens_reused": c.tokens_reused,
+                "queue_wait_ms": round(c.queue_wait_s * 1e3, 3),
+                "step_ms": round(c.step_s * 1e3, 3),
+                "launch_wait_ms": round(self.scheduler.waited_s * 1e3, 3),
+                "pending_calls": self.scheduler.pending(), "requests": c.requests,
+                "errors": c.errors, "uptime_s": round(time.monotonic() - self.started, 3)}
+
+    def op_ps(self, s, r, extra, now) -> dict:
+        rows = []
+        for sess in self.sessions:
+            caps = self.caps.of_session(sess.sid)
+            oids = {c.oid for c in caps}
+            rows.append({"session": sess.sid, "client": sess.client, "pid": sess.pid,
+                         "uid": sess.uid, "objects": len(oids),
+                         "pages": sum(len(self.store.objects[o].pages) for o in oids),
+                         "idle_s": round(now - sess.last_seen, 3)})
+        return {"sessions": rows}
+
+    def op_fsck(self, s, r, extra, now) -> dict:
+        problems = self.fsck()
+        return {"clean": not problems, "problems": problems,
+                "pages_total": self.pool.num_pages, "pages_free": self.pool.free_pages,
+                "objects": len(self.store.objects)}
+
+    def fsck(self) -> list[str]:
+        problems = self.store.check()
+        live = self.caps.objects()
+        for oid in self.store.objects:
+            if oid not in live:
+                problems.append(f"object {oid} has no capability (leaked)")
+        for oid in live - set(self.store.objects):
+            problems.append(f"capability to missing object {oid}")
+        return problems
+
+    # ------------------------------------------------------------ text
+
+    def op_tokenize(self, s, r: p.Tokenize, extra, now) -> dict:
+        return {"tokens": self.tokenizer.encode(r.text, add_special=r.add_special)}
+
+    def op_detokenize(self, s, r: p.Detokenize, extra, now) -> dict:
+        self._check_tokens(r.tokens)
+        return {"text": self.tokenizer.decode(r.tokens, skip_special=r.skip_special)}
+
+    def op_chat_template(self, s, r: p.ChatTemplate, extra, now) -> dict:
+        for m in r.messages:
+            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ProtocolError("EINVAL", "messages: each needs str role and content")
+        try:
+            text = self.tokenizer.apply_chat_template(r.messages, r.add_generation_prompt)
+        except Exception as exc:
+            raise ProtocolError("EINVAL", f"chat template failed: {exc}") from None
+        return {"text": text, "tokens": self.tokenizer.encode(text)}
+
+    def _check_tokens(self, tokens: list[int]) -> None:
+        if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab):
+            raise ProtocolError("EINVAL", f"token ids must be in [0, {self.vocab})")
+
+    # ------------------------------------------------------------ KV objects
+
+    def _issue(self, oid: int, rights: str, s: Session, persist: bool) -> dict:
+        cap = self.caps.issue(oid, p.check_rights(rights), None if persist else s.sid)
+        return {"cap": cap.token, "rights": cap.rights, **self._stat(oid)}
+
+    def _stat(self, oid: int) -> dict:
+        obj = self.store.get(oid)
+        pages = len(obj.pages)
+        return {"tokens": obj.length, "pages": pages,
+                "bytes": pages * self.runner.cache.bytes_per_page,
+                "last_position": self.store.last_position(obj), "model": self.runner.cfg.name}
+
+    def op_kv_create(self, s, r: p.KvCreate, extra, now) -> dict:
+        return self._issue(self.store.create().oid, "rw", s, r.persist)
+
+    def op_kv_fork(self, s, r: p.KvFork, extra, now) -> dict:
+        src = self._cap(r.cap)
+        p.check_rights(r.rights)
+        return self._issue(self.store.fork(src.oid).oid, r.rights, s, r.persist)
+
+    def op_kv_grant(self, s, r: p.KvGrant, extra, now) -> dict:
+        src = self._cap(r.cap)
+        if p.check_rights(r.rights) == "rw" and not src.writable:
+            raise ProtocolError("EACCES", "cannot grant rw from a read-only capability")
+        return self._issue(src.oid, r.rights, s, r.persist)
+
+    def op_kv_free(self, s, r: p.KvFree, extra, now) -> dict:
+        self._cap(r.cap)
+        self.caps.revoke(r.cap)
+        return {}
+
+    def op_kv_stat(self, s, r: p.KvStat, extra, now) -> dict:
+        cap = self._cap(r.cap)
+        return {"rights": cap.rights, **self._stat(cap.oid)}
+
+    def op_kv_tokens(self, s, r: p.KvTokens, extra, now) -> dict:
+        cap = self._cap(r.cap)
+        tokens, positions = self.store.entries(cap.oid, r.start, r.end)
+        return {"tokens": tokens.tolist(), "positions": positions.tolist()}
+
+    def op_kv_truncate(self, s, r: p.KvTruncate, extra, now) -> dict:
+        cap = self._cap(r.cap, write=True)
+        self.store.truncate(cap.oid, r.length)
+        return self._stat(cap.oid)
+
+    def op_kv_extract(self, s, r: p.KvExtract, extra, now) -> dict:
+        cap = self._cap(r.cap)
+        return self._issue(self.store.extract(cap.oid, r.ranges).oid, "rw", s, r.persist)
+
+    def op_kv_merge(self, s, r: p.KvMerge, extra, now) -> dict:
+        if not r.caps:
+            raise ProtocolError("EINVAL", "kv_merge needs at least one capability")
+        oids = [self._cap(t).oid for t in r.caps]
+        return self._issue(self.store.merge(oids).oid, "rw", s, r.persist)
+
+    def op_kv_export(self, s, r: p.KvExport, extra, now):
+        cap = self._cap(r.cap)
+        blob = self.store.export(cap.oid)
+        return {"bytes": len(blob), **self._stat(cap.oid)}, [blob]
+
+    def op_kv_import(self, s, r: p.KvImport, extra, now) -> dict:
+        if len(extra) != 1:
+            raise ProtocolError("EINVAL", "kv_import needs exactly one binary frame")
+        obj = self.store.import_(extra[0])
+        return self._issue(obj.oid, "rw", s, r.persist)
+
+    # ------------------------------------------------------------ pred / generate
+
+    def op_pred(self, s: Session, r: p.Pred, extra, now) -> None:
+        cap = self._cap(r.cap, write=True)
+        n = len(r.tokens)
+        self._check_tokens(r.tokens)
+        if r.positions is not None and (len(r.positions) != n or min(r.positions, default=0) < 0):
+            raise ProtocolError("EINVAL", "positions: one non-negative position per token")
+        outputs = [n - 1] if r.outputs is None else r.outputs
+        if any(not -n <= o < n for o in outputs) or (n == 0 and r.outputs not in (None, [0])):
+            raise ProtocolError("EINVAL", f"outputs must index the {n} tokens")
+        outputs = [o % n for o in outputs] if n else [0]
+        if r.topk < 0:
+            raise ProtocolError("EINVAL", "topk must be >= 0")
+        sample = p.SampleParams.from_wire(r.sample)
+        state = CallState(s.identity, r.rid, "pred", list(r.tokens), r.positions, outputs,
+                          sample, sampling.mask_tensor(r.mask, self.vocab), topk=r.topk,
+                          generator=sampling.make_generator(sample), arrival=now)
+        self._submit(s, cap.oid, state, now)
+
+    def op_generate(self, s: Session, r: p.Generate, extra, now) -> None:
+        cap = self._cap(r.cap, write=True)
+        self._check_tokens(r.tokens)
+        if r.max_tokens < 1:
+            raise ProtocolError("EINVAL", "max_tokens must be >= 1")
+        sample = p.SampleParams.from_wire(r.sample)
+        stop = self.tokenizer.eos_ids if r.stop is None else r.stop
+        state = CallState(s.identity, r.rid, "generate", list(r.tokens), None, [],
+                          sample, None, max_tokens=r.max_tokens, stop=frozenset(stop),
+                          stop_text=tuple(r.stop_text), stream=r.stream,
+                          generator=sampling.make_generator(sample), arrival=now)
+        self._submit(s, cap.oid, state, now)
+
+    def _submit(self, s: Session, oid: int, state: CallState, now: float) -> None:
+        if not state.tokens and self.store.get(oid).length == 0:
+            raise ProtocolError("EINVAL", "no tokens and an empty cache: nothing to predict from")
+        call = Call(s.sid, oid, total=max(len(state.tokens), 1),
+                    generating=state.op == "generate", payload=state)
+        self.scheduler.submit(call, now)
+
+    def _admit(self, call: Call) -> bool:
+        """Resolve positions and reserve the call's slots; reply ENOSPC if out of pages."""
+        st: CallState = call.payload
+        obj = self.store.get(call.oid)
+        if not st.tokens:
+            # Re-predict from the cache's last entry: recompute it in place.
+            tokens, positions = self.store.entries(call.oid, obj.length - 1)
+            self.store.truncate(call.oid, obj.length - 1)
+            st.tokens, st.positions = tokens.tolist(), positions.tolist()
+        if st.positions is None:
+            first = self.store.last_position(obj) + 1
+            st.positions = list(range(first, first + len(st.tokens)))
+        st.reused = obj.length
+        st.admitted_at = time.monotonic()
+        try:
+            self.store.reserve(call.oid, len(st.tokens))
+        except ProtocolError as exc:
+            self._error(st.identity, st.rid, exc)
+            return False
+        self.counters.tokens_reused += st.reused
+        self.counters.queue_wait_s += st.admitted_at - st.arrival
+        return True
+
+    def step(self) -> bool:
+        """Run one batch if any call is ready; whether one ran."""
+        plan = self.scheduler.schedule(self._admit)
+        if not plan.items:
+            self.replay_deferred(time.monotonic())
+            return False
+        chunks = []
+        for item in plan.items:
+            st: CallState = item.call.payload
+            tokens, positions, wanted = st.chunk(item.start, item.count)
+            obj = self.store.get(item.call.oid)
+            ctx = self.store.slots(obj, 0, obj.length + item.count)
+            chunks.append(Chunk(tokens, positions, ctx, wanted))
+        started = time.monotonic()
+        results = self.runner.execute(chunks)
+        elapsed = time.monotonic() - started
+        finished: set[int] = set()
+        for item, chunk, logits in zip(plan.items, chunks, results):
+            call, st = item.call, item.call.payload
+            st.step_s += elapsed
+            self.store.commit(call.oid, chunk.tokens, chunk.positions)
+            if len(logits):
+                st.logits.append(logits)
+            if item.completes and self._finish_chunk(call, st):
+                finished.add(call.cid)
+        c = self.counters
+        c.steps += 1
+        c.calls += len(plan.items)
+        c.tokens_computed += plan.num_tokens
+        c.step_s += elapsed
+        self.scheduler.update(plan, finished, time.monotonic(), elapsed)
+        self.replay_deferred(time.monotonic())
+        return True
+
+    def _finish_chunk(self, call: Call, st: CallState) -> bool:
+        """A call's known tokens are computed; reply, or extend a generate. Done?"""
+        obj = self.store.get(call.oid)
+        cost = st.cost(call.total, len(obj.pages))
+        if st.op == "pred":
+            head, frames = st.pred_reply(cost)
+            self.send(st.identity, head, frames)
+            return True
+        token, logprob = st.next_token()
+        st.generated.append(token)
+        st.logprobs.append(logprob)
+        reason = None
+        if token in st.stop:
+            reason = "stop"
+        elif st.stop_text and any(t in self.tokenizer.decode(st.generated) for t in st.stop_text):
+            reason = "stop"
+        elif len(st.generated) >= st.max_tokens:
+            reason = "length"
+        if reason is None:
+            try:
+                self.store.reserve(call.oid, 1)
+            except ProtocolError as exc:
+                reason = exc.code
+        if st.stream:
+            self.send(st.identity, ok_reply(st.rid, more=reason is None, tokens=[token],
+                                            logprobs=[logprob]), [])
+        if reason is None:
+            st.tokens.append(token)
+            st.positions.append(st.positions[-1] + 1)
+            call.total += 1
+            return False
+        final = {"finish_reason": reason, "cost": cost, "more": False,
+                 "tokens": [] if st.stream else st.generated,
+                 "logprobs": [] if st.stream else st.logprobs,
+                 "generated": len(st.generated)}
+        if st.stream:
+            final["final"] = True
+        self.send(st.identity, ok_reply(st.rid, **final), [])
+        return True

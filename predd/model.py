@@ -1,0 +1,148 @@
+"""A Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral) over a flattened batch.
+
+The model is a plain module: tokens of all calls in a step are one flat sequence
+`[T]`; attention is delegated to a backend prepared for the step (which knows where
+every call's entries live in the paged cache). No scheduling, no I/O.
+"""
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from predd.loader import ModelConfig
+
+
+class StepAttention(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> torch.Tensor: ...   # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        # Llama 3.1 frequency-dependent scaling of long wavelengths.
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.shape = (h, kv, d)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                layer: int, attend: StepAttention) -> torch.Tensor:
+        h, kv, d = self.shape
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, h, d)          # q: [T, H, D]
+        k = self.k_proj(x).view(t, kv, d)         # k: [T, Hkv, D]
+        v = self.v_proj(x).view(t, kv, d)
+        q = q * cos + rotate_half(q) * sin        # cos/sin: [T, 1, D]
+        k = k * cos + rotate_half(k) * sin
+        out = attend(layer, q, k, v)              # [T, H, D]
+        return self.o_proj(out.reshape(t, h * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Inner(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    """Names match Hugging Face's LlamaForCausalLM, so its state dict loads as is."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Inner(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.cfg.tie_word_embeddings and "lm_head.weight" not in weights:
+            weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+        missing, unexpected = self.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]           # [T, 1, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attend: StepAttention, out_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; out_rows: [R] rows whose logits are wanted -> [R, V] fp32."""
+        x = self.model.embed_tokens(input_ids)                         # [T, C]
+        cos, sin = self.rope(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, attend)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if out_rows.numel() == 0:
+            return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32)
+        x = self.model.norm(x[out_rows])
+        return self.lm_head(x).float()
