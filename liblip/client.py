@@ -3,8 +3,9 @@
 One I/O thread owns the ZeroMQ DEALER socket. Callers hand it requests through an
 inproc PUSH socket (guarded by a lock) and wait on a per-request queue that the I/O
 thread fills with the replies (several for a stream). The I/O thread also keeps the
-session's lease alive, and fails every waiting call with EIO when predd has been silent
-for `dead_after_s` while calls were outstanding — a LIP never hangs on a dead predd.
+session's lease alive, and fails every waiting call with EIO when predd is unreachable
+(not connected for `dead_after_s`) or hung (connected but silent for `silent_after_s`)
+— a LIP never hangs on a dead predd, and a busy one is not mistaken for dead.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from liblip.protocol import ProtocolError, default_addr, encode_request
 
@@ -31,10 +33,12 @@ _STOP = object()
 
 class Client:
     def __init__(self, addr: str | None = None, lease_s: float = 10.0,
-                 name: str | None = None, dead_after_s: float = 5.0) -> None:
+                 name: str | None = None, dead_after_s: float = 3.0,
+                 silent_after_s: float = 120.0) -> None:
         self.addr = addr or default_addr()
         self.lease_s = lease_s
         self.dead_after_s = dead_after_s
+        self.silent_after_s = silent_after_s
         self._ctx = zmq.Context()
         self._inbox = f"inproc://liblip-{id(self)}"
         self._pull = self._ctx.socket(zmq.PULL)
@@ -127,12 +131,15 @@ class Client:
     def _io(self) -> None:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         dealer.connect(self.addr)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         ping_every = min(self.lease_s / 3, 1.0)
-        last_heard = last_sent = time.monotonic()
+        last_heard = last_sent = down_since = time.monotonic()
+        connected = False
         ping_rid = -1
         while True:
             events = dict(poller.poll(ping_every * 1e3 / 2))
@@ -144,6 +151,8 @@ class Client:
                     except zmq.Again:
                         break
                     if frames == [b""]:
+                        dealer.disable_monitor()
+                        monitor.close(0)
                         dealer.close(0)
                         self._pull.close(0)
                         return
@@ -157,12 +166,24 @@ class Client:
                         break
                     last_heard = now
                     self._deliver(frames)
+            if monitor in events:
+                while True:
+                    try:
+                        event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+                    except zmq.Again:
+                        break
+                    connected = event == zmq.EVENT_CONNECTED
+                    last_heard = down_since = now
             if now - last_sent >= ping_every:
                 dealer.send_multipart([encode_request("ping", ping_rid, {})])
                 last_sent = now
-            if self._waiting and now - last_heard > self.dead_after_s:
+            if not self._waiting:
+                continue
+            if not connected and now - down_since > self.dead_after_s:
+                self._fail_all(LipError("EIO", f"predd at {self.addr} is unreachable"))
+            elif connected and now - last_heard > self.silent_after_s:
                 self._fail_all(LipError("EIO", f"predd at {self.addr} is not answering "
-                                        f"({now - last_heard:.1f}s of silence)"))
+                                        f"({now - last_heard:.0f}s of silence)"))
                 last_heard = now
 
     def _deliver(self, frames: list[bytes]) -> None:

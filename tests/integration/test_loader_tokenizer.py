@@ -36,14 +36,6 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> str:
-    try:
-        return default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def ours(gguf_path):
     messages = []
     config, weights = load_weights(gguf_path, torch.float32, progress=messages.append)
@@ -53,15 +45,6 @@ def ours(gguf_path):
 @pytest.fixture(scope="module")
 def tok(gguf_path):
     return load_tokenizer(gguf_path)
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    transformers = pytest.importorskip("transformers")
-    folder, name = os.path.split(gguf_path)
-    return transformers.LlamaForCausalLM.from_pretrained(
-        folder, gguf_file=name, torch_dtype=torch.float32
-    )
 
 
 @pytest.fixture(scope="module")
