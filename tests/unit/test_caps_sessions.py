@@ -1,0 +1,176 @@
+"""Capabilities (issue, lookup, revoke, sessions, persistence) and session leases."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from liblip.protocol import CAP_HEX_LEN, ProtocolError
+from predd.caps import Capabilities, short
+from predd.sessions import Sessions
+
+
+@pytest.fixture
+def caps():
+    freed: list[int] = []
+    table = Capabilities(freed.append)
+    table.freed = freed
+    return table
+
+
+def code(fn) -> str:
+    with pytest.raises(ProtocolError) as err:
+        fn()
+    return err.value.code
+
+
+# ---------------------------------------------------------------- capabilities
+
+def test_issue_makes_unguessable_distinct_tokens(caps):
+    tokens = {caps.issue(1, "rw", 1).token for _ in range(50)}
+    assert len(tokens) == 50 and len(caps) == 50
+    assert all(re.fullmatch(rf"[0-9a-f]{{{CAP_HEX_LEN}}}", t) for t in tokens)
+
+
+def test_lookup_returns_the_capability(caps):
+    cap = caps.issue(7, "rw", 3)
+    got = caps.lookup(cap.token)
+    assert (got.oid, got.rights, got.session, got.writable) == (7, "rw", 3, True)
+    assert caps.lookup(cap.token, write=True) is got
+
+
+def test_lookup_of_unknown_or_malformed_token_is_ebadf(caps):
+    cap = caps.issue(7, "rw", 3)
+    forged = ("0" * CAP_HEX_LEN, cap.token[:-1] + ("0" if cap.token[-1] != "0" else "1"),
+              "", cap.token.upper(), None, 12345, b"x" * 16, [cap.token])
+    for token in forged:
+        assert code(lambda: caps.lookup(token)) == "EBADF"
+        assert code(lambda: caps.lookup(token, write=True)) == "EBADF"
+
+
+def test_write_through_a_read_only_capability_is_eacces(caps):
+    ro = caps.issue(7, "r", 3)
+    assert not ro.writable
+    assert caps.lookup(ro.token).oid == 7
+    assert code(lambda: caps.lookup(ro.token, write=True)) == "EACCES"
+
+
+def test_the_last_revoke_frees_the_object(caps):
+    a = caps.issue(7, "rw", 1)
+    b = caps.issue(7, "r", 2)
+    c = caps.issue(8, "rw", 1)
+    assert caps.objects() == {7, 8}
+    caps.revoke(a.token)
+    assert caps.freed == [] and caps.objects() == {7, 8}
+    assert code(lambda: caps.lookup(a.token)) == "EBADF"
+    assert caps.lookup(b.token).oid == 7
+    caps.revoke(b.token)
+    assert caps.freed == [7] and caps.objects() == {8}
+    caps.revoke(c.token)
+    assert caps.freed == [7, 8] and caps.objects() == set() and len(caps) == 0
+
+
+def test_revoke_session_revokes_only_that_session(caps):
+    s1a = caps.issue(1, "rw", 1)
+    caps.issue(2, "rw", 1)
+    s2 = caps.issue(1, "r", 2)
+    keep = caps.issue(3, "rw", 2)
+    assert caps.revoke_session(1) == 2
+    assert caps.freed == [2]                 # object 1 lives on through session 2
+    assert code(lambda: caps.lookup(s1a.token)) == "EBADF"
+    assert caps.lookup(s2.token).oid == 1 and caps.lookup(keep.token).oid == 3
+    assert caps.revoke_session(1) == 0
+    assert caps.revoke_session(2) == 2
+    assert sorted(caps.freed) == [1, 2, 3]
+
+
+def test_persistent_capabilities_survive_the_session_that_made_them(caps):
+    named = caps.issue(5, "rw", None)
+    caps.issue(5, "rw", 1)
+    assert caps.revoke_session(1) == 1
+    assert caps.freed == [] and caps.lookup(named.token).oid == 5
+    assert caps.of_session(1) == []
+    caps.revoke(named.token)
+    assert caps.freed == [5]
+
+
+def test_of_session(caps):
+    a = caps.issue(1, "rw", 1)
+    b = caps.issue(2, "r", 1)
+    caps.issue(3, "rw", 2)
+    caps.issue(4, "rw", None)
+    assert [c.token for c in caps.of_session(1)] == [a.token, b.token]
+    assert caps.of_session(9) == []
+
+
+def test_the_free_callback_may_revoke_other_capabilities():
+    """Freeing an object can cascade (the engine cancels calls, kvfsd drops names)."""
+    freed = []
+    table = Capabilities(lambda oid: freed.append(oid))
+    a = table.issue(1, "rw", 1)
+    table.issue(2, "rw", 1)
+    table.revoke(a.token)
+    assert freed == [1] and table.objects() == {2}
+
+
+def test_short_hides_the_secret():
+    token = "0123456789abcdef" * 2
+    assert short(token) == "cap:0123…"
+    assert token not in short(token)
+
+
+# ---------------------------------------------------------------- sessions
+
+def test_touch_opens_a_session_per_identity_and_restarts_its_lease():
+    s = Sessions(default_lease_s=10.0)
+    a = s.touch(b"A", 100.0)
+    b = s.touch(b"B", 101.0)
+    assert (a.sid, b.sid) == (1, 2) and len(s) == 2
+    assert (a.started, a.last_seen, a.lease_s) == (100.0, 100.0, 10.0)
+    assert s.touch(b"A", 105.0) is a
+    assert (a.started, a.last_seen) == (100.0, 105.0)
+    assert s.get(1) is a and s.get(3) is None
+    assert list(s) == [a, b]
+
+
+def test_lease_expires_strictly_after_lease_seconds_of_silence():
+    s = Sessions(default_lease_s=10.0)
+    a = s.touch(b"A", 0.0)
+    assert not a.expired(10.0)
+    assert a.expired(10.5)
+    assert s.expired(10.0) == []
+    assert s.expired(10.5) == [a]
+    s.touch(b"A", 10.25)                      # a late ping still renews
+    assert s.expired(20.25) == [] and s.expired(20.5) == [a]
+
+
+def test_expired_lists_only_silent_sessions_each_with_its_own_lease():
+    s = Sessions(default_lease_s=10.0)
+    a = s.touch(b"A", 0.0)
+    b = s.touch(b"B", 0.0)
+    c = s.touch(b"C", 0.0)
+    b.lease_s = 3.0                           # hello may set a session's lease
+    s.touch(b"C", 8.0)
+    assert s.expired(5.0) == [b]
+    assert s.expired(12.0) == [a, b]
+    assert s.expired(18.5) == [a, b, c]
+
+
+def test_end_forgets_the_session_and_a_new_touch_opens_a_fresh_one():
+    s = Sessions(default_lease_s=10.0)
+    a = s.touch(b"A", 0.0)
+    s.end(a.sid)
+    s.end(a.sid)                              # twice: no-op
+    s.end(999)
+    assert len(s) == 0 and s.get(a.sid) is None and s.expired(100.0) == []
+    again = s.touch(b"A", 1.0)
+    assert again is not a and again.sid == 2
+
+
+def test_iterating_while_ending_sessions():
+    s = Sessions(default_lease_s=1.0)
+    for ident in (b"A", b"B", b"C"):
+        s.touch(ident, 0.0)
+    for session in s:                         # iterates over a copy
+        s.end(session.sid)
+    assert len(s) == 0

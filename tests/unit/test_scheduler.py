@@ -1,0 +1,402 @@
+"""The scheduler as pure bookkeeping: a fake runner loop and exact plans.
+
+A plan is written as [(cid, start, count), ...] in the order the scheduler chose.
+Times are binary fractions so that wait times compare exactly.
+"""
+from __future__ import annotations
+
+import pytest
+
+from predd.scheduler import Call, Plan, PlanItem, Scheduler, SchedulerConfig
+
+
+def make(token_budget=512, max_batch=64, wait_factor=0.5, max_wait_s=0.25) -> Scheduler:
+    return Scheduler(SchedulerConfig(token_budget=token_budget, max_batch=max_batch,
+                                     wait_factor=wait_factor, max_wait_s=max_wait_s))
+
+
+class Runner:
+    """The engine's side of a step: run the plan, grow generate calls, report finished.
+
+    A generate call's payload is how many tokens it may still produce; it finishes
+    when that reaches 0 (the engine grows `total` by one per produced token).
+    """
+
+    def __init__(self, sched: Scheduler, admit=lambda call: True) -> None:
+        self.sched = sched
+        self.admit = admit
+        self.now = 0.0
+
+    def step(self, step_time: float = 0.25) -> list[tuple[int, int, int]]:
+        plan = self.sched.schedule(self.admit)
+        finished = set()
+        for item in plan.items:
+            call = item.call
+            if not item.completes:
+                continue
+            if call.generating and call.payload > 1:
+                call.payload -= 1
+                call.total += 1
+            else:
+                finished.add(call.cid)
+        self.now += step_time
+        self.sched.update(plan, finished, self.now, step_time)
+        return [(i.call.cid, i.start, i.count) for i in plan.items]
+
+    def drain(self, limit: int = 100) -> list[list[tuple[int, int, int]]]:
+        steps = []
+        while self.sched.pending() and len(steps) < limit:
+            steps.append(self.step())
+        return steps
+
+
+def submit(sched, session, oid, total, now=0.0, generate=0) -> Call:
+    return sched.submit(Call(session, oid, total, generating=bool(generate),
+                             payload=generate or None), now)
+
+
+# ---------------------------------------------------------------- records
+
+def test_records():
+    call = Call(1, 7, total=10, computed=4)
+    assert call.remaining == 6
+    item = PlanItem(call, 4, 6)
+    assert item.completes
+    assert not PlanItem(call, 4, 5).completes
+    assert Plan([item, PlanItem(call, 0, 3)]).num_tokens == 9
+    assert Plan().num_tokens == 0
+
+
+def test_submit_numbers_calls_and_tracks_busy_objects():
+    s = make()
+    a = submit(s, 1, 10, 5, now=2.5)
+    b = submit(s, 1, 11, 5)
+    c = submit(s, 2, 10, 5)
+    assert (a.cid, b.cid, c.cid) == (1, 2, 3)
+    assert a.arrival == 2.5
+    assert s.busy(10) and s.busy(11) and not s.busy(12)
+    assert s.pending() == 3
+
+
+# ---------------------------------------------------------------- plans
+
+def test_one_call_under_budget_runs_in_one_step():
+    s = make()
+    submit(s, 1, 10, 100)
+    r = Runner(s)
+    assert r.step() == [(1, 0, 100)]
+    assert s.pending() == 0 and not s.busy(10)
+    assert r.step() == []
+
+
+def test_chunked_prefill_splits_a_long_call():
+    s = make(token_budget=4)
+    call = submit(s, 1, 10, 10)
+    r = Runner(s)
+    assert r.step() == [(1, 0, 4)]
+    assert call.computed == 4 and s.busy(10)
+    assert r.step() == [(1, 4, 4)]
+    assert r.step() == [(1, 8, 2)]
+    assert call.computed == 10 and not s.busy(10)
+
+
+def test_budget_is_shared_and_the_second_call_gets_a_chunk():
+    s = make(token_budget=10)
+    submit(s, 1, 10, 6)
+    submit(s, 1, 11, 6)
+    r = Runner(s)
+    assert r.drain() == [[(1, 0, 6), (2, 0, 4)], [(2, 4, 2)]]
+
+
+def test_max_batch():
+    s = make(max_batch=2)
+    for oid in (10, 11, 12):
+        submit(s, 1, oid, 3)
+    r = Runner(s)
+    assert r.drain() == [[(1, 0, 3), (2, 0, 3)], [(3, 0, 3)]]
+
+
+def test_calls_on_one_object_run_one_at_a_time_in_arrival_order():
+    s = make(token_budget=4)
+    submit(s, 1, 10, 6)
+    submit(s, 2, 10, 1)        # same object, another session, short: still waits
+    submit(s, 1, 10, 2)
+    submit(s, 1, 11, 1)
+    r = Runner(s)
+    assert r.drain() == [
+        [(4, 0, 1), (1, 0, 3)],
+        [(1, 3, 3)],
+        [(2, 0, 1)],
+        [(3, 0, 2)],
+    ]
+
+
+def test_short_calls_go_first():
+    s = make(token_budget=8)
+    submit(s, 1, 10, 10)       # long, first to arrive
+    submit(s, 1, 11, 1)        # decode
+    submit(s, 2, 12, 1)        # decode, other session
+    r = Runner(s)
+    assert r.step() == [(2, 0, 1), (3, 0, 1), (1, 0, 6)]
+    assert r.step() == [(1, 6, 4)]
+
+
+def test_a_nearly_done_chunked_call_counts_as_short():
+    s = make(token_budget=4)
+    submit(s, 1, 10, 5)
+    submit(s, 1, 11, 3)
+    r = Runner(s)
+    # cid 1 runs 4, then has 1 left: it now goes before cid 2's remaining 3.
+    assert r.drain() == [[(1, 0, 4)], [(1, 4, 1), (2, 0, 3)]]
+
+
+def test_round_robin_across_sessions_when_over_budget():
+    s = make(token_budget=4)
+    submit(s, 1, 10, 8)
+    submit(s, 2, 20, 8)
+    r = Runner(s)
+    assert r.drain() == [[(1, 0, 4)], [(2, 0, 4)], [(1, 4, 4)], [(2, 4, 4)]]
+
+
+def test_round_robin_of_decodes_over_budget():
+    s = make(token_budget=2)
+    for session in (1, 2, 3):
+        submit(s, session, 10 * session, 1, generate=3)   # three tokens each
+    r = Runner(s)
+    assert [r.step() for _ in range(3)] == [
+        [(1, 0, 1), (2, 0, 1)],
+        [(2, 1, 1), (3, 0, 1)],
+        [(3, 1, 1), (1, 1, 1)],
+    ]
+
+
+def test_round_robin_puts_each_session_first_in_turn():
+    s = make(token_budget=3)
+    for session in (5, 7, 9):                 # ids need not be contiguous
+        submit(s, session, session, 1, generate=10)
+        submit(s, session, 100 + session, 1, generate=10)
+    r = Runner(s)
+    firsts = [r.step()[0][0] for _ in range(6)]
+    assert firsts == [1, 3, 5, 1, 3, 5]
+
+
+def test_a_session_with_many_objects_does_not_starve_another():
+    s = make(token_budget=2)
+    for oid in range(10, 16):
+        submit(s, 1, oid, 1)                  # six decodes of session 1
+    submit(s, 2, 99, 1)                       # one of session 2, last to arrive
+    r = Runner(s)
+    assert r.step() == [(1, 0, 1), (2, 0, 1)]
+    assert r.step() == [(7, 0, 1), (3, 0, 1)]  # session 2 first on the next step
+
+
+def test_generate_call_grows_and_stays_queued_until_finished():
+    s = make()
+    call = submit(s, 1, 10, 5, generate=3)
+    r = Runner(s)
+    assert r.drain() == [[(1, 0, 5)], [(1, 5, 1)], [(1, 6, 1)]]
+    assert call.total == 7 and call.computed == 7
+    assert s.expected == set()                # a finished generate is not waited for
+
+
+def test_a_caught_up_generate_call_is_not_eligible_and_blocks_its_object():
+    s = make()
+    call = submit(s, 1, 10, 2, generate=5)
+    submit(s, 1, 10, 3)
+    plan = s.schedule()
+    s.update(plan, set(), 1.0, 0.25)          # the engine did not grow it (yet)
+    assert call.remaining == 0
+    assert s.schedule().items == []
+    assert s.wait_time(1.0) is None
+    call.total += 1
+    assert [(i.call.cid, i.start, i.count) for i in s.schedule().items] == [(1, 2, 1)]
+
+
+# ---------------------------------------------------------------- admission
+
+def test_admit_is_asked_once_per_call_before_its_first_chunk():
+    s = make(token_budget=4)
+    asked = []
+    r = Runner(s, admit=lambda call: asked.append(call.cid) or True)
+    submit(s, 1, 10, 10)
+    submit(s, 1, 11, 2)
+    r.drain()
+    assert asked == [1, 2]
+
+
+def test_admit_is_not_asked_past_max_batch_or_budget():
+    s = make(token_budget=3, max_batch=2)
+    asked = []
+    r = Runner(s, admit=lambda call: asked.append(call.cid) or True)
+    for oid in (10, 11, 12, 13):
+        submit(s, 1, oid, 1)
+    assert r.step() == [(1, 0, 1), (2, 0, 1)]
+    assert asked == [1, 2]
+
+
+def test_a_refused_call_leaves_the_queue_and_frees_its_slot():
+    s = make(token_budget=4, max_batch=2)
+    refused = submit(s, 1, 10, 1)
+    submit(s, 1, 10, 2)                       # behind the refused one, same object
+    submit(s, 1, 11, 1)
+    submit(s, 1, 12, 1)
+    r = Runner(s, admit=lambda call: call is not refused)
+    assert r.step() == [(3, 0, 1), (4, 0, 1)]
+    assert s.pending() == 1 and s.busy(10)
+    assert r.step() == [(2, 0, 2)]
+    assert not refused.admitted and s.pending() == 0
+
+
+# ---------------------------------------------------------------- adaptive launch
+
+def test_wait_time_nothing_to_run():
+    s = make()
+    assert s.wait_time(0.0) is None
+
+
+def test_wait_time_launches_at_once_when_nothing_is_expected():
+    s = make()
+    submit(s, 1, 10, 3)
+    assert s.expected == set()
+    assert s.wait_time(0.0) == 0.0
+
+
+def test_wait_for_programs_of_the_last_step_up_to_the_deadline():
+    s = make(wait_factor=0.5, max_wait_s=0.25)
+    submit(s, 1, 10, 3)
+    submit(s, 2, 20, 3)
+    s.update(s.schedule(), {1, 2}, now=2.0, step_time=0.25)
+    assert s.expected == {10, 20}
+    submit(s, 3, 30, 1, now=2.0)              # someone else is ready
+    assert s.wait_time(2.0) == 0.125          # 0.5 * step time
+    assert s.wait_time(2.0625) == 0.0625
+    assert s.wait_time(2.125) == 0.0
+    assert s.wait_time(3.0) == 0.0
+    submit(s, 1, 10, 1, now=2.0625)           # one program answered
+    assert s.expected == {20}
+    assert s.wait_time(2.0625) == 0.0625
+    submit(s, 2, 20, 1, now=2.09375)          # all answered: go
+    assert s.expected == set()
+    assert s.wait_time(2.09375) == 0.0
+
+
+def test_wait_is_capped_by_max_wait():
+    s = make(wait_factor=0.5, max_wait_s=0.25)
+    submit(s, 1, 10, 3)
+    s.update(s.schedule(), {1}, now=5.0, step_time=2.0)
+    submit(s, 2, 20, 1, now=5.0)
+    assert s.wait_time(5.0) == 0.25
+
+
+def test_no_wait_when_a_full_batch_is_waiting():
+    s = make(max_batch=2, token_budget=100)
+    submit(s, 1, 10, 1)
+    s.update(s.schedule(), {1}, now=1.0, step_time=1.0)
+    submit(s, 2, 20, 1)
+    assert s.wait_time(1.0) == 0.25
+    submit(s, 3, 30, 1)
+    assert s.wait_time(1.0) == 0.0            # max_batch heads
+
+
+def test_no_wait_when_the_budget_is_already_full():
+    s = make(token_budget=8)
+    submit(s, 1, 10, 1)
+    s.update(s.schedule(), {1}, now=1.0, step_time=1.0)
+    submit(s, 2, 20, 7)
+    assert s.wait_time(1.0) == 0.25
+    submit(s, 3, 30, 1)
+    assert s.wait_time(1.0) == 0.0            # 8 tokens waiting
+
+
+def test_only_finished_non_generate_calls_without_queued_successors_are_expected():
+    s = make(token_budget=6)
+    submit(s, 1, 10, 2)                       # finishes
+    submit(s, 1, 11, 2)                       # finishes, but its object has a next call
+    submit(s, 1, 11, 2)
+    submit(s, 1, 12, 1, generate=2)           # generate: goes on, then finishes
+    submit(s, 1, 13, 9)                       # chunked, not finished
+    r = Runner(s)
+    r.step()
+    assert s.expected == {10}
+    r.step()                                  # cid 3 finishes; generate finishes
+    assert s.expected == {11}
+
+
+def test_update_records_step_time_and_note_wait_accumulates():
+    s = make()
+    submit(s, 1, 10, 1)
+    s.update(s.schedule(), {1}, now=4.0, step_time=0.5)
+    assert (s.last_step_end, s.last_step_time) == (4.0, 0.5)
+    s.note_wait(0.25)
+    s.note_wait(0.125)
+    assert s.waited_s == 0.375
+
+
+# ---------------------------------------------------------------- cancel
+
+def test_cancel_drops_matching_calls_and_their_expectation():
+    s = make()
+    submit(s, 1, 10, 1)
+    s.update(s.schedule(), {1}, now=1.0, step_time=1.0)
+    assert s.expected == {10}
+    a = submit(s, 1, 11, 4)
+    b = submit(s, 2, 20, 4)
+    c = submit(s, 1, 11, 4)
+    s.expected.add(11)                        # as if 11 had been expected too
+    dropped = s.cancel(lambda call: call.session == 1)
+    assert dropped == [a, c]
+    assert not s.busy(11) and s.busy(20) and s.pending() == 1
+    assert s.expected == {10}
+    assert [(i.call.cid, i.start, i.count) for i in s.schedule().items] == [(b.cid, 0, 4)]
+    assert s.cancel(lambda call: False) == []
+
+
+def test_cancel_in_the_middle_of_a_chunked_call():
+    s = make(token_budget=4)
+    submit(s, 1, 10, 10)
+    submit(s, 2, 20, 2)
+    r = Runner(s)
+    r.step()
+    s.cancel(lambda call: call.oid == 10)
+    assert r.drain() == [[(2, 0, 2)]]
+
+
+def test_forget_stops_waiting_for_an_object():
+    s = make()
+    submit(s, 1, 10, 1)
+    s.update(s.schedule(), {1}, now=1.0, step_time=1.0)
+    submit(s, 2, 20, 1)
+    assert s.wait_time(1.0) == 0.25
+    s.forget(10)
+    s.forget(99)
+    assert s.wait_time(1.0) == 0.0
+
+
+def test_remove_is_idempotent():
+    s = make()
+    a = submit(s, 1, 10, 1)
+    s.remove(a)
+    s.remove(a)
+    assert s.pending() == 0 and not s.busy(10)
+
+
+@pytest.mark.parametrize("budget,batch", [(1, 1), (3, 2), (7, 64), (64, 3)])
+def test_every_token_of_every_call_is_computed_exactly_once(budget, batch):
+    s = make(token_budget=budget, max_batch=batch)
+    calls = [submit(s, session, oid, total, generate=gen)
+             for session, oid, total, gen in [
+                 (1, 10, 9, 0), (1, 10, 2, 0), (2, 20, 1, 4), (2, 21, 13, 0),
+                 (3, 30, 5, 2), (3, 10, 3, 0), (4, 40, 1, 0)]]
+    want = {c.cid: c.total + max(c.payload or 1, 1) - 1 for c in calls}
+    seen: dict[int, list[int]] = {c.cid: [] for c in calls}
+    r = Runner(s)
+    for plan in r.drain():
+        assert sum(count for _, _, count in plan) <= budget
+        assert len(plan) <= batch
+        assert len({c for c, _, _ in plan}) == len(plan)
+        for cid, start, count in plan:
+            assert start == len(seen[cid])
+            seen[cid].extend(range(start, start + count))
+    assert {cid: len(toks) for cid, toks in seen.items()} == want
+    assert s.pending() == 0
+
