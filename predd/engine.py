@@ -325,10 +325,15 @@ class Engine:
         self._check_tokens(r.tokens)
         if r.positions is not None and (len(r.positions) != n or min(r.positions, default=0) < 0):
             raise ProtocolError("EINVAL", "positions: one non-negative position per token")
-        outputs = [n - 1] if r.outputs is None else r.outputs
-        if any(not -n <= o < n for o in outputs) or (n == 0 and r.outputs not in (None, [0])):
-            raise ProtocolError("EINVAL", f"outputs must index the {n} tokens")
-        outputs = [o % n for o in outputs] if n else [0]
+        if n == 0:   # re-predict from the last entry: it becomes the one token
+            if r.outputs not in (None, [0], [-1]):
+                raise ProtocolError("EINVAL", "with no tokens only output 0 exists")
+            outputs = [0]
+        else:
+            outputs = [n - 1] if r.outputs is None else r.outputs
+            if any(not -n <= o < n for o in outputs):
+                raise ProtocolError("EINVAL", f"outputs must index the {n} tokens")
+            outputs = [o % n for o in outputs]
         if r.topk < 0:
             raise ProtocolError("EINVAL", "topk must be >= 0")
         sample = p.SampleParams.from_wire(r.sample)
