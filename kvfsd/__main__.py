@@ -1,0 +1,131 @@
+"""`kvfsd`: mount predd's KV caches as files.
+
+    kvfsd [MOUNTPOINT] [--predd ADDR] [--state DIR] [--allow-other | --no-allow-other]
+
+Mounts with default_permissions (the kernel enforces modes) and, by default,
+allow_other; prints `ready MOUNTPOINT` on stdout once mounted; logs go to stderr.
+SIGTERM/SIGINT unmount cleanly.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import signal
+import subprocess
+import sys
+
+import pyfuse3
+import trio
+
+from kvfsd.backend import Backend
+from kvfsd.fs import KvFs
+from kvfsd.namespace import Namespace
+from kvfsd.state import StateDir, StateDirBusy, default_state_dir
+from liblip.protocol import default_addr, default_mount
+
+
+def log(msg: str) -> None:
+    print(f"kvfsd: {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="kvfsd", description=__doc__.split("\n\n")[0])
+    ap.add_argument("mountpoint", nargs="?", default=None,
+                    help="where to mount (default $KVFS_MOUNT or /mnt/kvfs)")
+    ap.add_argument("--predd", help="predd endpoint (default $PREDD_ADDR or "
+                    "ipc://$SYMPHONY_RUNDIR/predd.sock)")
+    ap.add_argument("--state", help="state directory: namespace and fsync'd snapshots "
+                    f"(default {default_state_dir()})")
+    ap.add_argument("--allow-other", action=argparse.BooleanOptionalAction, default=True,
+                    help="let other users use the mount; modes still apply (default on)")
+    return ap.parse_args(argv)
+
+
+def clear_dead_mount(mountpoint: str) -> None:
+    """A kvfsd killed with SIGKILL leaves an unreachable mount (ENOTCONN): detach it."""
+    try:
+        os.stat(mountpoint)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            log(f"{mountpoint}: detaching the dead mount of an earlier kvfsd")
+            subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False)
+
+
+def load_namespace(state: StateDir) -> tuple[Namespace, list[str]]:
+    doc = state.load()
+    if doc is None:
+        return Namespace(os.getuid(), os.getgid()), []
+    return Namespace.from_dict(doc), list(doc.get("pending_free", []))
+
+
+async def serve(fs: KvFs, mountpoint: str) -> None:
+    async with trio.open_nursery() as nursery:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            nursery.start_soon(pyfuse3.main)
+            nursery.start_soon(fs.monitor)
+            print(f"ready {mountpoint}", flush=True)
+            async for signum in sigs:
+                log(f"{signal.Signals(signum).name}: unmounting")
+                break
+            nursery.cancel_scope.cancel()
+
+
+async def prepare(fs: KvFs) -> None:
+    """Connect to predd and re-validate the caches of the state directory."""
+    await fs.predd.start()
+    if await fs.predd.poll():
+        await fs.revalidate(None, "start")
+    else:
+        log(f"predd at {fs.predd.addr} is not answering yet; caches are checked "
+            "when it does")
+
+
+async def finish(fs: KvFs) -> None:
+    with trio.move_on_after(10):
+        await fs.release_all()
+    fs.save(durable=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    mountpoint = os.path.abspath(args.mountpoint or default_mount())
+    addr = args.predd or default_addr()
+    try:
+        state = StateDir(args.state or default_state_dir())
+    except (StateDirBusy, OSError) as exc:
+        log(str(exc))
+        return 2
+    try:
+        ns, pending = load_namespace(state)
+    except (ValueError, KeyError, TypeError) as exc:
+        log(f"{state.path}: unreadable namespace ({exc}); not mounting")
+        return 2
+    backend = Backend(addr, log)
+    fs = KvFs(ns, state, backend, log, pending)
+    trio.run(prepare, fs)
+    clear_dead_mount(mountpoint)
+    options = {"fsname=kvfs", "subtype=kvfs", "default_permissions"}
+    if args.allow_other:
+        options.add("allow_other")
+    try:
+        pyfuse3.init(fs, mountpoint, options)
+    except RuntimeError as exc:
+        log(f"cannot mount {mountpoint}: {exc}")
+        backend.close()
+        return 1
+    log(f"mounted {mountpoint} (predd {addr}, state {state.path}, "
+        f"{sum(1 for _ in ns.files())} caches)")
+    try:
+        trio.run(serve, fs, mountpoint)
+    finally:
+        pyfuse3.close(unmount=True)
+        trio.run(finish, fs)
+        backend.close()
+        state.close()
+        log("unmounted")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

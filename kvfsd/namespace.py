@@ -1,0 +1,479 @@
+"""The file-system namespace: inodes, names, directories, owners, modes, times, xattrs.
+
+Pure bookkeeping — no FUSE, no predd, no I/O — so it is unit-tested on its own. Errors
+are `OSError(errno)`; the FUSE layer turns them into replies.
+
+Lifetime rules (POSIX):
+* A file node's `nlink` counts its names; a directory's is 2 + its subdirectories.
+* A file's KV cache (`cap`, a persistent predd capability) is freed by the FUSE layer
+  when the last name *and* the last open are gone (`cache_unreferenced`).
+* The node itself is dropped when, in addition, the kernel no longer knows it
+  (`lookups == 0`, `collectable`); until then `getattr` on it still answers.
+* `lookups` and `opens` are runtime state: they are never persisted. Only linked nodes
+  (reachable from the root) are written to the state directory.
+"""
+from __future__ import annotations
+
+import base64
+import errno
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+ROOT = 1
+NAME_MAX = 255
+ROOT_MODE = stat.S_IFDIR | 0o1777
+FORMAT = 1
+
+# Read-only xattrs computed from predd's kv_stat (files only), and settable policy ones.
+COMPUTED_XATTRS = (b"user.kv.tokens", b"user.kv.bytes", b"user.kv.pages",
+                   b"user.kv.model", b"user.kv.tier")
+POLICY_XATTRS = (b"user.kv.pin", b"user.kv.ttl")
+XATTR_SIZE_MAX = 64 * 1024
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+def _err(code: int, what: str = "") -> OSError:
+    return OSError(code, f"{errno.errorcode[code]}{': ' if what else ''}{what}")
+
+
+@dataclass
+class Node:
+    ino: int
+    mode: int                  # st_mode, type bits included
+    uid: int
+    gid: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    nlink: int = 0
+    xattrs: dict[bytes, bytes] = field(default_factory=dict)
+    # directories
+    entries: dict[bytes, int] | None = None     # name -> inode
+    order: dict[bytes, int] | None = None       # name -> readdir position (stable)
+    next_pos: int = 3                           # 1 and 2 are "." and ".."
+    parent: int = ROOT
+    # symbolic links
+    target: bytes = b""
+    # cache files: predd's view, as last seen
+    cap: str | None = None     # persistent capability; a secret, never logged
+    tokens: int = 0
+    pages: int = 0
+    bytes: int = 0
+    snapshot: str | None = None   # file name of the last fsync'd snapshot in the state dir
+    # runtime only
+    lookups: int = 0
+    opens: int = 0
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_file(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def is_symlink(self) -> bool:
+        return stat.S_ISLNK(self.mode)
+
+    def touch(self, *, mtime: bool = True) -> None:
+        t = now_ns()
+        self.ctime_ns = t
+        if mtime:
+            self.mtime_ns = t
+
+
+class Namespace:
+    def __init__(self, root_uid: int = 0, root_gid: int = 0) -> None:
+        t = now_ns()
+        root = Node(ROOT, ROOT_MODE, root_uid, root_gid, t, t, t, nlink=2,
+                    entries={}, order={}, parent=ROOT)
+        self.nodes: dict[int, Node] = {ROOT: root}
+        self.next_ino = ROOT + 1
+
+    # ------------------------------------------------------------ lookups
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def get(self, ino: int) -> Node:
+        node = self.nodes.get(ino)
+        if node is None:
+            raise _err(errno.ENOENT, f"inode {ino}")
+        return node
+
+    def dir(self, ino: int) -> Node:
+        node = self.get(ino)
+        if not node.is_dir:
+            raise _err(errno.ENOTDIR)
+        return node
+
+    def lookup(self, parent: int, name: bytes) -> Node:
+        d = self.dir(parent)
+        if name == b".":
+            return d
+        if name == b"..":
+            return self.get(d.parent)
+        ino = d.entries.get(name)
+        if ino is None:
+            raise _err(errno.ENOENT, _show(name))
+        return self.nodes[ino]
+
+    def listdir(self, ino: int, after: int = 0) -> list[tuple[int, bytes, Node]]:
+        """(position, name, node) of the entries past `after`, in a stable order, with
+        "." and ".." at positions 1 and 2."""
+        d = self.dir(ino)
+        rows = [(1, b".", d), (2, b"..", self.get(d.parent))]
+        rows += sorted(((d.order[n], n, self.nodes[i]) for n, i in d.entries.items()),
+                       key=lambda row: row[0])
+        return [row for row in rows if row[0] > after]
+
+    def files(self) -> Iterator[Node]:
+        """Linked cache files."""
+        return (n for n in list(self.nodes.values()) if n.is_file and n.nlink > 0)
+
+    def names_of(self, ino: int) -> list[tuple[int, bytes]]:
+        """(directory, name) pairs under which `ino` is linked."""
+        return [(d.ino, name) for d in self.nodes.values() if d.is_dir
+                for name, i in d.entries.items() if i == ino]
+
+    def path_of(self, ino: int) -> str:
+        """One path of a node, for log lines ("/a/b.kv"; "?" if unlinked)."""
+        if ino == ROOT:
+            return "/"
+        names = self.names_of(ino)
+        if not names:
+            return "?"
+        parent, name = names[0]
+        head = "" if parent == ROOT else self.path_of(parent)
+        return f"{head}/{_show(name)}"
+
+    # ------------------------------------------------------------ creating
+
+    def _check_new(self, d: Node, name: bytes) -> None:
+        if not name or b"/" in name or name in (b".", b".."):
+            raise _err(errno.EINVAL, "bad name")
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG)
+        if name in d.entries:
+            raise _err(errno.EEXIST, _show(name))
+
+    def check_new(self, parent: int, name: bytes) -> None:
+        self._check_new(self.dir(parent), name)
+
+    def _insert(self, d: Node, name: bytes, node: Node) -> None:
+        d.entries[name] = node.ino
+        d.order[name] = d.next_pos
+        d.next_pos += 1
+        d.touch()
+
+    def add(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+            target: bytes = b"") -> Node:
+        """A new file, directory or symlink `name` in `parent` (mode includes the type)."""
+        d = self.dir(parent)
+        self._check_new(d, name)
+        kind = stat.S_IFMT(mode)
+        if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
+            raise _err(errno.EPERM, "only files, directories and symlinks")
+        perm = 0o777 if kind == stat.S_IFLNK else mode & 0o7777
+        if d.mode & stat.S_ISGID:   # BSD group semantics of a setgid directory
+            gid = d.gid
+            if kind == stat.S_IFDIR:
+                perm |= stat.S_ISGID
+        t = now_ns()
+        node = Node(self.next_ino, kind | perm, uid, gid, t, t, t, nlink=1, target=target)
+        self.next_ino += 1
+        if kind == stat.S_IFDIR:
+            node.nlink, node.entries, node.order, node.parent = 2, {}, {}, d.ino
+            d.nlink += 1
+        self.nodes[node.ino] = node
+        self._insert(d, name, node)
+        return node
+
+    def link(self, ino: int, parent: int, name: bytes) -> Node:
+        node = self.get(ino)
+        if node.is_dir:
+            raise _err(errno.EPERM, "hard link to a directory")
+        if node.nlink == 0:
+            raise _err(errno.ENOENT, "file was removed")
+        d = self.dir(parent)
+        self._check_new(d, name)
+        self._insert(d, name, node)
+        node.nlink += 1
+        node.touch(mtime=False)
+        return node
+
+    # ------------------------------------------------------------ removing
+
+    def _detach(self, d: Node, name: bytes) -> Node:
+        node = self.nodes[d.entries.pop(name)]
+        del d.order[name]
+        d.touch()
+        if node.is_dir:
+            node.nlink = 0
+            d.nlink -= 1
+        else:
+            node.nlink -= 1
+        node.touch(mtime=False)
+        return node
+
+    def unlink(self, parent: int, name: bytes) -> Node:
+        node = self.lookup(parent, name)
+        if name in (b".", b".."):
+            raise _err(errno.EINVAL)
+        if node.is_dir:
+            raise _err(errno.EISDIR)
+        return self._detach(self.dir(parent), name)
+
+    def rmdir(self, parent: int, name: bytes) -> Node:
+        if name == b".":
+            raise _err(errno.EINVAL)
+        if name == b"..":
+            raise _err(errno.ENOTEMPTY)
+        node = self.lookup(parent, name)
+        if not node.is_dir:
+            raise _err(errno.ENOTDIR)
+        if node.entries:
+            raise _err(errno.ENOTEMPTY)
+        return self._detach(self.dir(parent), name)
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               noreplace: bool = False, exchange: bool = False) -> Node | None:
+        """Move a name; returns the node a replaced `new_name` pointed to (now with one
+        name fewer), else None."""
+        src_dir, dst_dir = self.dir(old_parent), self.dir(new_parent)
+        if old_name in (b".", b"..") or new_name in (b".", b".."):
+            raise _err(errno.EBUSY)
+        node = self.lookup(old_parent, old_name)
+        if len(new_name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG)
+        if node.is_dir and self._is_within(dst_dir.ino, node.ino):
+            raise _err(errno.EINVAL, "a directory cannot move into itself")
+        other_ino = dst_dir.entries.get(new_name)
+        other = self.nodes[other_ino] if other_ino is not None else None
+        if exchange:
+            if other is None:
+                raise _err(errno.ENOENT, _show(new_name))
+            if other.is_dir and self._is_within(src_dir.ino, other.ino):
+                raise _err(errno.EINVAL, "a directory cannot move into itself")
+            src_dir.entries[old_name], dst_dir.entries[new_name] = other.ino, node.ino
+            for n, d in ((node, dst_dir), (other, src_dir)):
+                if n.is_dir and n.parent != d.ino:
+                    self.nodes[n.parent].nlink -= 1
+                    d.nlink += 1
+                    n.parent = d.ino
+                n.touch(mtime=False)
+            src_dir.touch()
+            dst_dir.touch()
+            return None
+        if other is not None:
+            if other.ino == node.ino:
+                return None          # two links to one file: POSIX says do nothing
+            if noreplace:
+                raise _err(errno.EEXIST, _show(new_name))
+            if node.is_dir and not other.is_dir:
+                raise _err(errno.ENOTDIR)
+            if not node.is_dir and other.is_dir:
+                raise _err(errno.EISDIR)
+            if other.is_dir and other.entries:
+                raise _err(errno.ENOTEMPTY)
+            self._detach(dst_dir, new_name)
+        del src_dir.entries[old_name], src_dir.order[old_name]
+        self._insert(dst_dir, new_name, node)
+        if node.is_dir and src_dir is not dst_dir:
+            src_dir.nlink -= 1
+            dst_dir.nlink += 1
+            node.parent = dst_dir.ino
+        src_dir.touch()
+        dst_dir.touch()
+        node.touch(mtime=False)
+        return other
+
+    def _is_within(self, ino: int, ancestor: int) -> bool:
+        """Whether directory `ino` is `ancestor` or below it."""
+        while True:
+            if ino == ancestor:
+                return True
+            if ino == ROOT:
+                return False
+            ino = self.nodes[ino].parent
+
+    def drop_names(self, ino: int) -> list[tuple[int, bytes]]:
+        """Remove every name of a file (its cache is gone); the removed names."""
+        names = self.names_of(ino)
+        for parent, name in names:
+            self._detach(self.nodes[parent], name)
+        return names
+
+    # ------------------------------------------------------------ kernel references
+
+    def forget(self, ino: int, n: int) -> Node | None:
+        node = self.nodes.get(ino)
+        if node is not None:
+            node.lookups = max(0, node.lookups - n)
+        return node
+
+    @staticmethod
+    def cache_unreferenced(node: Node) -> bool:
+        """The cache may be freed: no name and no open left."""
+        return node.is_file and node.nlink == 0 and node.opens == 0
+
+    def collect(self, node: Node) -> bool:
+        """Drop a node nobody can reach any more; whether it was dropped."""
+        if node.ino != ROOT and node.nlink == 0 and node.opens == 0 and node.lookups == 0 \
+                and node.cap is None:
+            self.nodes.pop(node.ino, None)
+            return True
+        return False
+
+    # ------------------------------------------------------------ attributes
+
+    def chmod(self, node: Node, mode: int) -> None:
+        node.mode = stat.S_IFMT(node.mode) | (mode & 0o7777)
+        node.touch(mtime=False)
+
+    def chown(self, node: Node, uid: int | None, gid: int | None) -> None:
+        if uid is not None:
+            node.uid = uid
+        if gid is not None:
+            node.gid = gid
+        node.touch(mtime=False)
+
+    # ------------------------------------------------------------ xattrs
+
+    def getxattr(self, node: Node, name: bytes) -> bytes:
+        value = node.xattrs.get(name)
+        if value is None:
+            raise _err(errno.ENODATA, _show(name))
+        return value
+
+    def setxattr(self, node: Node, name: bytes, value: bytes) -> None:
+        check_xattr(name, value)
+        node.xattrs[name] = bytes(value)
+        node.touch(mtime=False)
+
+    def removexattr(self, node: Node, name: bytes) -> None:
+        if name in COMPUTED_XATTRS:
+            raise _err(errno.EPERM, f"{_show(name)} is read-only")
+        if name not in node.xattrs:
+            raise _err(errno.ENODATA, _show(name))
+        del node.xattrs[name]
+        node.touch(mtime=False)
+
+    # ------------------------------------------------------------ persistence
+
+    def to_dict(self) -> dict:
+        """The linked part of the namespace as JSON-able data (capabilities included:
+        the caller writes it where only root can read)."""
+        reachable = self._reachable()
+        return {"format": FORMAT, "next_ino": self.next_ino,
+                "nodes": [_node_to_dict(self.nodes[i]) for i in sorted(reachable)]}
+
+    def _reachable(self) -> set[int]:
+        seen, todo = {ROOT}, [ROOT]
+        while todo:
+            for ino in self.nodes[todo.pop()].entries.values():
+                if ino not in seen:
+                    seen.add(ino)
+                    if self.nodes[ino].is_dir:
+                        todo.append(ino)
+        return seen
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> Namespace:
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"unknown namespace format {doc.get('format')!r}")
+        ns = cls()
+        ns.nodes = {}
+        for raw in doc["nodes"]:
+            node = _node_from_dict(raw)
+            ns.nodes[node.ino] = node
+        if ROOT not in ns.nodes:
+            raise ValueError("namespace has no root")
+        ns.next_ino = max(int(doc["next_ino"]), max(ns.nodes) + 1)
+        # nlink and readdir order are derived, not trusted from the file.
+        for node in ns.nodes.values():
+            if not node.is_dir:
+                node.nlink = 0
+        for d in ns.nodes.values():
+            if d.is_dir:
+                d.nlink = 2
+                d.order = {name: pos for pos, name in enumerate(d.entries, start=3)}
+                d.next_pos = len(d.entries) + 3
+        for d in list(ns.nodes.values()):
+            if not d.is_dir:
+                continue
+            for name, ino in list(d.entries.items()):
+                child = ns.nodes.get(ino)
+                if child is None:
+                    del d.entries[name], d.order[name]
+                elif child.is_dir:
+                    child.parent = d.ino
+                    d.nlink += 1
+                else:
+                    child.nlink += 1
+        return ns
+
+
+def check_xattr(name: bytes, value: bytes) -> None:
+    """Whether `name` may be set to `value` on a cache file (OSError if not)."""
+    if not name.startswith(b"user."):
+        raise _err(errno.EOPNOTSUPP, "only user.* attributes")
+    if name in COMPUTED_XATTRS:
+        raise _err(errno.EPERM, f"{_show(name)} is read-only")
+    if len(value) > XATTR_SIZE_MAX:
+        raise _err(errno.E2BIG)
+    if name == b"user.kv.pin" and value.strip() not in (b"0", b"1"):
+        raise _err(errno.EINVAL, "user.kv.pin is 0 or 1")
+    if name == b"user.kv.ttl":
+        text = value.strip()
+        if not text.isdigit():
+            raise _err(errno.EINVAL, "user.kv.ttl is a whole number of seconds")
+
+
+def _show(name: bytes) -> str:
+    return name.decode("utf-8", "backslashreplace")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _node_to_dict(n: Node) -> dict:
+    out = {"ino": n.ino, "mode": n.mode, "uid": n.uid, "gid": n.gid,
+           "atime_ns": n.atime_ns, "mtime_ns": n.mtime_ns, "ctime_ns": n.ctime_ns}
+    if n.xattrs:
+        out["xattrs"] = {_b64(k): _b64(v) for k, v in n.xattrs.items()}
+    if n.is_dir:
+        out["entries"] = [[_b64(name), ino] for name, ino in
+                          sorted(n.entries.items(), key=lambda kv: n.order[kv[0]])]
+    elif n.is_symlink:
+        out["target"] = _b64(n.target)
+    else:
+        out.update(cap=n.cap, tokens=n.tokens, pages=n.pages, bytes=n.bytes,
+                   snapshot=n.snapshot)
+    return out
+
+
+def _node_from_dict(raw: dict) -> Node:
+    node = Node(int(raw["ino"]), int(raw["mode"]), int(raw["uid"]), int(raw["gid"]),
+                int(raw["atime_ns"]), int(raw["mtime_ns"]), int(raw["ctime_ns"]))
+    node.xattrs = {base64.b64decode(k): base64.b64decode(v)
+                   for k, v in raw.get("xattrs", {}).items()}
+    if node.is_dir:
+        node.entries = {base64.b64decode(name): int(ino) for name, ino in raw["entries"]}
+        node.order = {}
+    elif node.is_symlink:
+        node.target = base64.b64decode(raw.get("target", ""))
+    else:
+        node.cap = raw.get("cap")
+        node.tokens = int(raw.get("tokens", 0))
+        node.pages = int(raw.get("pages", 0))
+        node.bytes = int(raw.get("bytes", 0))
+        node.snapshot = raw.get("snapshot")
+    return node

@@ -1,0 +1,209 @@
+"""Mount helpers for the kvfs tests: start kvfsd on a fresh mount point, and make sure no
+test — passing, failing or interrupted — ever leaves a mount behind.
+
+Mount points live directly under /tmp (mode 0755), not under pytest's 0700 tmp_path, so
+that a second uid can reach them and a "Permission denied" comes from the file's mode.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def is_mounted(mount: str) -> bool:
+    mount = os.path.abspath(mount)
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 1 and fields[1].replace("\\040", " ") == mount:
+                return True
+    return False
+
+
+def force_unmount(mount: str) -> None:
+    if is_mounted(mount):
+        subprocess.run(["fusermount3", "-u", "-z", mount], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def make_mountpoint() -> str:
+    mount = tempfile.mkdtemp(prefix="kvfs-mnt-", dir="/tmp")
+    os.chmod(mount, 0o755)
+    return mount
+
+
+@dataclass
+class Kvfs:
+    """A running kvfsd: its mount point, state directory, predd address and log."""
+    mount: str
+    state: str
+    addr: str
+    log: str
+    args: tuple[str, ...] = ()
+    proc: subprocess.Popen | None = None
+    env: dict = field(default_factory=dict)
+
+    def path(self, *names: str) -> str:
+        return os.path.join(self.mount, *names)
+
+    def start(self, timeout: float = 30.0) -> Kvfs:
+        force_unmount(self.mount)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfsd", self.mount, "--predd", self.addr,
+             "--state", self.state, *self.args],
+            stdout=subprocess.PIPE, stderr=open(self.log, "ab"), text=True, cwd=ROOT,
+            env={**os.environ, **self.env})
+        deadline = time.monotonic() + timeout
+        line = ""
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("ready ") or self.proc.poll() is not None:
+                break
+        if not line.startswith("ready "):
+            self.stop()
+            raise RuntimeError(f"kvfsd did not become ready: {self.log_text()[-2000:]}")
+        assert line.split()[1] == self.mount
+        return self
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM, wait, SIGKILL if need be; the mount is gone afterwards in every case."""
+        code = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            code = self.proc.returncode
+            self.proc.stdout.close()
+        force_unmount(self.mount)
+        return code
+
+    def restart(self) -> Kvfs:
+        code = self.stop()
+        assert code == 0, f"kvfsd exited {code}: {self.log_text()[-2000:]}"
+        assert not is_mounted(self.mount)
+        return self.start()
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def clear(self) -> None:
+        """Remove every file so the caches go back to predd's pool."""
+        if self.proc is None or self.proc.poll() is not None or not is_mounted(self.mount):
+            return
+        for name in os.listdir(self.mount):
+            path = os.path.join(self.mount, name)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
+def start_kvfsd(addr: str, state: str, *args: str, mount: str | None = None,
+                env: dict | None = None) -> Kvfs:
+    mount = mount or make_mountpoint()
+    os.makedirs(os.path.dirname(state) or ".", exist_ok=True)
+    kvfs = Kvfs(mount, state, addr, f"{state}.log", args, env=env or {})
+    return kvfs.start()
+
+
+def finish(kvfs: Kvfs, clear: bool = True) -> int | None:
+    """Teardown: free the caches (unless told not to), unmount, remove the mount point."""
+    try:
+        if clear:
+            kvfs.clear()
+    finally:
+        code = kvfs.stop()
+        try:
+            os.rmdir(kvfs.mount)
+        except OSError:
+            pass
+    return code
+
+
+@pytest.fixture
+def kvfs(predd, lip, tmp_path, monkeypatch):
+    """kvfsd on a fresh mount over the shared predd; $KVFS_MOUNT points at it."""
+    k = start_kvfsd(predd.addr, str(tmp_path / "state"))
+    monkeypatch.setenv("KVFS_MOUNT", k.mount)
+    try:
+        yield k
+    finally:
+        code = finish(k)
+    assert code == 0, f"kvfsd exited {code}: {k.log_text()[-2000:]}"
+
+
+# ---------------------------------------------------------------- small helpers
+
+def sh(cmd: str, cwd: str | None = None, user: str | None = None,
+       timeout: float = 30.0) -> subprocess.CompletedProcess:
+    """Run a shell command line (as `user` via runuser when given)."""
+    argv = ["bash", "-c", cmd]
+    if user:
+        argv = ["runuser", "-u", user, "--", *argv]
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def xattr_int(path: str, name: str) -> int:
+    return int(os.getxattr(path, f"user.kv.{name}"))
+
+
+def eventually(predicate, timeout: float = 5.0, interval: float = 0.02):
+    """Poll until `predicate()` is truthy (FUSE releases arrive after close returns)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def fill(lip, path: str, tokens: list[int]) -> None:
+    """Append tokens to the cache file `path` in place (a read-write open)."""
+    kv = lip.kv_open(path, write=True)
+    try:
+        lip.prefill(kv, tokens)
+    finally:
+        lip.kv_close(kv)
+
+
+def tiled_export(blob: bytes, times: int) -> bytes:
+    """A predd export whose entries are `blob`'s repeated `times` times, at positions
+    0..n-1: a long cache without the minutes a CPU takes to prefill one. Knows the
+    export layout of predd/kvstore.py (magic, u32 header length, msgpack, raw K/V)."""
+    import msgpack
+    import numpy as np
+    magic = b"SYKV1\n"
+    assert blob.startswith(magic)
+    (head_len,) = struct.unpack_from("<I", blob, len(magic))
+    at = len(magic) + 4
+    meta = msgpack.unpackb(blob[at:at + head_len])
+    kv = np.frombuffer(blob, dtype=np.dtype(meta["numpy_dtype"]), offset=at + head_len)
+    kv = kv.reshape(meta["shape"])
+    tiled = np.ascontiguousarray(np.concatenate([kv] * times, axis=2))
+    n = meta["length"] * times
+    meta.update(length=n, shape=list(tiled.shape), tokens=meta["tokens"] * times,
+                positions=list(range(n)))
+    head = msgpack.packb(meta)
+    return magic + struct.pack("<I", len(head)) + head + tiled.tobytes()

@@ -1,0 +1,188 @@
+"""kvfsd.namespace without FUSE or predd: names, links, renames, modes, xattrs, and the
+round trip through the state file."""
+import errno
+import json
+import stat
+
+import pytest
+
+from kvfsd.namespace import ROOT, Namespace, check_xattr
+
+FILE = stat.S_IFREG | 0o644
+DIR = stat.S_IFDIR | 0o755
+
+
+def err(fn, *args, **kwargs) -> int:
+    with pytest.raises(OSError) as e:
+        fn(*args, **kwargs)
+    return e.value.errno
+
+
+@pytest.fixture
+def ns():
+    return Namespace()
+
+
+def test_root_is_sticky_and_world_writable(ns):
+    root = ns.get(ROOT)
+    assert stat.S_ISDIR(root.mode) and stat.S_IMODE(root.mode) == 0o1777
+    assert root.nlink == 2
+    assert ns.lookup(ROOT, b".") is root and ns.lookup(ROOT, b"..") is root
+
+
+def test_add_lookup_and_errors(ns):
+    a = ns.add(ROOT, b"a.kv", FILE, 1000, 100)
+    assert ns.lookup(ROOT, b"a.kv") is a
+    assert (a.uid, a.gid, a.nlink, stat.S_IMODE(a.mode)) == (1000, 100, 1, 0o644)
+    assert err(ns.add, ROOT, b"a.kv", FILE, 0, 0) == errno.EEXIST
+    assert err(ns.add, ROOT, b"x" * 256, FILE, 0, 0) == errno.ENAMETOOLONG
+    assert err(ns.lookup, ROOT, b"missing") == errno.ENOENT
+    assert err(ns.lookup, a.ino, b"x") == errno.ENOTDIR
+    assert err(ns.add, ROOT, b"dev", stat.S_IFCHR | 0o600, 0, 0) == errno.EPERM
+
+
+def test_directories_count_links_and_refuse_nonempty_rmdir(ns):
+    d = ns.add(ROOT, b"d", DIR, 0, 0)
+    e = ns.add(d.ino, b"e", DIR, 0, 0)
+    assert ns.get(ROOT).nlink == 3 and d.nlink == 3 and e.nlink == 2
+    assert ns.lookup(e.ino, b"..") is d
+    assert err(ns.rmdir, ROOT, b"d") == errno.ENOTEMPTY
+    assert err(ns.unlink, ROOT, b"d") == errno.EISDIR
+    ns.rmdir(d.ino, b"e")
+    assert d.nlink == 2 and e.nlink == 0
+    ns.add(ROOT, b"f", FILE, 0, 0)
+    assert err(ns.rmdir, ROOT, b"f") == errno.ENOTDIR
+
+
+def test_setgid_directory_passes_its_group_down(ns):
+    d = ns.add(ROOT, b"shared", stat.S_IFDIR | 0o2775, 0, 50)
+    f = ns.add(d.ino, b"a.kv", FILE, 1000, 100)
+    sub = ns.add(d.ino, b"sub", DIR, 1000, 100)
+    assert f.gid == 50 and sub.gid == 50 and sub.mode & stat.S_ISGID
+
+
+def test_hard_links_and_unlink(ns):
+    a = ns.add(ROOT, b"a.kv", FILE, 0, 0)
+    d = ns.add(ROOT, b"d", DIR, 0, 0)
+    ns.link(a.ino, d.ino, b"b.kv")
+    assert a.nlink == 2 and ns.lookup(d.ino, b"b.kv") is a
+    assert sorted(ns.names_of(a.ino)) == [(ROOT, b"a.kv"), (d.ino, b"b.kv")]
+    assert err(ns.link, d.ino, ROOT, b"d2") == errno.EPERM
+    assert ns.unlink(ROOT, b"a.kv") is a and a.nlink == 1
+    assert not Namespace.cache_unreferenced(a)
+    ns.unlink(d.ino, b"b.kv")
+    assert a.nlink == 0 and Namespace.cache_unreferenced(a)
+    assert err(ns.link, a.ino, ROOT, b"again") == errno.ENOENT
+
+
+def test_open_file_keeps_cache_and_kernel_reference_keeps_node(ns):
+    a = ns.add(ROOT, b"a.kv", FILE, 0, 0)
+    a.cap, a.opens, a.lookups = "c" * 32, 1, 1
+    ns.unlink(ROOT, b"a.kv")
+    assert not Namespace.cache_unreferenced(a)       # still open
+    a.opens = 0
+    assert Namespace.cache_unreferenced(a)
+    assert not ns.collect(a)                          # cache not freed yet
+    a.cap = None
+    assert not ns.collect(a)                          # the kernel still knows it
+    ns.forget(a.ino, 1)
+    assert ns.collect(a) and a.ino not in ns.nodes
+
+
+def test_rename_rules(ns):
+    a = ns.add(ROOT, b"a.kv", FILE, 0, 0)
+    b = ns.add(ROOT, b"b.kv", FILE, 0, 0)
+    d = ns.add(ROOT, b"d", DIR, 0, 0)
+    sub = ns.add(d.ino, b"sub", DIR, 0, 0)
+    assert err(ns.rename, ROOT, b"a.kv", ROOT, b"b.kv", noreplace=True) == errno.EEXIST
+    displaced = ns.rename(ROOT, b"a.kv", ROOT, b"b.kv")
+    assert displaced is b and b.nlink == 0 and ns.lookup(ROOT, b"b.kv") is a
+    assert err(ns.rename, ROOT, b"d", d.ino, b"x") == errno.EINVAL      # into itself
+    assert err(ns.rename, ROOT, b"d", sub.ino, b"x") == errno.EINVAL
+    assert err(ns.rename, ROOT, b"b.kv", ROOT, b"d") == errno.EISDIR
+    assert err(ns.rename, ROOT, b"d", ROOT, b"b.kv") == errno.ENOTDIR
+    ns.add(ROOT, b"e", DIR, 0, 0)
+    assert err(ns.rename, ROOT, b"e", ROOT, b"d") == errno.ENOTEMPTY
+    ns.rename(d.ino, b"sub", ROOT, b"top")
+    assert sub.parent == ROOT and d.nlink == 2 and ns.get(ROOT).nlink == 5
+    assert ns.lookup(sub.ino, b"..").ino == ROOT
+
+
+def test_rename_of_two_links_to_one_file_does_nothing(ns):
+    a = ns.add(ROOT, b"a.kv", FILE, 0, 0)
+    ns.link(a.ino, ROOT, b"b.kv")
+    assert ns.rename(ROOT, b"a.kv", ROOT, b"b.kv") is None
+    assert a.nlink == 2 and ns.lookup(ROOT, b"a.kv") is a
+
+
+def test_rename_exchange(ns):
+    a = ns.add(ROOT, b"a.kv", FILE, 0, 0)
+    d = ns.add(ROOT, b"d", DIR, 0, 0)
+    b = ns.add(d.ino, b"b.kv", FILE, 0, 0)
+    assert ns.rename(ROOT, b"a.kv", d.ino, b"b.kv", exchange=True) is None
+    assert ns.lookup(ROOT, b"a.kv") is b and ns.lookup(d.ino, b"b.kv") is a
+    assert err(ns.rename, ROOT, b"a.kv", ROOT, b"nope", exchange=True) == errno.ENOENT
+
+
+def test_listdir_positions_survive_changes(ns):
+    for name in (b"a", b"b", b"c"):
+        ns.add(ROOT, name, FILE, 0, 0)
+    rows = ns.listdir(ROOT)
+    assert [r[1] for r in rows] == [b".", b"..", b"a", b"b", b"c"]
+    after_a = rows[2][0]
+    ns.unlink(ROOT, b"a")
+    ns.add(ROOT, b"d", FILE, 0, 0)
+    assert [r[1] for r in ns.listdir(ROOT, after_a)] == [b"b", b"c", b"d"]
+
+
+def test_modes_owners_and_times(ns):
+    a = ns.add(ROOT, b"a.kv", FILE, 0, 0)
+    before = a.ctime_ns
+    ns.chmod(a, 0o600)
+    ns.chown(a, 65534, None)
+    assert stat.S_ISREG(a.mode) and stat.S_IMODE(a.mode) == 0o600
+    assert (a.uid, a.gid) == (65534, 0) and a.ctime_ns >= before
+
+
+def test_xattr_rules(ns):
+    a = ns.add(ROOT, b"a.kv", FILE, 0, 0)
+    ns.setxattr(a, b"user.kv.pin", b"1")
+    ns.setxattr(a, b"user.kv.ttl", b"3600")
+    ns.setxattr(a, b"user.note", b"\x00binary\xff")
+    assert ns.getxattr(a, b"user.kv.pin") == b"1"
+    assert ns.getxattr(a, b"user.note") == b"\x00binary\xff"
+    assert err(ns.setxattr, a, b"user.kv.tokens", b"5") == errno.EPERM
+    assert err(ns.removexattr, a, b"user.kv.model") == errno.EPERM
+    assert err(ns.setxattr, a, b"user.kv.pin", b"yes") == errno.EINVAL
+    assert err(ns.setxattr, a, b"user.kv.ttl", b"-1") == errno.EINVAL
+    assert err(ns.setxattr, a, b"trusted.x", b"1") == errno.EOPNOTSUPP
+    assert err(ns.getxattr, a, b"user.absent") == errno.ENODATA
+    ns.removexattr(a, b"user.note")
+    assert err(ns.removexattr, a, b"user.note") == errno.ENODATA
+    check_xattr(b"user.kv.ttl", b"0")
+
+
+def test_persistence_round_trip(ns):
+    d = ns.add(ROOT, b"d", DIR, 1000, 1000)
+    a = ns.add(d.ino, b"a.kv", FILE, 1000, 1000)
+    a.cap, a.tokens, a.pages, a.bytes, a.snapshot = "ab" * 16, 20, 2, 4096, "5.kvx"
+    ns.link(a.ino, ROOT, "ü b.kv".encode() + b"\xff")
+    ns.add(ROOT, b"link", stat.S_IFLNK | 0o777, 0, 0, target=b"d/a.kv")
+    ns.setxattr(a, b"user.kv.pin", b"1")
+    gone = ns.add(ROOT, b"gone.kv", FILE, 0, 0)
+    ns.unlink(ROOT, b"gone.kv")
+    doc = json.loads(json.dumps(ns.to_dict()))
+    back = Namespace.from_dict(doc)
+    assert gone.ino not in back.nodes
+    a2 = back.lookup(back.lookup(ROOT, b"d").ino, b"a.kv")
+    assert back.lookup(ROOT, "ü b.kv".encode() + b"\xff") is a2
+    assert (a2.ino, a2.nlink, a2.cap, a2.tokens, a2.pages, a2.bytes, a2.snapshot) == \
+        (a.ino, 2, a.cap, 20, 2, 4096, "5.kvx")
+    assert (a2.uid, a2.mode, a2.mtime_ns) == (1000, a.mode, a.mtime_ns)
+    assert a2.xattrs == {b"user.kv.pin": b"1"}
+    assert back.lookup(ROOT, b"link").target == b"d/a.kv"
+    assert back.get(ROOT).nlink == 3 and back.lookup(ROOT, b"d").nlink == 2
+    assert back.next_ino == ns.next_ino
+    assert back.path_of(a2.ino) in ("/d/a.kv", "/ü b.kv\\xff")
+    with pytest.raises(ValueError):
+        Namespace.from_dict({"format": 99})
