@@ -10,6 +10,7 @@ This module is pure Python (no torch, no zmq) so any process may import it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -231,8 +232,10 @@ class SampleParams:
             if not _is_instance(value, kind):
                 raise ProtocolError("EINVAL", f"sample.{key}: expected {kind.__name__}")
         params = cls(**raw)
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
-            raise ProtocolError("EINVAL", "sample: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        if (not math.isfinite(params.temperature) or params.temperature < 0
+                or not 0 < params.top_p <= 1 or params.top_k < 0):
+            raise ProtocolError("EINVAL", "sample: need a finite temperature >= 0, "
+                                "0 < top_p <= 1, top_k >= 0")
         return params
 
 

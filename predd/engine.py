@@ -8,6 +8,7 @@ deferred requests, is deferred and replayed when the object's calls are done.
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from predd.sessions import Session, Sessions
 from predd.tokenizer import Tokenizer
 
 Send = Callable[[bytes, dict, list[bytes]], None]
+MAX_POSITION = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,8 @@ class Engine:
     # ------------------------------------------------------------ sessions
 
     def op_hello(self, s: Session, r: p.Hello, extra, now) -> dict:
-        if r.lease_s <= 0:
-            raise ProtocolError("EINVAL", "lease_s must be positive")
+        if not 0 < r.lease_s < 1e6:
+            raise ProtocolError("EINVAL", "lease_s must be a positive number of seconds")
         s.client, s.pid, s.uid, s.lease_s = r.client, r.pid, r.uid, r.lease_s
         return {"session": s.sid, "version": p.PROTOCOL_VERSION, "lease_s": s.lease_s,
                 "model": self.runner.cfg.name}
@@ -323,8 +325,9 @@ class Engine:
         cap = self._cap(r.cap, write=True)
         n = len(r.tokens)
         self._check_tokens(r.tokens)
-        if r.positions is not None and (len(r.positions) != n or min(r.positions, default=0) < 0):
-            raise ProtocolError("EINVAL", "positions: one non-negative position per token")
+        if r.positions is not None and (len(r.positions) != n or any(
+                not 0 <= q < MAX_POSITION for q in r.positions)):
+            raise ProtocolError("EINVAL", f"positions: one per token, in [0, {MAX_POSITION})")
         if n == 0:   # re-predict from the last entry: it becomes the one token
             if r.outputs not in (None, [0], [-1]):
                 raise ProtocolError("EINVAL", "with no tokens only output 0 exists")
@@ -391,6 +394,19 @@ class Engine:
         if not plan.items:
             self.replay_deferred(time.monotonic())
             return False
+        try:
+            self._run(plan)
+        except Exception as exc:   # a bug in one step must not take the daemon down
+            self.log(f"step failed: {traceback.format_exc()}")
+            for item in plan.items:
+                call, st = item.call, item.call.payload
+                self.scheduler.remove(call)
+                self.store.release_reservation(call.oid)
+                self._error(st.identity, st.rid, ProtocolError("EIO", f"step failed: {exc}"))
+        self.replay_deferred(time.monotonic())
+        return True
+
+    def _run(self, plan) -> None:
         chunks = []
         for item in plan.items:
             st: CallState = item.call.payload
@@ -416,8 +432,6 @@ class Engine:
         c.tokens_computed += plan.num_tokens
         c.step_s += elapsed
         self.scheduler.update(plan, finished, time.monotonic(), elapsed)
-        self.replay_deferred(time.monotonic())
-        return True
 
     def _finish_chunk(self, call: Call, st: CallState) -> bool:
         """A call's known tokens are computed; reply, or extend a generate. Done?"""

@@ -2,6 +2,7 @@
 
 Logprobs reported are those of the model's distribution after the mask, at
 temperature 1, whatever temperature the token was sampled at (as vLLM reports them).
+A temperature below MIN_TEMPERATURE samples greedily.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import numpy as np
 import torch
 
 from liblip.protocol import ProtocolError, SampleParams
+
+MIN_TEMPERATURE = 1e-4   # below this, sampling is greedy (logits / T would overflow)
 
 
 def mask_tensor(mask: list[int] | bytes | None, vocab: int) -> torch.Tensor | None:
@@ -21,9 +24,9 @@ def mask_tensor(mask: list[int] | bytes | None, vocab: int) -> torch.Tensor | No
         bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab]
         allowed = torch.from_numpy(bits.astype(bool))
     else:
-        ids = np.asarray(mask, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        if any(not 0 <= i < vocab for i in mask):
             raise ProtocolError("EINVAL", f"mask: token ids must be in [0, {vocab})")
+        ids = np.asarray(mask, dtype=np.int64)
         allowed = torch.zeros(vocab, dtype=torch.bool)
         allowed[torch.from_numpy(ids)] = True
     if not allowed.any():
@@ -49,7 +52,7 @@ def sample(logits: torch.Tensor, params: SampleParams, gen: torch.Generator | No
            ) -> tuple[int, float]:
     """One token from `logits` [V] (already masked) and its logprob."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    if params.temperature == 0:
+    if params.temperature < MIN_TEMPERATURE:
         token = int(torch.argmax(logits))
         return token, float(logprobs[token])
     scaled = logits / params.temperature
@@ -60,6 +63,7 @@ def sample(logits: torch.Tensor, params: SampleParams, gen: torch.Generator | No
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         drop = sorted_p.cumsum(0) - sorted_p >= params.top_p
+        drop[0] = False   # the most likely token always stays
         sorted_p[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     token = int(torch.multinomial(probs, 1, generator=gen))

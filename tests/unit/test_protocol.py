@@ -254,9 +254,6 @@ def test_bad_sample_params_are_einval(raw):
     assert code(lambda: SampleParams.from_wire(raw)) == "EINVAL"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: from_wire accepts temperature NaN/inf; "
-                   "sampling then raises RuntimeError inside engine.step() (uncaught: "
-                   "predd exits)")
 @pytest.mark.parametrize("temperature", [math.nan, math.inf])
 def test_non_finite_temperature_is_einval(temperature):
     assert code(lambda: SampleParams.from_wire({"temperature": temperature})) == "EINVAL"
