@@ -102,6 +102,9 @@ class KvFs(pyfuse3.Operations):
         self.handles: dict[int, Handle] = {}
         self._fhs = itertools.count(1)
         self._locks: defaultdict[int, trio.Lock] = defaultdict(trio.Lock)
+        # Read-only grants of released opens, kept until the file's last open is
+        # released: the kernel's page cache may have served them to those opens.
+        self._lingering: defaultdict[int, list[str]] = defaultdict(list)
         self._revalidating = trio.Lock()
         self.generation = 0              # completed re-validations
         self.pending_free: list[str] = list(pending_free or [])
@@ -497,7 +500,18 @@ class KvFs(pyfuse3.Operations):
         return handle
 
     async def read(self, fh, off, size):
-        return self._handle(fh).data[off:off + size]
+        handle = self._handle(fh)
+        if handle.node.opens > 1:
+            # This read may be filling the page cache (splice, mmap): drop it once the
+            # reply is in, so a concurrent open is less likely to be served from it.
+            trio.lowlevel.spawn_system_task(self._invalidate, handle.node.ino)
+        return handle.data[off:off + size]
+
+    async def _invalidate(self, ino: int) -> None:
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
+        except Exception:   # the kernel may have forgotten the inode: nothing to drop
+            pass
 
     async def write(self, fh, off, buf):
         handle = self._handle(fh)
@@ -548,6 +562,7 @@ class KvFs(pyfuse3.Operations):
                                                   persist=True)
                 except PreddError as exc:
                     if exc.code in BAD_DESCRIPTOR:
+                        self.log(f"{self.ns.path_of(node.ino)}: descriptor refused: {exc}")
                         raise pyfuse3.FUSEError(errno.EINVAL) from None
                     raise fuse_error(exc) from None
                 old, node.cap = node.cap, reply["cap"]
@@ -579,11 +594,17 @@ class KvFs(pyfuse3.Operations):
                 except pyfuse3.FUSEError as exc:
                     self.log(f"{self.ns.path_of(node.ino)}: write at release failed "
                              f"({errno.errorcode.get(exc.errno, exc.errno)})")
-            for cap in (handle.cap, handle.backup):
-                if cap is not None:
-                    await self._free_cap(cap)
+            if handle.cap is not None and not handle.writable and node.opens > 1:
+                self._lingering[node.ino].append(handle.cap)
+            elif handle.cap is not None:
+                await self._free_cap(handle.cap)
+            if handle.backup is not None:
+                await self._free_cap(handle.backup)
         finally:
             node.opens -= 1
+            if node.opens == 0:
+                for cap in self._lingering.pop(node.ino, []):
+                    await self._free_cap(cap)
             await self._maybe_free(node)
 
     async def fsync(self, fh, datasync):
@@ -669,15 +690,18 @@ class KvFs(pyfuse3.Operations):
 
     async def release_all(self) -> None:
         """At unmount: revoke every open's grant (the kernel sends no release then)."""
+        lingering = [cap for caps in self._lingering.values() for cap in caps]
+        self._lingering.clear()
         for fh in list(self.handles):
             handle = self.handles.pop(fh)
             handle.node.opens -= 1
-            for cap in (handle.cap, handle.backup):
-                if cap is not None:
-                    try:
-                        await self.predd.call("kv_free", cap=cap, timeout=2.0)
-                    except PreddError:
-                        pass
+            lingering += [handle.cap, handle.backup]
+        for cap in lingering:
+            if cap is not None:
+                try:
+                    await self.predd.call("kv_free", cap=cap, timeout=2.0)
+                except PreddError:
+                    pass
         for node in list(self.ns.nodes.values()):
             if node.ino != ROOT:
                 node.lookups = 0

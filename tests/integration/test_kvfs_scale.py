@@ -1,0 +1,89 @@
+"""Many users at once: 100 concurrent `cp` forks and `rm`s, and 10 LIP processes decoding
+from forks of one prefix file."""
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.conftest import ROOT
+from tests.integration.kvfs_fixtures import eventually, fill, kvfs, sh, xattr_int  # noqa: F401
+
+PROMPT = ("You are a helpful assistant. Answer briefly.\n"
+          "Question: What is the capital of France?\nAnswer:")
+DECODE = 8
+
+
+def test_100_parallel_forks_then_100_removals(kvfs, lip):
+    m = kvfs.mount
+    sh("touch base.kv", cwd=m)
+    caps0 = lip.stats()["capabilities"]
+    fill(lip, f"{m}/base.kv", lip.tokenize(PROMPT)[:20])
+    assert eventually(lambda: lip.stats()["capabilities"] == caps0)
+    start = lip.stats()
+    with ThreadPoolExecutor(max_workers=100) as pool:
+        results = list(pool.map(lambda i: sh(f"cp base.kv f{i}.kv", cwd=m), range(100)))
+    assert [r.returncode for r in results] == [0] * 100, [r.stderr for r in results][:3]
+    assert len(os.listdir(m)) == 101
+    assert {xattr_int(f"{m}/f{i}.kv", "tokens") for i in range(100)} == {20}
+    assert lip.stats()["pages_free"] == start["pages_free"]      # forks share every page
+    assert eventually(lambda: lip.stats()["objects"] == start["objects"] + 100)
+    with ThreadPoolExecutor(max_workers=100) as pool:
+        results = list(pool.map(lambda i: sh(f"rm f{i}.kv", cwd=m), range(100)))
+    assert [r.returncode for r in results] == [0] * 100
+    assert os.listdir(m) == ["base.kv"]
+    assert eventually(lambda: lip.stats()["objects"] == start["objects"])
+    end = lip.stats()
+    assert end["pages_free"] == start["pages_free"]
+    assert end["capabilities"] == start["capabilities"]
+    report = lip.fsck()
+    assert report["clean"], report["problems"]
+
+
+LIP = textwrap.dedent("""
+    import sys
+    import liblip as lip
+    prefix = lip.kv_open(sys.argv[1])           # a permission-checked open of the file
+    kv = lip.kv_fork(prefix)
+    lip.kv_close(prefix)
+    token, out = int(sys.argv[2]), []
+    for _ in range(int(sys.argv[3])):
+        token = lip.pred(kv, [token]).argmax()
+        out.append(token)
+    lip.kv_save(kv, sys.argv[4])                # publish the answer as a file (a fork)
+    lip.kv_free(kv)
+    print(" ".join(map(str, out)))
+""")
+
+
+def test_10_lips_decode_in_parallel_from_one_prefix_file(kvfs, lip, tmp_path):
+    m = kvfs.mount
+    prompt = lip.tokenize(PROMPT)
+    sh("touch prefix.kv", cwd=m)
+    fill(lip, f"{m}/prefix.kv", prompt[:-1])
+    # The reference: one fork, decoded alone.
+    with lip.kv_open(f"{m}/prefix.kv") as prefix:
+        ref_kv = lip.kv_fork(prefix)
+    token, expected = prompt[-1], []
+    for _ in range(DECODE):
+        token = lip.pred(ref_kv, [token]).argmax()
+        expected.append(token)
+    lip.kv_free(ref_kv)
+
+    script = tmp_path / "decode.py"
+    script.write_text(LIP)
+    env = {**os.environ, "PREDD_ADDR": kvfs.addr, "KVFS_MOUNT": m, "PYTHONPATH": ROOT}
+    computed0 = lip.stats()["tokens_computed"]
+    procs = [subprocess.Popen([sys.executable, str(script), "prefix.kv", str(prompt[-1]),
+                               str(DECODE), f"answer{i}.kv"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(10)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 10, [e for _, e in outs][:2]
+    for out, _ in outs:
+        assert [int(t) for t in out.split()] == expected
+    for i in range(10):
+        assert xattr_int(f"{m}/answer{i}.kv", "tokens") == len(prompt) - 1 + DECODE
+    # Only the new tokens were computed: the prefix was shared, never recomputed.
+    assert lip.stats()["tokens_computed"] - computed0 == 10 * DECODE
+    print(f"\n10 LIPs x {DECODE} tokens, mean batch {lip.stats()['mean_batch']}")
