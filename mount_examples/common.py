@@ -1,0 +1,99 @@
+"""Small helpers the example LIPs share: chat prompts, a greedy pred loop, streaming
+text to the user, and the `--report FILE` JSON that tests and benchmarks read.
+
+Only liblip is imported: an example is an ordinary process that needs no torch.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+import liblip as lip
+
+GREEDY = {"temperature": 0.0}   # server-side argmax: one int back, not 200 KB of logits
+
+
+def chat(user: str, system: str | None = None) -> list[int]:
+    """Tokens of a one-turn chat prompt, ending where the assistant's reply starts."""
+    messages = ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": "user", "content": user}]
+    return lip.chat_template(messages)
+
+
+def system_prefix(system: str) -> list[int]:
+    """Tokens of the system turn alone: the shared prefix of every `chat(q, system)`."""
+    return lip.chat_template([{"role": "system", "content": system}],
+                             add_generation_prompt=False)
+
+
+_info: dict = {}
+
+
+def info() -> dict:
+    """`lip.info()`, asked once per process."""
+    if not _info:
+        _info.update(lip.info())
+    return _info
+
+
+def eos_ids() -> set[int]:
+    return set(info()["eos_ids"])
+
+
+def greedy(kv: lip.KV, tokens: Sequence[int], max_tokens: int,
+           sample: dict | None = None) -> tuple[list[int], list[dict]]:
+    """A pred loop: append `tokens`, then pick and feed one token at a time until EOS or
+    `max_tokens`. Returns the tokens (a final EOS included) and each call's cost. The
+    cache ends as `lip.generate` leaves it: every token but the last one is fed."""
+    stop = eos_ids()
+    out: list[int] = []
+    costs: list[dict] = []
+    pending = list(tokens)
+    while len(out) < max_tokens:
+        s = lip.pred(kv, pending, sample=sample or GREEDY)
+        costs.append(s.cost)
+        out.append(s.token)
+        if s.token in stop:
+            break
+        pending = [s.token]
+    return out, costs
+
+
+def strip_eos(tokens: Sequence[int]) -> list[int]:
+    return list(tokens[:-1]) if tokens and tokens[-1] in eos_ids() else list(tokens)
+
+
+class TextStream:
+    """Print tokens to the user as they come, holding back an incomplete UTF-8 character
+    (a byte-level token can end mid-character)."""
+
+    def __init__(self, out=None) -> None:
+        self.tokens: list[int] = []
+        self.shown = ""
+        self.out = out
+
+    def feed(self, token: int) -> None:
+        self.tokens.append(token)
+        text = lip.detokenize(self.tokens, skip_special=True)
+        if not text.endswith("\ufffd"):
+            self._write(text[len(self.shown):])
+            self.shown = text
+
+    def _write(self, text: str) -> None:
+        if self.out is None:
+            lip.send_to_user(text)
+        else:
+            self.out.write(text)
+
+
+def write_report(path: str | None, report: dict) -> None:
+    """The facts a run measured, as JSON (for tests and benchmarks)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def fail(message: str) -> None:
+    print(f"{sys.argv[0]}: {message}", file=sys.stderr)
+    sys.exit(1)

