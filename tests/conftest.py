@@ -32,6 +32,12 @@ class Daemon:
         return self.proc.returncode
 
 
+def die_with_parent() -> None:
+    """preexec_fn: the daemon gets SIGTERM if the test process dies (no orphans)."""
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
 def start_predd(rundir: str, *args: str, env: dict | None = None,
                 timeout: float = 120.0) -> Daemon:
     """Start `python -m predd` and wait for its `ready <addr>` line."""
@@ -40,7 +46,7 @@ def start_predd(rundir: str, *args: str, env: dict | None = None,
     proc = subprocess.Popen(
         [sys.executable, "-m", "predd", "--rundir", rundir, *args],
         stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True, cwd=ROOT,
-        env={**os.environ, **(env or {})})
+        env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
     deadline = time.monotonic() + timeout
     line = proc.stdout.readline()
     while not line.startswith("ready ") and time.monotonic() < deadline:
