@@ -74,11 +74,12 @@ async def serve(fs: KvFs, mountpoint: str) -> None:
 async def prepare(fs: KvFs) -> None:
     """Connect to predd and re-validate the caches of the state directory."""
     await fs.predd.start()
-    if await fs.predd.poll():
-        await fs.revalidate(None, "start")
-    else:
+    fs.stale = True
+    await fs.check_predd()
+    if fs.stale:
         log(f"predd at {fs.predd.addr} is not answering yet; caches are checked "
             "when it does")
+    fs.remove_unused_snapshots()
 
 
 async def finish(fs: KvFs) -> None:

@@ -107,13 +107,18 @@ class KvFs(pyfuse3.Operations):
         self._lingering: defaultdict[int, list[str]] = defaultdict(list)
         self._revalidating = trio.Lock()
         self.generation = 0              # completed re-validations
+        self.stale = False               # predd restarted and caches are not re-validated
         self.pending_free: list[str] = list(pending_free or [])
 
     # ------------------------------------------------------------ persistence
 
     def save(self, durable: bool = False) -> None:
         doc = self.ns.to_dict()
-        doc["pending_free"] = self.pending_free
+        # Caches of removed-but-open files are freed at release; should kvfsd die first,
+        # the next one frees them.
+        orphans = [n.cap for n in self.ns.nodes.values()
+                   if n.is_file and n.nlink == 0 and n.cap is not None]
+        doc["pending_free"] = self.pending_free + orphans
         self.state.save(doc, durable)
 
     # ------------------------------------------------------------ attributes
@@ -287,13 +292,27 @@ class KvFs(pyfuse3.Operations):
             if trio.current_time() >= next_poll:
                 next_poll = trio.current_time() + self.predd.t.poll_s
                 try:
-                    if await self.predd.poll():
-                        await self.revalidate(None, "predd (re)started")
-                    elif self.pending_free and self.predd.up:
-                        await self.revalidate(None)
+                    await self.check_predd()
                 except Exception as exc:   # never let the monitor die
                     self.log(f"monitor: {type(exc).__name__}: {exc}")
             await trio.sleep(self.predd.t.probe_s)
+
+    async def check_predd(self) -> None:
+        """Poll predd; re-validate after a restart (until one succeeds); retry frees."""
+        first = self.predd.instance is None
+        why = ""
+        if await self.predd.poll():
+            self.stale = True
+            why = "first contact with predd" if first else "predd restarted"
+        if self.predd.up and (self.stale or self.pending_free):
+            if await self.revalidate(None, why if self.stale else ""):
+                self.stale = False
+
+    def remove_unused_snapshots(self) -> None:
+        """Snapshots no inode refers to (a kvfsd that died mid-way left them)."""
+        used = {n.snapshot for n in self.ns.nodes.values() if n.snapshot}
+        for name in self.state.snapshot_names() - used:
+            self.state.remove_snapshot(name)
 
     # ------------------------------------------------------------ lookups
 
@@ -488,6 +507,8 @@ class KvFs(pyfuse3.Operations):
                 header.get("model", "")).encode()
             self._seen(node, header)
         if handle.writable and flags & os.O_TRUNC:
+            if not self.predd.up:   # fail here, where the shell reports it
+                raise pyfuse3.FUSEError(errno.EIO)
             handle.truncate = True
         self.handles[handle.fh] = handle
         node.opens += 1
@@ -572,12 +593,12 @@ class KvFs(pyfuse3.Operations):
                 if old is not None:
                     await self._free_cap(old)
             elif handle.truncate:
-                handle.truncate = False
                 # Keep an O(1) fork of the cache until release, in case garbage follows.
                 if handle.backup is None:
                     header, _ = await self._on_cache(node, "kv_fork", rights="rw", persist=True)
                     handle.backup = header["cap"]
                 header, _ = await self._on_cache(node, "kv_truncate", length=0)
+                handle.truncate = False
                 self._seen(node, header)
                 node.touch()
                 self.save()

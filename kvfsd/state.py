@@ -82,7 +82,8 @@ class StateDir:
             pass
 
     def snapshot_names(self) -> set[str]:
-        return {n for n in os.listdir(os.path.join(self.path, SNAPSHOTS)) if n.endswith(".kvx")}
+        """Every file in the snapshot directory (temporaries of a crashed write too)."""
+        return set(os.listdir(os.path.join(self.path, SNAPSHOTS)))
 
     # ------------------------------------------------------------ atomic write
 

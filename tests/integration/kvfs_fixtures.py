@@ -57,8 +57,9 @@ class Kvfs:
     def path(self, *names: str) -> str:
         return os.path.join(self.mount, *names)
 
-    def start(self, timeout: float = 30.0) -> Kvfs:
-        force_unmount(self.mount)
+    def start(self, timeout: float = 30.0, clear_stale: bool = True) -> Kvfs:
+        if clear_stale:
+            force_unmount(self.mount)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfsd", self.mount, "--predd", self.addr,
              "--state", self.state, *self.args],

@@ -1,0 +1,205 @@
+"""Restarts and failures: kvfsd restarted alone loses nothing; both daemons restarted
+bring back every fsync'd cache bit-exactly; predd killed under a live mount gives EIO
+within a second or so, and the mount recovers when predd returns at the same address;
+kvfsd stopped by a signal never leaves a dead mount."""
+import errno
+import os
+import signal
+import stat
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import start_predd
+from tests.integration.kvfs_fixtures import (eventually, fill, finish, is_mounted,  # noqa: F401
+                                             kvfs, sh, start_kvfsd, xattr_int)
+
+PRIVATE_PREDD = ("--kv-pages", "128", "--max-step-tokens", "256", "--lease", "3")
+PROMPT = "Persistence test: the quick brown fox jumps over the lazy dog, twice over."
+
+
+@pytest.fixture
+def private(tmp_path):
+    """Own predd instances (restartable at one address) for tests that kill or stop
+    predd, and the kvfsd over them; everything is stopped at the end."""
+    import liblip
+
+    class Private:
+        rundir = str(tmp_path / "run")
+        state = str(tmp_path / "state")
+        predd = None
+        kvfs = None
+
+        def start_predd(self):
+            self.predd = start_predd(self.rundir, *PRIVATE_PREDD)
+            liblip.connect(self.predd.addr, dead_after_s=60)
+            return self.predd
+
+    p = Private()
+    try:
+        yield p
+    finally:
+        if p.kvfs is not None:
+            finish(p.kvfs, clear=p.predd is not None and p.predd.proc.poll() is None)
+        if p.predd is not None:
+            p.predd.stop()
+        liblip.client().close()
+
+
+def pred_logits(lip, path: str, token: int) -> np.ndarray:
+    with lip.kv_open(path) as kv:
+        fork = lip.kv_fork(kv)
+    logits = lip.pred(fork, [token]).logits.copy()
+    lip.kv_free(fork)
+    return logits
+
+
+def test_kvfsd_restart_alone_loses_nothing(kvfs, lip):
+    m = kvfs.mount
+    setup = ("mkdir -p d/e && touch d/a.kv && ln d/a.kv b.kv && ln -s d/a.kv sym && "
+             "chmod 640 d/a.kv && chown nobody:nogroup d/a.kv && "
+             "setfattr -n user.kv.pin -v 1 d/a.kv && setfattr -n user.kv.ttl -v 60 d/a.kv && "
+             "setfattr -n user.note -v hi d/e")
+    assert sh(setup, cwd=m).returncode == 0
+    tokens = lip.tokenize(PROMPT)
+    fill(lip, f"{m}/d/a.kv", tokens)
+    assert sh("cp b.kv d/e/c.kv && touch -d 2001-02-03 d/e/c.kv", cwd=m).returncode == 0
+    names = ["d", "d/e", "d/a.kv", "b.kv", "d/e/c.kv"]
+    before = {n: os.stat(f"{m}/{n}") for n in names}
+    xattrs = {n: {x: os.getxattr(f"{m}/{n}", x) for x in os.listxattr(f"{m}/{n}")}
+              for n in names}
+    objects = eventually(lambda: lip.stats()["objects"])
+    stats0 = lip.stats()
+
+    kvfs.restart()
+
+    for n in names:
+        st = os.stat(f"{m}/{n}")
+        old = before[n]
+        assert (st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_nlink, st.st_size,
+                st.st_blocks, st.st_mtime_ns) == \
+            (old.st_ino, old.st_mode, old.st_uid, old.st_gid, old.st_nlink, old.st_size,
+             old.st_blocks, old.st_mtime_ns), n
+        assert {x: os.getxattr(f"{m}/{n}", x) for x in os.listxattr(f"{m}/{n}")} == xattrs[n]
+    assert os.readlink(f"{m}/sym") == "d/a.kv"
+    for n in ("b.kv", "d/e/c.kv"):
+        with lip.kv_open(f"{m}/{n}") as kv:
+            assert lip.kv_tokens(kv) == tokens
+    stats1 = lip.stats()
+    assert stats1["objects"] == objects == stats0["objects"]
+    assert stats1["pages_free"] == stats0["pages_free"]
+    assert "lost" not in kvfs.log_text()
+
+
+def test_both_daemons_restart_with_every_fsynced_cache(private):
+    import liblip as lip
+    private.start_predd()
+    private.kvfs = k = start_kvfsd(private.predd.addr, private.state)
+    m = k.mount
+    prompt = lip.tokenize(PROMPT)
+    sh("touch a.kv c.kv", cwd=m)
+    fill(lip, f"{m}/a.kv", prompt[:-1])
+    assert sh("cp a.kv b.kv && chmod 600 a.kv && setfattr -n user.kv.pin -v 1 a.kv",
+              cwd=m).returncode == 0
+    fill(lip, f"{m}/b.kv", lip.tokenize(" And once more."))
+    fill(lip, f"{m}/c.kv", prompt)
+    assert sh("sync a.kv b.kv", cwd=m).returncode == 0
+    want = {n: lip.kv_tokens(lip.kv_open(f"{m}/{n}")) for n in ("a.kv", "b.kv")}
+    ref = {n: pred_logits(lip, f"{m}/{n}", prompt[-1]) for n in ("a.kv", "b.kv")}
+
+    assert k.stop() == 0 and private.predd.stop() == 0
+    private.start_predd()
+    k.start()
+
+    assert sorted(os.listdir(m)) == ["a.kv", "b.kv"]
+    log = k.log_text()
+    assert "/c.kv: cache lost (predd restarted and it was never fsync'd)" in log
+    assert "/a.kv: restored from its fsync'd snapshot" in log
+    for n in ("a.kv", "b.kv"):
+        with lip.kv_open(f"{m}/{n}") as kv:
+            assert lip.kv_tokens(kv) == want[n]
+        got = pred_logits(lip, f"{m}/{n}", prompt[-1])
+        assert np.array_equal(got, ref[n]), np.abs(got - ref[n]).max()
+    assert stat.S_IMODE(os.stat(f"{m}/a.kv").st_mode) == 0o600
+    assert os.getxattr(f"{m}/a.kv", "user.kv.pin") == b"1"
+    pages = xattr_int(f"{m}/a.kv", "pages") + xattr_int(f"{m}/b.kv", "pages")
+    assert eventually(lambda: lip.stats()["pages_used"] == pages)
+    assert lip.fsck()["clean"]
+
+
+def test_predd_killed_gives_eio_then_the_mount_recovers(private):
+    import liblip as lip
+    private.start_predd()
+    private.kvfs = k = start_kvfsd(private.predd.addr, private.state)
+    m = k.mount
+    sh("touch a.kv b.kv", cwd=m)
+    tokens = lip.tokenize(PROMPT)
+    fill(lip, f"{m}/a.kv", tokens)
+    fill(lip, f"{m}/b.kv", tokens[:5])
+    assert sh("sync a.kv", cwd=m).returncode == 0
+    blocks = os.stat(f"{m}/a.kv").st_blocks
+
+    private.predd.proc.kill()
+    private.predd.proc.wait()
+    t0 = time.monotonic()
+    r = sh("cat a.kv", cwd=m)
+    first_eio = time.monotonic() - t0
+    assert r.returncode == 1 and "Input/output error" in r.stderr
+    t0 = time.monotonic()
+    for cmd in ("touch new.kv", "cp a.kv x.kv", "getfattr -n user.kv.tokens a.kv",
+                ": > a.kv"):
+        r = sh(cmd, cwd=m)
+        assert r.returncode == 1 and "Input/output error" in r.stderr, (cmd, r.stderr)
+    later_eio = (time.monotonic() - t0) / 4
+    print(f"\nEIO after predd was killed: first op {first_eio:.2f} s, "
+          f"next ops {later_eio * 1e3:.0f} ms each")
+    assert first_eio < 3.0
+    with pytest.raises(OSError) as e:
+        os.open(f"{m}/a.kv", os.O_RDONLY)
+    assert e.value.errno == errno.EIO
+    # The namespace still answers: names, modes, last-seen sizes.
+    r = sh("ls -l", cwd=m)
+    assert r.returncode == 0 and "a.kv" in r.stdout and "b.kv" in r.stdout
+    assert os.stat(f"{m}/a.kv").st_blocks == blocks
+
+    private.start_predd()                       # the same rundir: the same address
+    t0 = time.monotonic()
+    assert eventually(lambda: sh("touch new.kv", cwd=m).returncode == 0, timeout=30)
+    print(f"mount usable {time.monotonic() - t0:.2f} s after predd was back")
+    assert eventually(lambda: sorted(os.listdir(m)) == ["a.kv", "new.kv"], timeout=10)
+    assert "/b.kv: cache lost" in k.log_text()
+    with lip.kv_open(f"{m}/a.kv") as kv:
+        assert lip.kv_tokens(kv) == tokens
+    assert sh("cp a.kv x.kv", cwd=m).returncode == 0
+    assert xattr_int(f"{m}/x.kv", "tokens") == len(tokens)
+
+
+def test_signals_unmount_cleanly_and_a_killed_kvfsd_is_cleaned_up(predd, lip, tmp_path):
+    k = start_kvfsd(predd.addr, str(tmp_path / "state"))
+    try:
+        fd = os.open(k.path("a.kv"), os.O_CREAT | os.O_RDWR, 0o644)   # busy mount
+        k.proc.send_signal(signal.SIGTERM)
+        assert k.proc.wait(timeout=20) == 0
+        assert not is_mounted(k.mount)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        assert os.listdir(k.mount) == []                  # the bare directory again
+        # SIGKILL leaves a dead mount; the next kvfsd detaches it and serves the state.
+        k.start()
+        k.proc.kill()
+        k.proc.wait()
+        with pytest.raises(OSError) as e:
+            os.stat(k.mount)
+        assert e.value.errno == errno.ENOTCONN
+        k.start(clear_stale=False)
+        assert "detaching the dead mount" in k.log_text()
+        assert os.listdir(k.mount) == ["a.kv"]
+        k.proc.send_signal(signal.SIGINT)
+        assert k.proc.wait(timeout=20) == 0
+        assert not is_mounted(k.mount)
+        k.start()
+    finally:
+        finish(k)
