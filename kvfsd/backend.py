@@ -31,7 +31,7 @@ GONE = ("EIO", "ETIMEDOUT")     # predd did not answer: the FUSE request gets EI
 @dataclass(frozen=True)
 class Timeouts:
     call_s: float = 10.0        # a control op on a live, busy predd
-    stat_s: float = 2.0         # getattr/statfs refresh (falls back to last-seen figures)
+    stat_s: float = 0.5         # stat's wait for fresh figures (then: last seen)
     bulk_s: float = 120.0       # kv_export / kv_import of a whole cache
     dead_after_s: float = 5.0   # liblip's dead-peer rule
     probe_s: float = 0.5        # liveness probe period
@@ -143,7 +143,7 @@ class Backend:
         """Ask predd for its figures; whether it is a new predd process (or the first
         one seen), in which case kvfsd's capabilities must be re-validated."""
         try:
-            stats = await self.call("stats", probe=True, timeout=self.t.stat_s)
+            stats = await self.call("stats", probe=True, timeout=2.0)
         except PreddError:
             return False
         start = time.monotonic() - float(stats.get("uptime_s", 0.0))

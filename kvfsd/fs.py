@@ -105,6 +105,7 @@ class KvFs(pyfuse3.Operations):
         # Read-only grants of released opens, kept until the file's last open is
         # released: the kernel's page cache may have served them to those opens.
         self._lingering: defaultdict[int, list[str]] = defaultdict(list)
+        self._refreshing: dict[int, trio.Event] = {}    # kv_stat in flight, per inode
         self._revalidating = trio.Lock()
         self.generation = 0              # completed re-validations
         self.stale = False               # predd restarted and caches are not re-validated
@@ -187,21 +188,36 @@ class KvFs(pyfuse3.Operations):
         raise pyfuse3.FUSEError(errno.ESTALE)
 
     async def _refresh(self, node: Node, strict: bool = False) -> None:
-        """Update a cache's figures from predd. Unless `strict`, keep the last-seen ones
-        when predd is down or slow (stat must not fail because of predd)."""
+        """Update a cache's figures from predd, waiting at most `stat_s`: predd answers
+        a kv_stat only after the calls queued on that cache (a long generate), so past
+        that the last-seen figures are used and the answer is applied when it comes.
+        `strict`: EIO when predd is down (a stat itself never fails because of predd)."""
         if not node.is_file or node.cap is None:
             return
-        if strict:
-            header, _ = await self._on_cache(node, "kv_stat")
-        else:
-            if not self.predd.up:
-                return
-            try:
-                header = await self.predd.call("kv_stat", cap=node.cap,
-                                               timeout=self.predd.t.stat_s)
-            except PreddError:
-                return
-        self._seen(node, header)
+        if not self.predd.up:
+            if strict:
+                raise pyfuse3.FUSEError(errno.EIO)
+            return
+        done = self._refreshing.get(node.ino)
+        if done is None:
+            done = self._refreshing[node.ino] = trio.Event()
+            trio.lowlevel.spawn_system_task(self._stat_in_background, node, done)
+        with trio.move_on_after(self.predd.t.stat_s):
+            await done.wait()
+
+    async def _stat_in_background(self, node: Node, done: trio.Event) -> None:
+        cap = node.cap
+        try:
+            header = await self.predd.call("kv_stat", cap=cap)
+            if node.cap == cap:
+                self._seen(node, header)
+        except PreddError:
+            pass
+        except Exception as exc:    # a system task must not raise
+            self.log(f"stat: {type(exc).__name__}: {exc}")
+        finally:
+            self._refreshing.pop(node.ino, None)
+            done.set()
 
     async def _free_cap(self, cap: str) -> None:
         try:
@@ -652,8 +668,7 @@ class KvFs(pyfuse3.Operations):
     async def statfs(self, ctx):
         if self.predd.up:
             try:
-                self.predd.stats = await self.predd.call("stats",
-                                                         timeout=self.predd.t.stat_s)
+                self.predd.stats = await self.predd.call("stats", timeout=2.0)
             except PreddError:
                 pass
         s = pyfuse3.StatvfsData()

@@ -319,6 +319,26 @@ def test_mtime_moves_when_the_cache_grows(kvfs, lip):
     lip.kv_close(kv)
 
 
+def test_stat_does_not_wait_behind_a_long_generate(kvfs, lip):
+    import threading
+    m = kvfs.mount
+    sh("touch a.kv", cwd=m)
+    tokens = lip.tokenize(TEXT)[:10]
+    fill(lip, f"{m}/a.kv", tokens)
+    kv = lip.kv_open(f"{m}/a.kv", write=True)
+    worker = threading.Thread(target=lip.generate, args=(kv, [tokens[0]]),
+                              kwargs={"max_tokens": 40, "ignore_eos": True})
+    worker.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    os.stat(f"{m}/a.kv")                      # predd defers its kv_stat behind the call
+    took = time.monotonic() - t0
+    worker.join()
+    lip.kv_close(kv)
+    assert took < 1.5
+    assert eventually(lambda: xattr_int(f"{m}/a.kv", "tokens") == 10 + 40)
+
+
 def test_xattrs(kvfs, lip):
     m = kvfs.mount
     sh("touch a.kv", cwd=m)
