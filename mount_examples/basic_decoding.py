@@ -26,13 +26,15 @@ def main() -> None:
     prompt = chat(args.prompt)
     dist = lip.pred(kv, prompt)                 # prefill: the distribution after the prompt
     out: list[int] = []
-    while len(out) < args.max_tokens:
+    while True:
         token = dist.argmax()
         out.append(token)
         if token in eos:
             break
         stream.feed(token)                      # lip.send_to_user(text), whole characters
-        dist = lip.pred(kv, [token])
+        if len(out) == args.max_tokens:
+            break
+        dist = lip.pred(kv, [token])            # append it; the next distribution
     lip.send_to_user("\n")
     write_report(args.report, {"prompt": prompt, "tokens": out,
                                "cache_tokens": lip.kv_stat(kv)["tokens"]})
