@@ -19,6 +19,7 @@ import pyfuse3
 import trio
 
 from kvfsd.backend import Backend
+from kvfsd.caches import Caches
 from kvfsd.fs import KvFs
 from kvfsd.namespace import Namespace
 from kvfsd.state import StateDir, StateDirBusy, default_state_dir
@@ -63,7 +64,7 @@ async def serve(fs: KvFs, mountpoint: str) -> None:
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             nursery.start_soon(pyfuse3.main)
-            nursery.start_soon(fs.monitor)
+            nursery.start_soon(fs.caches.monitor)
             print(f"ready {mountpoint}", flush=True)
             async for signum in sigs:
                 log(f"{signal.Signals(signum).name}: unmounting")
@@ -71,21 +72,21 @@ async def serve(fs: KvFs, mountpoint: str) -> None:
             nursery.cancel_scope.cancel()
 
 
-async def prepare(fs: KvFs) -> None:
+async def prepare(caches: Caches) -> None:
     """Connect to predd and re-validate the caches of the state directory."""
-    await fs.predd.start()
-    fs.stale = True
-    await fs.check_predd()
-    if fs.stale:
-        log(f"predd at {fs.predd.addr} is not answering yet; caches are checked "
+    await caches.predd.start()
+    caches.stale = True
+    await caches.check_predd()
+    if caches.stale:
+        log(f"predd at {caches.predd.addr} is not answering yet; caches are checked "
             "when it does")
-    fs.remove_unused_snapshots()
+    caches.remove_unused_snapshots()
 
 
 async def finish(fs: KvFs) -> None:
     with trio.move_on_after(10):
         await fs.release_all()
-    fs.save(durable=True)
+    fs.caches.save(durable=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{state.path}: unreadable namespace ({exc}); not mounting")
         return 2
     backend = Backend(addr, log)
-    fs = KvFs(ns, state, backend, log, pending)
-    trio.run(prepare, fs)
+    caches = Caches(ns, state, backend, log, pending)
+    fs = KvFs(caches)
+    trio.run(prepare, caches)
     clear_dead_mount(mountpoint)
     options = {"fsname=kvfs", "subtype=kvfs", "default_permissions"}
     if args.allow_other:

@@ -1,0 +1,371 @@
+"""The caches behind the files: each file's predd object, from creation to free.
+
+Lifetime rules:
+* A cache file's name holds one persistent, rw capability (`Node.cap`); it never leaves
+  kvfsd. It is freed when the last name and the last open are gone (`maybe_free`).
+* Each readable open holds a session-bound grant, rendered as its descriptor. A
+  read-only grant is revoked when the file's *last* open is released, not its own:
+  `copy_file_range` (coreutils cp) splices through the inode's shared page cache, so a
+  concurrent open may have been served this open's descriptor. A rw grant is revoked
+  at its own release.
+* Replacing a file's cache (a descriptor written into it) swaps `Node.cap` and frees
+  the old one; operations that swap or empty a cache hold the file's lock.
+* A capability predd does not know any more (predd restarted) sends every cache
+  through `revalidate`: re-imported from its fsync'd snapshot, or dropped with a log line.
+* A free that predd did not confirm is retried (`pending_free`, persisted).
+"""
+from __future__ import annotations
+
+import errno
+from collections import defaultdict
+
+import pyfuse3
+import trio
+
+from kvfsd.backend import Backend, PreddError
+from kvfsd.handles import Handle
+from kvfsd.namespace import Namespace, Node
+from kvfsd.state import StateDir
+from liblip import descriptor
+
+# A descriptor naming a capability predd does not know (forged, revoked, expired) or
+# cannot fork from is "not a valid descriptor".
+BAD_DESCRIPTOR = ("EBADF", "ENOENT", "EINVAL", "EACCES")
+
+
+def fuse_error(exc: Exception) -> pyfuse3.FUSEError:
+    if isinstance(exc, PreddError | OSError):
+        return pyfuse3.FUSEError(exc.errno or errno.EIO)
+    return pyfuse3.FUSEError(errno.EIO)
+
+
+class Caches:
+    def __init__(self, ns: Namespace, state: StateDir, predd: Backend, log,
+                 pending_free: list[str] | None = None) -> None:
+        self.ns = ns
+        self.state = state
+        self.predd = predd
+        self.log = log
+        self.pending_free: list[str] = list(pending_free or [])
+        self.locks: defaultdict[int, trio.Lock] = defaultdict(trio.Lock)
+        self._lingering: defaultdict[int, list[str]] = defaultdict(list)
+        self._refreshing: dict[int, trio.Event] = {}     # kv_stat in flight, per inode
+        self._revalidating = trio.Lock()
+        self.generation = 0          # completed re-validations
+        self.stale = False           # predd restarted; caches not re-validated yet
+
+    # ------------------------------------------------------------ persistence
+
+    def save(self, durable: bool = False) -> None:
+        doc = self.ns.to_dict()
+        # Caches of removed-but-open files are freed at release; should kvfsd die first,
+        # the next one frees them.
+        orphans = [n.cap for n in self.ns.nodes.values()
+                   if n.is_file and n.nlink == 0 and n.cap is not None]
+        doc["pending_free"] = self.pending_free + orphans
+        self.state.save(doc, durable)
+
+    def remove_unused_snapshots(self) -> None:
+        """Snapshots no inode refers to (a kvfsd that died mid-way left them)."""
+        used = {n.snapshot for n in self.ns.nodes.values() if n.snapshot}
+        for name in self.state.snapshot_names() - used:
+            self.state.remove_snapshot(name)
+
+    # ------------------------------------------------------------ figures
+
+    def seen(self, node: Node, reply: dict) -> None:
+        """Record predd's figures for a cache; mtime moves when its length changes."""
+        tokens = int(reply.get("tokens", node.tokens))
+        node.pages = int(reply.get("pages", node.pages))
+        node.bytes = int(reply.get("bytes", node.bytes))
+        if tokens != node.tokens:
+            node.tokens = tokens
+            node.touch()
+            self.save()
+
+    async def refresh(self, node: Node, strict: bool = False) -> None:
+        """Update a cache's figures, waiting at most `stat_s`: predd answers a kv_stat
+        only after the calls queued on that cache (a long generate), so past that the
+        last-seen figures stand and the answer is applied when it comes. `strict`: EIO
+        when predd is down (a plain stat never fails because of predd)."""
+        if not node.is_file or node.cap is None:
+            return
+        if not self.predd.up:
+            if strict:
+                raise pyfuse3.FUSEError(errno.EIO)
+            return
+        done = self._refreshing.get(node.ino)
+        if done is None:
+            done = self._refreshing[node.ino] = trio.Event()
+            trio.lowlevel.spawn_system_task(self._stat, node, done)
+        with trio.move_on_after(self.predd.t.stat_s):
+            await done.wait()
+
+    async def _stat(self, node: Node, done: trio.Event) -> None:
+        cap = node.cap
+        try:
+            header = await self.predd.call("kv_stat", cap=cap)
+            if node.cap == cap:
+                self.seen(node, header)
+        except PreddError:
+            pass
+        except Exception as exc:    # a system task must not raise
+            self.log(f"stat: {type(exc).__name__}: {exc}")
+        finally:
+            self._refreshing.pop(node.ino, None)
+            done.set()
+
+    # ------------------------------------------------------------ predd calls
+
+    async def on_cache(self, node: Node, op: str, **fields) -> tuple[dict, list]:
+        """`op` on a file's cache. A stale capability (predd restarted) triggers one
+        re-validation and a retry."""
+        for attempt in (0, 1):
+            cap = node.cap
+            if cap is None:
+                break
+            try:
+                return await self.predd.request(op, cap=cap, **fields)
+            except PreddError as exc:
+                if exc.code == "EBADF" and attempt == 0:
+                    await self.revalidate(self.generation, "a capability went stale")
+                    continue
+                raise fuse_error(exc) from None
+        raise pyfuse3.FUSEError(errno.ESTALE)
+
+    async def create(self) -> dict:
+        try:
+            return await self.predd.call("kv_create", persist=True)
+        except PreddError as exc:
+            raise fuse_error(exc) from None
+
+    async def free(self, cap: str) -> None:
+        try:
+            await self.predd.call("kv_free", cap=cap)
+        except PreddError as exc:
+            if exc.code != "EBADF":          # EBADF: gone with a restarted predd
+                self.pending_free.append(cap)
+                self.save()
+
+    async def maybe_free(self, node: Node) -> None:
+        """Free the cache of a file with no name and no open; drop the node when the
+        kernel has forgotten it too."""
+        if Namespace.cache_unreferenced(node) and node.cap is not None:
+            cap, node.cap = node.cap, None
+            if node.snapshot:
+                self.state.remove_snapshot(node.snapshot)
+                node.snapshot = None
+            await self.free(cap)
+        if self.ns.collect(node):
+            self.locks.pop(node.ino, None)
+
+    # ------------------------------------------------------------ opens
+
+    async def grant(self, handle: Handle) -> None:
+        """A fresh capability for a readable open, and the descriptor it reads."""
+        rights = "rw" if handle.writable else "r"
+        header, _ = await self.on_cache(handle.node, "kv_grant", rights=rights, persist=False)
+        handle.cap = header["cap"]
+        handle.data = descriptor.Descriptor(
+            header["cap"], rights, int(header["tokens"]), int(header["pages"]),
+            header.get("model", "")).encode()
+        self.seen(handle.node, header)
+
+    async def apply(self, handle: Handle) -> None:
+        """Make what was written through `handle` take effect: a descriptor forks its
+        cache into this file; O_TRUNC with nothing written empties the cache."""
+        node = handle.node
+        async with self.locks[node.ino]:
+            if handle.written:
+                await self._fork_into(node, handle.take_descriptor())
+            elif handle.truncate:
+                # Keep an O(1) fork of the cache until release, in case garbage follows.
+                if handle.backup is None:
+                    header, _ = await self.on_cache(node, "kv_fork", rights="rw", persist=True)
+                    handle.backup = header["cap"]
+                await self._empty(node)
+                handle.truncate = False
+
+    async def _fork_into(self, node: Node, desc: descriptor.Descriptor) -> None:
+        model = self.predd.info.get("model")
+        if desc.model and model and desc.model != model:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        try:
+            reply = await self.predd.call("kv_fork", cap=desc.cap, rights="rw", persist=True)
+        except PreddError as exc:
+            if exc.code in BAD_DESCRIPTOR:
+                self.log(f"{self.ns.path_of(node.ino)}: descriptor refused: {exc}")
+                raise pyfuse3.FUSEError(errno.EINVAL) from None
+            raise fuse_error(exc) from None
+        old, node.cap = node.cap, reply["cap"]
+        self.seen(node, reply)
+        node.touch()
+        self.save()
+        if old is not None:
+            await self.free(old)
+
+    async def _empty(self, node: Node) -> None:
+        header, _ = await self.on_cache(node, "kv_truncate", length=0)
+        self.seen(node, header)
+        node.touch()
+        self.save()
+
+    async def empty(self, node: Node) -> None:
+        """truncate(2) to 0."""
+        async with self.locks[node.ino]:
+            await self._empty(node)
+
+    async def restore_backup(self, handle: Handle) -> None:
+        """Garbage was written after a flush emptied the cache (a shell's `echo x > a.kv`
+        closes a dup of the descriptor before it writes): put the cache back."""
+        node, backup = handle.node, handle.backup
+        if backup is None:
+            return
+        handle.backup = None
+        async with self.locks[node.ino]:
+            old, node.cap = node.cap, backup
+            try:
+                self.seen(node, await self.predd.call("kv_stat", cap=backup))
+            except PreddError:
+                pass
+            node.touch()
+            self.save()
+            if old is not None:
+                await self.free(old)
+
+    async def release(self, handle: Handle) -> None:
+        node = handle.node
+        try:
+            if handle.pending:
+                try:
+                    await self.apply(handle)
+                except pyfuse3.FUSEError as exc:
+                    self.log(f"{self.ns.path_of(node.ino)}: write at release failed "
+                             f"({errno.errorcode.get(exc.errno, exc.errno)})")
+            if handle.cap is not None and not handle.writable and node.opens > 1:
+                self._lingering[node.ino].append(handle.cap)
+            elif handle.cap is not None:
+                await self.free(handle.cap)
+            if handle.backup is not None:
+                await self.free(handle.backup)
+        finally:
+            node.opens -= 1
+            if node.opens == 0:
+                for cap in self._lingering.pop(node.ino, []):
+                    await self.free(cap)
+            await self.maybe_free(node)
+
+    async def release_all(self, handles: list[Handle]) -> None:
+        """At unmount: revoke every open's grant (the kernel sends no release then) and
+        free the caches of removed files that were still open."""
+        caps = [cap for caps in self._lingering.values() for cap in caps]
+        self._lingering.clear()
+        for handle in handles:
+            handle.node.opens -= 1
+            caps += [handle.cap, handle.backup]
+        for cap in caps:
+            if cap is not None:
+                try:
+                    await self.predd.call("kv_free", cap=cap, timeout=2.0)
+                except PreddError:
+                    pass
+        for node in list(self.ns.nodes.values()):
+            node.lookups = 0
+            await self.maybe_free(node)
+
+    async def snapshot(self, node: Node) -> None:
+        """fsync: store the cache's export durably in the state directory."""
+        async with self.locks[node.ino]:
+            header, frames = await self.on_cache(node, "kv_export", timeout=self.predd.t.bulk_s)
+            try:
+                name = await trio.to_thread.run_sync(self.state.write_snapshot, node.ino,
+                                                     bytes(frames[0] if frames else b""))
+            except OSError as exc:
+                self.log(f"fsync: cannot write snapshot: {exc}")
+                raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+            node.snapshot = name
+            self.seen(node, header)
+            self.save(durable=True)
+
+    # ------------------------------------------------------------ predd restarts
+
+    async def monitor(self) -> None:
+        """Follow predd: liveness, restarts (re-validate), deferred frees."""
+        next_poll = 0.0
+        while True:
+            await self.predd.probe()
+            if trio.current_time() >= next_poll:
+                next_poll = trio.current_time() + self.predd.t.poll_s
+                try:
+                    await self.check_predd()
+                except Exception as exc:   # never let the monitor die
+                    self.log(f"monitor: {type(exc).__name__}: {exc}")
+            await trio.sleep(self.predd.t.probe_s)
+
+    async def check_predd(self) -> None:
+        """Poll predd; re-validate after a restart (until one succeeds); retry frees."""
+        first = self.predd.instance is None
+        why = ""
+        if await self.predd.poll():
+            self.stale = True
+            why = "first contact with predd" if first else "predd restarted"
+        if self.predd.up and (self.stale or self.pending_free):
+            if await self.revalidate(None, why if self.stale else ""):
+                self.stale = False
+
+    async def revalidate(self, seen_generation: int | None = None, why: str = "") -> bool:
+        """Check every cache's capability with predd. A stale one is re-imported from
+        its fsync'd snapshot, or dropped with a log line. False when predd could not be
+        asked (try again later)."""
+        async with self._revalidating:
+            if seen_generation is not None and self.generation > seen_generation:
+                return True                   # someone re-validated meanwhile
+            if why:
+                self.log(f"re-validating caches: {why}")
+            for node in list(self.ns.files()):
+                cap = node.cap
+                if cap is not None:
+                    try:
+                        self.seen(node, await self.predd.call("kv_stat", cap=cap))
+                        continue
+                    except PreddError as exc:
+                        if exc.code not in ("EBADF", "ENOENT"):
+                            self.log(f"re-validation stopped: {exc.code}")
+                            return False
+                if node.cap == cap:           # else replaced meanwhile: fresh
+                    await self._restore(node, cap)
+            frees, self.pending_free = self.pending_free, []
+            for cap in frees:
+                await self.free(cap)
+            self.generation += 1
+            self.save(durable=True)
+            return True
+
+    async def _restore(self, node: Node, stale: str | None) -> None:
+        path = self.ns.path_of(node.ino)
+        if node.snapshot:
+            try:
+                blob = await trio.to_thread.run_sync(self.state.read_snapshot, node.snapshot)
+                reply = await self.predd.call("kv_import", frames=(blob,), persist=True,
+                                              timeout=self.predd.t.bulk_s)
+            except (OSError, PreddError) as exc:
+                self.log(f"{path}: cannot restore its snapshot ({exc}); removing it")
+            else:
+                if node.cap != stale:         # raced with a replacement: keep that
+                    await self.free(reply["cap"])
+                    return
+                node.cap = reply["cap"]
+                self.seen(node, reply)
+                self.log(f"{path}: restored from its fsync'd snapshot "
+                         f"({node.tokens} tokens)")
+                return
+        else:
+            self.log(f"{path}: cache lost (predd restarted and it was never fsync'd); "
+                     "removing it")
+        node.cap = None
+        if node.snapshot:
+            self.state.remove_snapshot(node.snapshot)
+            node.snapshot = None
+        for parent, name in self.ns.drop_names(node.ino):
+            pyfuse3.invalidate_entry_async(parent, name, deleted=node.ino, ignore_enoent=True)
+        self.ns.collect(node)

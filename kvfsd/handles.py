@@ -1,0 +1,66 @@
+"""One open of a cache file: the descriptor it reads, and what is written through it.
+
+Writes are buffered until flush: only a whole descriptor means something. A write that
+cannot be the start of one is refused at once (EINVAL) and poisons the handle, so the
+file is left as it was.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+
+import pyfuse3
+
+from kvfsd.namespace import Node
+from liblip import descriptor
+
+MAGIC = descriptor.MAGIC.encode()
+
+
+@dataclass(eq=False)
+class Handle:
+    fh: int
+    node: Node
+    flags: int
+    cap: str | None = None          # this open's grant (readable opens)
+    data: bytes = b""               # the descriptor this open reads
+    written: bytearray | None = None
+    truncate: bool = False          # O_TRUNC: empty the cache at flush, unless written
+    backup: str | None = None       # the cache as it was before this open emptied it
+    rejected: bool = False          # a non-descriptor was written: ignore the rest
+
+    @property
+    def readable(self) -> bool:
+        return self.flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
+
+    @property
+    def writable(self) -> bool:
+        return self.flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.written) or self.truncate
+
+    def accept(self, off: int, buf: bytes) -> None:
+        """Buffer a write; EINVAL as soon as it cannot be a descriptor."""
+        if self.rejected:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        w = bytearray(self.written or b"")
+        if self.flags & os.O_APPEND:
+            off = len(w)
+        if off > len(w):
+            w.extend(b"\0" * (off - len(w)))
+        w[off:off + len(buf)] = buf
+        if len(w) > descriptor.MAX_LEN or not MAGIC.startswith(bytes(w[:len(MAGIC)])):
+            self.rejected, self.written, self.truncate = True, None, False
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        self.written = w
+
+    def take_descriptor(self) -> descriptor.Descriptor:
+        """The buffered descriptor (EINVAL if it is not one); the buffer is consumed."""
+        data, self.written, self.truncate = bytes(self.written or b""), None, False
+        try:
+            return descriptor.parse(data)
+        except ValueError:
+            raise pyfuse3.FUSEError(errno.EINVAL) from None
