@@ -1,9 +1,12 @@
 """The engine: requests in, replies out; one step = schedule -> execute -> update.
 
 Everything here runs on one thread (the server loop), so there are no locks. Ordering
-rule: requests naming an object run in arrival order. A call (pred/generate) waits in
-the scheduler; any other request on an object that has queued calls, or earlier
-deferred requests, is deferred and replayed when the object's calls are done.
+rule: requests that change an object (pred, generate, kv_truncate, kv_free) are applied
+in arrival order: a call waits in the scheduler, and a change on an object with queued
+calls (or earlier deferred changes) is deferred and replayed when they are done.
+Requests that only read an object (stat, tokens, fork, grant, extract, merge, export)
+answer at once from its committed entries — a snapshot — so `ls` or `cp` on a cache
+never waits for a long generation on it.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from predd.sessions import Session, Sessions
 from predd.tokenizer import Tokenizer
 
 Send = Callable[[bytes, dict, list[bytes]], None]
+CHANGES = frozenset({"pred", "generate", "kv_truncate", "kv_free"})
 MAX_POSITION = 2**31 - 1
 
 
@@ -91,7 +95,8 @@ class Engine:
     def _dispatch(self, identity: bytes, session: Session, req: p.Request,
                   extra: list[bytes], now: float) -> None:
         oids = self._objects_of(req)
-        if any(self.scheduler.busy(o) or self.deferred.get(o) for o in oids):
+        if req.op in CHANGES and any(self.scheduler.busy(o) or self.deferred.get(o)
+                                     for o in oids):
             # Wait behind the object's earlier requests (keyed on the first busy one).
             key = next(o for o in oids if self.scheduler.busy(o) or self.deferred.get(o))
             self.deferred.setdefault(key, []).append((identity, req, extra))

@@ -134,3 +134,29 @@ def test_export_import_round_trip_is_bit_exact(lip):
     a = lip.pred(kv, probe)
     b = lip.pred(copy, probe)
     assert np.array_equal(a.logits, b.logits)
+
+
+def test_reads_do_not_wait_for_a_generation_on_the_object(lip):
+    """stat/fork answer from the committed entries while a long generate runs on the
+    same object (so `ls`/`cp` on a busy cache file never block)."""
+    import threading
+    prompt = lip.tokenize("Count slowly: one, two, three,")
+    kv = lip.kv_create()
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(
+        out=lip.generate(kv, prompt, max_tokens=120, ignore_eos=True)))
+    worker.start()
+    try:
+        seen = []
+        while worker.is_alive() and len(seen) < 3:
+            st = lip.kv_stat(kv)
+            if st["tokens"] >= len(prompt) and lip.stats()["pending_calls"]:
+                fork = lip.kv_fork(kv)
+                seen.append((st["tokens"], lip.kv_tokens(fork)))
+    finally:
+        worker.join()
+    assert seen, "the generate finished before any read"
+    final = prompt + result["out"][:-1]
+    for tokens, snapshot in seen:
+        assert len(snapshot) >= tokens and snapshot == final[: len(snapshot)]
+        assert len(snapshot) < len(final)
