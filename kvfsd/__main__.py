@@ -74,7 +74,6 @@ async def serve(fs: KvFs, mountpoint: str) -> None:
 
 async def prepare(caches: Caches) -> None:
     """Connect to predd and re-validate the caches of the state directory."""
-    await caches.predd.start()
     caches.stale = True
     await caches.check_predd()
     if caches.stale:
@@ -122,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trio.run(serve, fs, mountpoint)
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)      # a second signal must not cut cleanup
         pyfuse3.close(unmount=True)
         trio.run(finish, fs)
         backend.close()

@@ -78,8 +78,14 @@ class Backend:
             pass
         return client
 
-    async def start(self) -> None:
-        self.client = await trio.to_thread.run_sync(self._make_client)
+    async def connect(self) -> bool:
+        """Make the client, unless predd's endpoint refuses connections (then kvfsd
+        mounts anyway and the monitor connects later). Whether there is a client."""
+        if self.client is None:
+            if await trio.to_thread.run_sync(_endpoint_accepts, self.addr) is False:
+                return False
+            self.client = await trio.to_thread.run_sync(self._make_client)
+        return True
 
     def close(self) -> None:
         if self.client is not None:
@@ -142,6 +148,10 @@ class Backend:
     async def poll(self) -> bool:
         """Ask predd for its figures; whether it is a new predd process (or the first
         one seen), in which case kvfsd's capabilities must be re-validated."""
+        if not await self.connect():
+            return False
+        if not self.up and await trio.to_thread.run_sync(_endpoint_accepts, self.addr) is False:
+            return False                      # still gone: do not queue requests for it
         try:
             stats = await self.call("stats", probe=True, timeout=2.0)
         except PreddError:
