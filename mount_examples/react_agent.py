@@ -24,7 +24,8 @@ import liblip as lip
 from common import GREEDY, eos_ids, write_report
 
 SYSTEM = """Answer the question by thinking step by step and using tools.
-Tools: calc[expression] computes arithmetic; lookup[topic] reads a document; finish[answer] gives the final answer.
+Tools: calc[expression] computes arithmetic; lookup[topic] reads a document;
+finish[answer] gives the final answer.
 
 Question: What is 12 * 7 + 1?
 Thought: I should compute 12 * 7 + 1.
@@ -47,6 +48,7 @@ DOCS = {
     "cache": "A KV cache keeps the keys and values of past tokens so they are not recomputed.",
 }
 TOOLS = ("calc", "lookup", "finish")
+STOP = {"a", "an", "the", "of", "is", "in", "on", "and", "what", "who", "how", "does", "do"}
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
        ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
        ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -72,14 +74,14 @@ def calc(expression: str) -> str:
 
 
 def lookup(topic: str, docs: dict[str, str]) -> str:
-    """The document whose name, or failing that whose text, best matches the topic."""
-    words = set(re.findall(r"\w+", topic.lower()))
-    if not words:
-        return "no document found"
-    name = max(docs, key=lambda d: (d in words, len(words & set(re.findall(r"\w+", docs[d].lower())))))
-    if name not in words and not words & set(re.findall(r"\w+", docs[name].lower())):
-        return "no document found"
-    return docs[name]
+    """The document named by the topic, or else the one sharing most words with it."""
+    def words(text: str) -> set[str]:
+        return set(re.findall(r"[a-z0-9]+", text.lower())) - STOP
+
+    want = words(topic)
+    score = {name: (name in want, len(want & words(text))) for name, text in docs.items()}
+    best = max(sorted(docs), key=score.__getitem__)
+    return docs[best] if any(score[best]) else "no document found"
 
 
 def run_tool(tool: str, arg: str, docs: dict[str, str] = DOCS) -> str:

@@ -244,8 +244,10 @@ def test_watermark_z_score_separates_marked_from_plain(lip, tmp_path):
         z[name] = float(score.removeprefix("z="))
     marked_z = [z[f] for f in files[:20]]
     plain_z = [z[f] for f in files[20:]]
+    # Plain text's z is ~N(0, 1) whatever its length, so the largest of 20 is often
+    # above 2 (p ~ 0.37); above 3 only with p ~ 0.03. Watermarked text is far beyond.
     assert min(marked_z) > 4, sorted(marked_z)
-    assert max(plain_z) < 2, sorted(plain_z)
+    assert max(plain_z) < 3, sorted(plain_z)
 
 
 # ---------------------------------------------------------------- 7. ReAct
