@@ -6,7 +6,9 @@
     lip chat FILE MESSAGE        append a user turn, stream the reply, append it too
     lip generate FILE [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--stop S]
     lip cat FILE                 the cache's content as text
-    lip run PROGRAM [ARGS...]    run a LIP (a .py file runs under this Python)
+    lip run [--sandbox] PROGRAM [ARGS...]
+                                 run a LIP (a .py file runs under this Python);
+                                 --sandbox: as an untrusted process (liblip/sandbox.py)
 
 FILE is a `.kv` file: relative to the current directory when that is inside the KV
 file system, else to $KVFS_MOUNT. Errors print `lip: ENAME: message` and exit 1.
@@ -20,7 +22,7 @@ import sys
 
 import liblip as lip
 from liblip.client import LipError
-from liblip.protocol import default_mount
+from liblip.protocol import default_addr, default_mount
 
 CHAT_PROBE = "\x00probe\x00"
 
@@ -130,12 +132,20 @@ def cmd_cat(args) -> int:
 
 def cmd_run(args) -> int:
     program = args.program
+    env = dict(os.environ)
+    env.setdefault("PREDD_ADDR", default_addr())
+    env.setdefault("KVFS_MOUNT", default_mount())
+    if args.sandbox:
+        from liblip import sandbox
+        try:
+            return sandbox.run([os.path.abspath(program) if os.path.exists(program)
+                                else program, *args.args], env, env["KVFS_MOUNT"])
+        except (OSError, ValueError) as exc:
+            code = "EPERM" if isinstance(exc, PermissionError) else "EINVAL"
+            raise LipError(code, f"sandbox: {exc}") from None
     argv = [program, *args.args]
     if program.endswith(".py"):
         argv = [sys.executable, *argv]
-    env = dict(os.environ)
-    env.setdefault("PREDD_ADDR", lip.client().addr)
-    env.setdefault("KVFS_MOUNT", default_mount())
     try:
         os.execvpe(argv[0], argv, env)
     except OSError as exc:
@@ -169,6 +179,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cat")
     p.add_argument("file")
     p = sub.add_parser("run")
+    p.add_argument("--sandbox", action="store_true",
+                   help="own uid, rlimits, no network, read-only file system but scratch "
+                        "and $KVFS_MOUNT, no exec/fork/inet sockets (liblip/sandbox.py)")
     p.add_argument("program")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return ap
