@@ -327,7 +327,7 @@ def test_stat_does_not_wait_behind_a_long_generate(kvfs, lip):
     fill(lip, f"{m}/a.kv", tokens)
     kv = lip.kv_open(f"{m}/a.kv", write=True)
     worker = threading.Thread(target=lip.generate, args=(kv, [tokens[0]]),
-                              kwargs={"max_tokens": 40, "ignore_eos": True})
+                              kwargs={"max_tokens": 16, "ignore_eos": True})
     worker.start()
     time.sleep(0.2)
     t0 = time.monotonic()
@@ -336,7 +336,7 @@ def test_stat_does_not_wait_behind_a_long_generate(kvfs, lip):
     worker.join()
     lip.kv_close(kv)
     assert took < 1.5
-    assert eventually(lambda: xattr_int(f"{m}/a.kv", "tokens") == 10 + 40)
+    assert eventually(lambda: xattr_int(f"{m}/a.kv", "tokens") == 10 + 16)
 
 
 def test_xattrs(kvfs, lip):

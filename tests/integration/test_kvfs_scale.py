@@ -46,6 +46,8 @@ LIP = textwrap.dedent("""
     prefix = lip.kv_open(sys.argv[1])           # a permission-checked open of the file
     kv = lip.kv_fork(prefix)
     lip.kv_close(prefix)
+    print("ready", flush=True)
+    sys.stdin.readline()                        # start decoding together
     token, out = int(sys.argv[2]), []
     for _ in range(int(sys.argv[3])):
         token = lip.pred(kv, [token]).argmax()
@@ -73,17 +75,25 @@ def test_10_lips_decode_in_parallel_from_one_prefix_file(kvfs, lip, tmp_path):
     script = tmp_path / "decode.py"
     script.write_text(LIP)
     env = {**os.environ, "PREDD_ADDR": kvfs.addr, "KVFS_MOUNT": m, "PYTHONPATH": ROOT}
-    computed0 = lip.stats()["tokens_computed"]
     procs = [subprocess.Popen([sys.executable, str(script), "prefix.kv", str(prompt[-1]),
-                               str(DECODE), f"answer{i}.kv"], env=env,
+                               str(DECODE), f"answer{i}.kv"], env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(10)]
+    for p in procs:
+        assert p.stdout.readline() == "ready\n", p.stderr.read()
+    before = lip.stats()
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
     outs = [p.communicate(timeout=120) for p in procs]
+    after = lip.stats()
     assert [p.returncode for p in procs] == [0] * 10, [e for _, e in outs][:2]
     for out, _ in outs:
         assert [int(t) for t in out.split()] == expected
     for i in range(10):
         assert xattr_int(f"{m}/answer{i}.kv", "tokens") == len(prompt) - 1 + DECODE
     # Only the new tokens were computed: the prefix was shared, never recomputed.
-    assert lip.stats()["tokens_computed"] - computed0 == 10 * DECODE
-    print(f"\n10 LIPs x {DECODE} tokens, mean batch {lip.stats()['mean_batch']}")
+    assert after["tokens_computed"] - before["tokens_computed"] == 10 * DECODE
+    batch = (after["calls"] - before["calls"]) / max(1, after["steps"] - before["steps"])
+    print(f"\n10 LIPs x {DECODE} tokens: {after['steps'] - before['steps']} steps, "
+          f"mean batch {batch:.1f}")
