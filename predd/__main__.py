@@ -2,7 +2,8 @@
 
     predd [--model PATH] [--device cpu|cuda] [--dtype float32|bfloat16] [--kv-pages N]
           [--page-size N] [--addr ADDR] [--rundir DIR] [--max-step-tokens N]
-          [--max-batch N] [--lease S] [--threads N]
+          [--max-batch N] [--lease S] [--threads N] [--session-quota PAGES]
+          [--uid-quota PAGES]
 
 Prints `ready <addr>` on stdout once it serves; progress and logs go to stderr.
 """
@@ -15,6 +16,7 @@ import sys
 from liblip.protocol import default_addr, default_rundir
 from predd.engine import Engine, EngineConfig
 from predd.loader import default_model_path
+from predd.quota import QuotaConfig
 from predd.runner import DTYPES, Runner, RunnerConfig
 from predd.scheduler import SchedulerConfig
 from predd.server import Server
@@ -37,10 +39,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lease", type=float, default=10.0,
                     help="seconds of silence after which a session ends")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ap.add_argument("--session-quota", type=int, default=0, metavar="PAGES",
+                    help="KV pages one session may hold (0: no limit; EDQUOT beyond)")
+    ap.add_argument("--uid-quota", type=int, default=0, metavar="PAGES",
+                    help="KV pages one uid may hold, persistent caches included (0: none)")
     args = ap.parse_args(argv)
     for name in ("kv_pages", "page_size", "max_step_tokens", "max_batch"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("session_quota", "uid_quota", "threads"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.lease <= 0:
         ap.error("--lease must be > 0")
     return args
@@ -62,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(RunnerConfig(model_path, args.device, args.dtype, args.kv_pages,
                                  args.page_size, threads=args.threads), progress=log)
     tokenizer = load_tokenizer(model_path)
-    config = EngineConfig(args.lease, SchedulerConfig(args.max_step_tokens, args.max_batch))
+    config = EngineConfig(args.lease, SchedulerConfig(args.max_step_tokens, args.max_batch),
+                          QuotaConfig(args.session_quota, args.uid_quota))
     server = Server(addr, lambda send, log_: Engine(runner, tokenizer, config, send, log_),
                     log)
     server.serve()

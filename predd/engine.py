@@ -24,6 +24,7 @@ from predd.calls import CallState
 from predd.caps import Capabilities, Capability
 from predd.kvstore import KVStore
 from predd.pool import Pool
+from predd.quota import QuotaConfig, Quotas
 from predd.runner import Chunk, Runner
 from predd.scheduler import Call, Scheduler, SchedulerConfig
 from predd.sessions import Session, Sessions
@@ -38,6 +39,7 @@ MAX_POSITION = 2**31 - 1
 class EngineConfig:
     lease_s: float = 10.0
     scheduler: SchedulerConfig = SchedulerConfig()
+    quota: QuotaConfig = QuotaConfig()
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Engine:
         self.pool = Pool(runner.config.kv_pages, runner.config.page_size)
         self.store = KVStore(self.pool, runner.cache)
         self.caps = Capabilities(self._free_object)
+        self.quotas = Quotas(config.quota, self.store)
         self.sessions = Sessions(config.lease_s)
         self.scheduler = Scheduler(config.scheduler)
         self.counters = Counters()
@@ -175,6 +178,7 @@ class Engine:
             self.send(st.identity, error_reply(st.rid, "EBADF", "KV object was freed"), [])
         self.deferred.pop(oid, None)
         self.scheduler.forget(oid)
+        self.quotas.forget(oid)
         self.store.free(oid)
 
     # ------------------------------------------------------------ info
@@ -263,6 +267,18 @@ class Engine:
         cap = self.caps.issue(oid, p.check_rights(rights), None if persist else s.sid)
         return {"cap": cap.token, "rights": cap.rights, **self._stat(oid)}
 
+    def _new_object(self, oid: int, s: Session, persist: bool, rights: str = "rw") -> dict:
+        """Issue the first capability of a fresh object, charged to `s` (EDQUOT undoes)."""
+        p.check_rights(rights)
+        self.quotas.charge(oid, s, persist)
+        try:
+            self.quotas.check(oid)
+        except ProtocolError:
+            self.quotas.forget(oid)
+            self.store.free(oid)
+            raise
+        return self._issue(oid, rights, s, persist)
+
     def _stat(self, oid: int) -> dict:
         obj = self.store.get(oid)
         pages = len(obj.pages)
@@ -271,12 +287,12 @@ class Engine:
                 "last_position": self.store.last_position(obj), "model": self.runner.cfg.name}
 
     def op_kv_create(self, s, r: p.KvCreate, extra, now) -> dict:
-        return self._issue(self.store.create().oid, "rw", s, r.persist)
+        return self._new_object(self.store.create().oid, s, r.persist)
 
     def op_kv_fork(self, s, r: p.KvFork, extra, now) -> dict:
         src = self._cap(r.cap)
         p.check_rights(r.rights)
-        return self._issue(self.store.fork(src.oid).oid, r.rights, s, r.persist)
+        return self._new_object(self.store.fork(src.oid).oid, s, r.persist, r.rights)
 
     def op_kv_grant(self, s, r: p.KvGrant, extra, now) -> dict:
         src = self._cap(r.cap)
@@ -305,13 +321,13 @@ class Engine:
 
     def op_kv_extract(self, s, r: p.KvExtract, extra, now) -> dict:
         cap = self._cap(r.cap)
-        return self._issue(self.store.extract(cap.oid, r.ranges).oid, "rw", s, r.persist)
+        return self._new_object(self.store.extract(cap.oid, r.ranges).oid, s, r.persist)
 
     def op_kv_merge(self, s, r: p.KvMerge, extra, now) -> dict:
         if not r.caps:
             raise ProtocolError("EINVAL", "kv_merge needs at least one capability")
         oids = [self._cap(t).oid for t in r.caps]
-        return self._issue(self.store.merge(oids).oid, "rw", s, r.persist)
+        return self._new_object(self.store.merge(oids).oid, s, r.persist)
 
     def op_kv_export(self, s, r: p.KvExport, extra, now):
         cap = self._cap(r.cap)
@@ -322,7 +338,7 @@ class Engine:
         if len(extra) != 1:
             raise ProtocolError("EINVAL", "kv_import needs exactly one binary frame")
         obj = self.store.import_(extra[0])
-        return self._issue(obj.oid, "rw", s, r.persist)
+        return self._new_object(obj.oid, s, r.persist)
 
     # ------------------------------------------------------------ pred / generate
 
@@ -385,6 +401,7 @@ class Engine:
         st.reused = obj.length
         st.admitted_at = time.monotonic()
         try:
+            self.quotas.check(call.oid, self.store.pages_needed(call.oid, len(st.tokens)))
             self.store.reserve(call.oid, len(st.tokens))
         except ProtocolError as exc:
             self._error(st.identity, st.rid, exc)
@@ -458,6 +475,7 @@ class Engine:
             reason = "length"
         if reason is None:
             try:
+                self.quotas.check(call.oid, self.store.pages_needed(call.oid, 1))
                 self.store.reserve(call.oid, 1)
             except ProtocolError as exc:
                 reason = exc.code

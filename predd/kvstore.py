@@ -101,10 +101,8 @@ class KVStore:
         obj = self.get(oid)
         start = obj.length + obj.reserved
         ps = self.page_size
-        cow = (obj.reserved == 0 and start % ps != 0
-               and self.pool.refcount[obj.pages[start // ps]] > 1)
-        need = self._pages_for(start + n) - len(obj.pages) + int(cow)
-        fresh = self.pool.alloc(max(need, 0))
+        cow = self._needs_copy(obj)
+        fresh = self.pool.alloc(self.pages_needed(oid, n))
         if cow:
             old = obj.pages[start // ps]
             new = fresh.pop()
@@ -117,6 +115,19 @@ class KVStore:
         obj.pages.extend(fresh)
         obj.reserved += n
         return self.slots(obj, start, start + n)
+
+    def _needs_copy(self, obj: KVObject) -> bool:
+        """Whether the next write lands in a partial last page other objects hold."""
+        start = obj.length + obj.reserved
+        ps = self.page_size
+        return (obj.reserved == 0 and start % ps != 0
+                and self.pool.refcount[obj.pages[start // ps]] > 1)
+
+    def pages_needed(self, oid: int, n: int) -> int:
+        """Fresh pages `reserve(oid, n)` would take (copy-on-write included)."""
+        obj = self.get(oid)
+        grow = self._pages_for(obj.length + obj.reserved + n) - len(obj.pages)
+        return max(grow, 0) + int(self._needs_copy(obj))
 
     def commit(self, oid: int, tokens: np.ndarray, positions: np.ndarray) -> None:
         """The next len(tokens) reserved slots now hold K/V: make them entries."""

@@ -170,3 +170,46 @@ def test_client_killed_mid_pred_leaks_nothing(lip, predd):
     assert after["sessions"] <= before["sessions"]
     assert lip.fsck()["clean"]
     still_serving(lip)
+
+
+def test_quotas_are_edquot(tmp_path):
+    """--session-quota / --uid-quota: pages beyond the limit are EDQUOT, nothing is
+    half-done, and freeing makes room again."""
+    from liblip.client import Client
+    daemon = start_predd(str(tmp_path / "quota"), "--kv-pages", "64", "--session-quota", "4",
+                         "--uid-quota", "6")
+    clients = []
+    try:
+        def session(uid: int) -> Client:
+            c = Client(daemon.addr)
+            c.call("hello", uid=uid, lease_s=10.0)
+            clients.append(c)
+            return c
+
+        a = session(1000)
+        kv = a.call("kv_create")["cap"]
+        a.call("pred", cap=kv, tokens=list(range(1, 65)), outputs=[])     # 4 pages: at limit
+        with pytest.raises(LipError) as err:
+            a.call("pred", cap=kv, tokens=[7], outputs=[])
+        assert err.value.code == "EDQUOT"
+        assert a.call("kv_stat", cap=kv)["tokens"] == 64
+        with pytest.raises(LipError) as err:                               # a fork holds
+            a.call("kv_fork", cap=kv)                                      # 4 more pages
+        assert err.value.code == "EDQUOT"
+        a.call("kv_truncate", cap=kv, length=32)                           # 2 pages now
+        b = session(1000)                                                  # same uid
+        other = b.call("kv_create")["cap"]
+        b.call("pred", cap=other, tokens=list(range(1, 65)), outputs=[])   # uid: 2 + 4 = 6
+        with pytest.raises(LipError) as err:
+            a.call("pred", cap=kv, tokens=list(range(1, 17)), outputs=[])  # uid would be 7
+        assert err.value.code == "EDQUOT"
+        c = session(2000)                                                  # another uid
+        mine = c.call("kv_create")["cap"]
+        c.call("pred", cap=mine, tokens=list(range(1, 49)), outputs=[])
+        b.call("kv_free", cap=other)
+        a.call("pred", cap=kv, tokens=list(range(1, 17)), outputs=[])      # room again
+        assert a.call("fsck")["clean"]
+    finally:
+        for c in clients:
+            c.close()
+        assert daemon.stop() == 0
