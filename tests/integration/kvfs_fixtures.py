@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, die_with_parent
 
 
 def is_mounted(mount: str) -> bool:
@@ -64,7 +64,7 @@ class Kvfs:
             [sys.executable, "-m", "kvfsd", self.mount, "--predd", self.addr,
              "--state", self.state, *self.args],
             stdout=subprocess.PIPE, stderr=open(self.log, "ab"), text=True, cwd=ROOT,
-            env={**os.environ, **self.env})
+            env={**os.environ, **self.env}, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         line = ""
         while time.monotonic() < deadline:
