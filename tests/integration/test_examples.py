@@ -47,7 +47,7 @@ def pages_free(lip) -> int:
 # ---------------------------------------------------------------- 1. basic decoding
 
 def test_basic_decoding_is_greedy_generate(lip, tmp_path):
-    n = 24
+    n = 16
     proc, r = run_example("basic_decoding.py", "Write a haiku about caches.",
                           "--max-tokens", str(n), report=str(tmp_path / "r.json"))
     prompt = lip.chat_template([{"role": "user", "content": "Write a haiku about caches."}])
@@ -67,7 +67,7 @@ QUESTIONS = ["What is a cache?", "Why fork a process?", "What does rm do?"]
 
 
 def test_prefix_parallel_computes_the_system_prompt_once(kvfs, lip, tmp_path):
-    n = 12
+    n = 8
     before = computed(lip)
     _, first = run_example("prefix_parallel.py", *QUESTIONS, "--max-tokens", str(n),
                            report=str(tmp_path / "1.json"))
@@ -95,7 +95,7 @@ def test_prefix_parallel_computes_the_system_prompt_once(kvfs, lip, tmp_path):
 
 
 def test_prefix_parallel_without_kvfs(lip, tmp_path):
-    _, r = run_example("prefix_parallel.py", *QUESTIONS[:2], "--no-kvfs", "--max-tokens", "4",
+    _, r = run_example("prefix_parallel.py", *QUESTIONS[:2], "--no-kvfs", "--max-tokens", "2",
                        report=str(tmp_path / "r.json"))
     assert r["system_computed"] == r["system_tokens"]
     assert [a["first_cost"]["reused"] for a in r["answers"]] == [r["system_tokens"]] * 2
@@ -124,11 +124,10 @@ def hf_beam_search(hf_model, prompt: list[int], width: int, steps: int, eos: set
     return done + live
 
 
-@pytest.mark.parametrize("prompt", ["Name a primary color.", "Say only the word: yes"],
-                         ids=["open", "eos"])
-def test_beam_search_matches_a_reference_and_frees_pruned_beams(lip, hf_model, tmp_path,
-                                                                prompt):
-    width, steps = 3, 8
+def test_beam_search_matches_a_reference_and_frees_pruned_beams(lip, hf_model, tmp_path):
+    # a prompt whose beams finish early (at EOS) while others go on: live beams shrink
+    # and grow back, and every count of caches follows
+    prompt, width, steps = "Say only the word: yes", 3, 6
     free = pages_free(lip)
     _, r = run_example("beam_search.py", prompt, "--width", str(width),
                        "--max-tokens", str(steps), report=str(tmp_path / "r.json"))
@@ -144,8 +143,8 @@ def test_beam_search_matches_a_reference_and_frees_pruned_beams(lip, hf_model, t
         assert step["objects"] == step["live"]
     assert r["objects_at_end"] == 0
     assert pages_free(lip) == free
-    if prompt.startswith("Say"):
-        assert any(h["tokens"][-1] in lip.info()["eos_ids"] for h in r["hypotheses"])
+    assert any(h["tokens"][-1] in lip.info()["eos_ids"] for h in r["hypotheses"])
+    assert len({step["live"] for step in r["trace"]}) > 1
 
 
 # ---------------------------------------------------------------- 4. constrained JSON
@@ -352,7 +351,7 @@ def test_agent_sh_retries_from_a_fork(kvfs, lip, tmp_path):
     counter = tmp_path / "checks"
     check = (f'n=$(( $(cat {counter} 2>/dev/null || echo 0) + 1 )); echo $n > {counter}; '
              f'[ $n -ne 2 ] || {{ echo "too vague"; exit 1; }}')
-    env = example_env(AGENT_MAX_TOKENS="12", AGENT_CHECK=check)
+    env = example_env(AGENT_MAX_TOKENS="8", AGENT_CHECK=check)
     before = computed(lip)
     proc, _ = run_example("agent.sh", "conv.kv", "Name one use of a KV cache.",
                           "Say it in five words.", cwd=kvfs.mount, env=env)
@@ -377,7 +376,7 @@ def test_undo_sh_restores_the_previous_cache_on_ctrl_z(kvfs, lip):
     proc = subprocess.Popen(["sh", os.path.join(EXAMPLES, "undo.sh"), "chat.kv"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=kvfs.mount,
-                            env=example_env(LIP_ARGS="--max-tokens 8"))
+                            env=example_env(LIP_ARGS="--max-tokens 4"))
     err = LineReader(proc.stderr)
     try:
         proc.stdin.write("Hi\n")
