@@ -9,6 +9,7 @@ session's lease alive, and fails every waiting call with EIO when predd is unrea
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import queue
@@ -52,8 +53,13 @@ class Client:
         self._closed = False
         self._thread = threading.Thread(target=self._io, name="liblip-io", daemon=True)
         self._thread.start()
-        self.session = self.call("hello", client=name or os.path.basename(sys.argv[0] or "lip"),
-                                 pid=os.getpid(), uid=os.getuid(), lease_s=lease_s)
+        try:
+            self.session = self.call("hello", pid=os.getpid(), uid=os.getuid(),
+                                     client=name or os.path.basename(sys.argv[0] or "lip"),
+                                     lease_s=lease_s)
+        except BaseException:
+            self._shutdown()   # no I/O thread or context left behind
+            raise
 
     # ------------------------------------------------------------ calling
 
@@ -119,6 +125,9 @@ class Client:
             self.call("bye", timeout=2.0)
         except LipError:
             pass
+        self._shutdown()
+
+    def _shutdown(self) -> None:
         self._closed = True
         with self._push_lock:
             self._push.send_multipart([b""])   # wakes the I/O thread to stop
@@ -131,6 +140,10 @@ class Client:
     def _io(self) -> None:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        # Queue only to a live predd: a request must never reach a later predd at the
+        # same address after its caller was told EIO (it could create an orphan there).
+        dealer.setsockopt(zmq.IMMEDIATE, 1)
+        outbox: collections.deque[list] = collections.deque()
         monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         dealer.connect(self.addr)
         poller = zmq.Poller()
@@ -142,7 +155,7 @@ class Client:
         connected = False
         ping_rid = -1
         while True:
-            events = dict(poller.poll(ping_every * 1e3 / 2))
+            events = dict(poller.poll(20 if outbox else ping_every * 1e3 / 2))
             now = time.monotonic()
             if self._pull in events:
                 while True:
@@ -156,8 +169,14 @@ class Client:
                         dealer.close(0)
                         self._pull.close(0)
                         return
-                    dealer.send_multipart(frames, copy=False)
-                    last_sent = now
+                    outbox.append(frames)
+            while outbox:
+                try:
+                    dealer.send_multipart(outbox[0], zmq.NOBLOCK, copy=False)
+                except zmq.Again:   # not connected (yet): retry, or fail below
+                    break
+                outbox.popleft()
+                last_sent = now
             if dealer in events:
                 while True:
                     try:
@@ -175,11 +194,15 @@ class Client:
                     connected = event == zmq.EVENT_CONNECTED
                     last_heard = down_since = now
             if now - last_sent >= ping_every:
-                dealer.send_multipart([encode_request("ping", ping_rid, {})])
+                try:
+                    dealer.send_multipart([encode_request("ping", ping_rid, {})], zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
                 last_sent = now
             if not self._waiting:
                 continue
             if not connected and now - down_since > self.dead_after_s:
+                outbox.clear()
                 self._fail_all(LipError("EIO", f"predd at {self.addr} is unreachable"))
             elif connected and now - last_heard > self.silent_after_s:
                 self._fail_all(LipError("EIO", f"predd at {self.addr} is not answering "
