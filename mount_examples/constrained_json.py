@@ -24,7 +24,6 @@ import random
 import threading
 
 import llguidance
-import numpy as np
 
 import liblip as lip
 from common import chat, eos_ids, fail, info, write_report
