@@ -123,15 +123,14 @@ def generate_json(tok: llguidance.LLTokenizer, grammar: str, prompt_kv: lip.KV,
             if not matcher.consume_token(s.token):
                 raise RuntimeError(f"token {s.token} refused: {matcher.get_error()}")
             out.append(s.token)
-            if matcher.is_stopped():               # the grammar accepted EOS: done
+            ff = [] if matcher.is_stopped() else matcher.compute_ff_tokens()
+            if ff and not matcher.consume_tokens(ff):   # tokens the grammar forces
+                raise RuntimeError(f"forced tokens refused: {matcher.get_error()}")
+            out += ff
+            forced += len(ff)
+            if matcher.is_stopped():               # only EOS is left: the JSON is done
                 break
-            ff = matcher.compute_ff_tokens()      # tokens the grammar forces, if any
-            if ff and matcher.consume_tokens(ff):
-                out += ff
-                forced += len(ff)
-            pending = out[-1 - len(ff):] if ff else [s.token]
-            if matcher.is_stopped():
-                break
+            pending = [s.token] + ff
     finally:
         lip.kv_close(kv)
     text = lip.detokenize([t for t in out if t not in eos_ids()])
