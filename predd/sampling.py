@@ -19,8 +19,11 @@ def mask_tensor(mask: list[int] | bytes | None, vocab: int) -> torch.Tensor | No
     if mask is None:
         return None
     if isinstance(mask, bytes):
-        if len(mask) != (vocab + 7) // 8:
-            raise ProtocolError("EINVAL", f"mask: bitmask must be {(vocab + 7) // 8} bytes")
+        # ceil(vocab/8) bytes; padding to whole 32-bit words (as grammar engines emit
+        # them) is accepted and ignored.
+        if not (vocab + 7) // 8 <= len(mask) <= (vocab + 31) // 32 * 4:
+            raise ProtocolError("EINVAL", f"mask: bitmask must be {(vocab + 7) // 8} bytes "
+                                "(or padded to whole 32-bit words)")
         bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab]
         allowed = torch.from_numpy(bits.astype(bool))
     else:

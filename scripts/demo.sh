@@ -84,8 +84,8 @@ EOF
 
 step "workflow 10: a shell agent (cp forks + lip chat) and undo with mv"
 cd "$MNT"
-[ ! -f "$ROOT/mount_examples/agent.sh" ] || sh "$ROOT/mount_examples/agent.sh" demo-agent.kv "Name one use of a KV cache." "Say it in five words."
-[ ! -f "$ROOT/mount_examples/undo.sh" ] || sh "$ROOT/mount_examples/undo.sh" demo-undo.kv
+sh "$ROOT/mount_examples/agent.sh" demo-agent.kv "Name one use of a KV cache." "Say it in five words."
+LIP_ARGS="--max-tokens 24" sh "$ROOT/mount_examples/undo.sh" demo-undo.kv "Hi" "Tell me a joke" /undo </dev/null
 cd "$ROOT"
 
 step "the KV file system: ls -l, du -h, df -h, getfattr -d"

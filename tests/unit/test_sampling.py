@@ -54,9 +54,14 @@ def test_bitmask_bits_past_the_vocab_are_ignored():
     assert code(lambda: sampling.mask_tensor(b"\x00\xfc", V)) == "EINVAL"
 
 
-@pytest.mark.parametrize("mask", [b"", b"\x01", b"\x01\x00\x00", b"\xff" * 8])
+@pytest.mark.parametrize("mask", [b"", b"\x01", b"\x01\x00\x00\x00\x00", b"\xff" * 8])
 def test_bitmask_of_the_wrong_size_is_einval(mask):
     assert code(lambda: sampling.mask_tensor(mask, V)) == "EINVAL"
+
+
+@pytest.mark.parametrize("mask", [b"\x04\x00\x00", b"\x04\x00\xff\xff"])
+def test_bitmask_padded_to_32_bit_words_is_accepted(mask):
+    assert allowed_ids(sampling.mask_tensor(mask, V)) == [2]
 
 
 @pytest.mark.parametrize("mask", [[], b"\x00\x00"])
