@@ -6,7 +6,9 @@ Only liblip is imported: an example is an ordinary process that needs no torch.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
 from collections.abc import Sequence
 
 import liblip as lip
@@ -97,3 +99,20 @@ def write_report(path: str | None, report: dict) -> None:
 def fail(message: str) -> None:
     print(f"{sys.argv[0]}: {message}", file=sys.stderr)
     sys.exit(1)
+
+
+def run_threads(work, count: int) -> None:
+    """work(i) for i in range(count), one thread each (the paper's branch per thread)."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def load_docs(folder: str | None, default: dict[str, str]) -> dict[str, str]:
+    """NAME -> text of the NAME.txt files in `folder`, or `default` without one."""
+    if not folder:
+        return default
+    return {f[:-4]: open(os.path.join(folder, f)).read().strip()
+            for f in sorted(os.listdir(folder)) if f.endswith(".txt")}

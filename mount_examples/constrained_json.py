@@ -21,12 +21,11 @@ import importlib.util
 import json
 import os
 import random
-import threading
 
 import llguidance
 
 import liblip as lip
-from common import chat, eos_ids, fail, info, write_report
+from common import chat, eos_ids, fail, info, run_threads, write_report
 
 SCHEMA = {
     "type": "object",
@@ -163,11 +162,7 @@ def main() -> None:
         results[i] = generate_json(tok, grammar, prompt_kv, prompt[-1], args.seed + i,
                                    args.temperature, args.max_tokens)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(args.runs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(run, args.runs)
     lip.kv_close(prompt_kv)
     if not all(results):
         fail("a run failed")

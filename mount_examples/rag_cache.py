@@ -19,7 +19,7 @@ import re
 import time
 
 import liblip as lip
-from common import chat, greedy, strip_eos, system_prefix, write_report
+from common import chat, greedy, load_docs, strip_eos, system_prefix, write_report
 
 DOCS = {
     "paris": "Paris is the capital and largest city of France. It lies on the Seine "
@@ -119,10 +119,7 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=8)
     ap.add_argument("--report")
     args = ap.parse_args()
-    docs = DOCS
-    if args.docs:
-        docs = {f[:-4]: open(os.path.join(args.docs, f)).read().strip()
-                for f in sorted(os.listdir(args.docs)) if f.endswith(".txt")}
+    docs = load_docs(args.docs, DOCS)
     root = args.dir if os.path.isabs(args.dir) else os.path.join(
         os.environ.get("KVFS_MOUNT", "/mnt/kvfs"), args.dir)
     cache = DocCache(root, args.budget)

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import ast
 import operator
-import os
 import re
 
 import liblip as lip
-from common import GREEDY, eos_ids, write_report
+from common import GREEDY, eos_ids, load_docs, write_report
 
 SYSTEM = """Answer the question by thinking step by step and using tools.
 Tools: calc[expression] computes arithmetic; lookup[topic] reads a document;
@@ -137,10 +136,7 @@ def main() -> None:
     ap.add_argument("--docs", help="a directory of NAME.txt documents for lookup")
     ap.add_argument("--report")
     args = ap.parse_args()
-    docs = DOCS
-    if args.docs:
-        docs = {f[:-4]: open(os.path.join(args.docs, f)).read().strip()
-                for f in sorted(os.listdir(args.docs)) if f.endswith(".txt")}
+    docs = load_docs(args.docs, DOCS)
 
     options = {t: lip.tokenize(f" {t}[") for t in TOOLS}
     agent = Agent()

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import threading
 from functools import lru_cache
 
 import numpy as np
 
 import liblip as lip
-from common import chat, eos_ids, info, write_report
+from common import chat, eos_ids, info, run_threads, write_report
 
 KEY = 15485863   # the paper's hash key (a prime)
 
@@ -87,11 +86,7 @@ def cmd_generate(args) -> None:
         body = [t for t in tokens[i] if t not in eos_ids()]
         texts[i] = lip.detokenize(body)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(args.runs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(run, args.runs)
     lip.kv_close(prompt_kv)
     for i, text in enumerate(texts):
         if args.out:
