@@ -113,6 +113,13 @@ class Distribution:
         return int(rng.choice(p.size, p=p))
 
 
+class Generated(list):
+    """The ids `generate` produced (a plain list of ints), plus what predd said of the
+    run: `finish_reason` ("stop", "length" or an errno name) and `cost`."""
+    finish_reason: str = ""
+    cost: dict = {}
+
+
 @dataclass
 class Sampled:
     """Server-side sampling result: the token at the last requested output, and all."""
@@ -348,11 +355,15 @@ def generate_stream(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
 
 def generate(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
              stop: Sequence[int | str] | None = None, sample: dict | None = None,
-             ignore_eos: bool = False) -> list[int]:
+             ignore_eos: bool = False) -> Generated:
     """Greedy (or `sample`d) completion inside predd; stops at EOS, a stop token or
-    text, or max_tokens. Returns the generated ids (a stop token included)."""
+    text, or max_tokens. Returns the generated ids (a stop token included) as a list
+    that also carries `.finish_reason` and `.cost`."""
     fields = _generate_fields(kv, tokens, max_tokens, stop, sample, ignore_eos)
-    return client().call("generate", stream=False, **fields)["tokens"]
+    reply = client().call("generate", stream=False, **fields)
+    out = Generated(reply["tokens"])
+    out.finish_reason, out.cost = reply.get("finish_reason", ""), reply.get("cost", {})
+    return out
 
 
 _info: dict | None = None

@@ -81,6 +81,9 @@ def test_generate_stops_at_eos(lip, hf_model):
     first_eos = next(i for i, t in enumerate(expected) if t in eos)
     out = lip.generate(lip.kv_create(), prompt, max_tokens=48)
     assert out == expected[: first_eos + 1]
+    assert out.finish_reason == "stop" and out.cost["computed"] == len(prompt) + first_eos
+    capped = lip.generate(lip.kv_create(), prompt, max_tokens=1)
+    assert capped.finish_reason == "length" and capped == expected[:1]
 
 
 def test_server_side_sampling_and_topk(lip):
