@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
