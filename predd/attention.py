@@ -54,7 +54,8 @@ class TorchAttention:
                 rows[i, : len(s.ctx_slots)] = cache.rows(s.ctx_slots)
                 valid[i, : len(s.ctx_slots)] = True
             single_q = torch.tensor([s.q_start for s in single], device=dev)
-            single_rows = torch.from_numpy(rows).to(dev)
+            single_shape = (len(single), lmax, *cache.flat(0).shape[1:])   # [B, L, Hkv, D]
+            single_rows = torch.from_numpy(rows.reshape(-1)).to(dev)
             single_pad = torch.from_numpy(~valid).to(dev)[:, None, None, :]   # [B,1,1,L]
 
         multi_parts = []
@@ -75,13 +76,15 @@ class TorchAttention:
             flat.index_copy_(0, new_rows + ps, v)
             out = torch.empty_like(q)                      # [T, H, D]
             if single:
+                # index_select, not flat[rows]: ~8x faster on CPU for this gather
+                ks = flat.index_select(0, single_rows).view(single_shape)
+                vs = flat.index_select(0, single_rows + ps).view(single_shape)
                 out.index_copy_(0, single_q, self._decode(
-                    q.index_select(0, single_q), flat[single_rows], flat[single_rows + ps],
-                    single_pad))
+                    q.index_select(0, single_q), ks, vs, single_pad))
             for start, n, rows_t, mask in multi_parts:
                 qm = q[start:start + n].transpose(0, 1)[None]             # [1, H, n, D]
-                km = flat[rows_t].transpose(0, 1)[None]                   # [1, Hkv, L, D]
-                vm = flat[rows_t + ps].transpose(0, 1)[None]
+                km = flat.index_select(0, rows_t).transpose(0, 1)[None]   # [1, Hkv, L, D]
+                vm = flat.index_select(0, rows_t + ps).transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qm, km, vm, attn_mask=mask,
                                                    is_causal=mask is None, enable_gqa=True)
                 out[start:start + n] = o[0].transpose(0, 1)
