@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")
     ap.add_argument("--rundir", help="runtime directory (default $SYMPHONY_RUNDIR)")
-    ap.add_argument("--max-step-tokens", type=int, default=512,
+    ap.add_argument("--max-step-tokens", type=int, default=2048,
                     help="token budget of one forward pass (chunked prefill)")
     ap.add_argument("--max-batch", type=int, default=64, help="calls per forward pass")
     ap.add_argument("--lease", type=float, default=10.0,

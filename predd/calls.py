@@ -35,6 +35,7 @@ class CallState:
     # results and cost
     logits: list[torch.Tensor] = field(default_factory=list)
     generator: torch.Generator | None = None
+    picked: tuple[int, float] | None = None
     arrival: float = 0.0
     admitted_at: float = 0.0
     reused: int = 0
@@ -78,6 +79,9 @@ class CallState:
         return head, [data.tobytes()]
 
     def next_token(self) -> tuple[int, float]:
+        if self.picked is not None:   # chosen in a batch with the step's other calls
+            picked, self.picked = self.picked, None
+            return picked
         row = sampling.apply_mask(self.logits.pop()[0], self.allowed)
         params = self.sample or SampleParams(temperature=0.0)
         return sampling.sample(row, params, self.generator)

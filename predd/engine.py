@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 import traceback
+
+import torch
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -367,14 +369,31 @@ class Engine(KVOps):
             self.store.commit(call.oid, chunk.tokens, chunk.positions)
             if len(logits):
                 st.logits.append(logits)
-            if item.completes and self._finish_chunk(call, st):
-                finished.add(call.cid)
+        self._pick_greedy([i.call.payload for i in plan.items if i.completes])
+        for item in plan.items:
+            if item.completes and self._finish_chunk(item.call, item.call.payload):
+                finished.add(item.call.cid)
         c = self.counters
         c.steps += 1
         c.calls += len(plan.items)
         c.tokens_computed += plan.num_tokens
         c.step_s += elapsed
         self.scheduler.update(plan, finished, time.monotonic(), elapsed)
+
+    @staticmethod
+    def _pick_greedy(states: list[CallState]) -> None:
+        """The next token of every greedy, unmasked generate in one batched op (the
+        same argmax and logprob `sampling.sample` gives, without 32 small calls)."""
+        greedy = [st for st in states if st.op == "generate" and st.allowed is None
+                  and (st.sample is None or st.sample.temperature < sampling.MIN_TEMPERATURE)]
+        if not greedy:
+            return
+        rows = torch.cat([st.logits.pop() for st in greedy])          # [k, V]
+        logprobs = torch.log_softmax(rows, dim=-1)
+        tokens = torch.argmax(rows, dim=-1)
+        picked = logprobs.gather(1, tokens[:, None])[:, 0]
+        for st, token, lp in zip(greedy, tokens.tolist(), picked.tolist()):
+            st.picked = (token, lp)
 
     def _finish_chunk(self, call: Call, st: CallState) -> bool:
         """A call's known tokens are computed; reply, or extend a generate. Done?"""

@@ -22,7 +22,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    token_budget: int = 512
+    token_budget: int = 2048   # as vLLM's max_num_batched_tokens default
     max_batch: int = 64
     wait_factor: float = 0.3
     max_wait_s: float = 0.02

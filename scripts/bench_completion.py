@@ -5,7 +5,9 @@
   (b) pred_sample  — `pred` with server-side (greedy) sampling: only the token returns
   (c) generate     — predd's own decode loop, streaming
 against transformers' batched greedy `generate` on the same prompts and dtype, in the
-same run. Prints one `RESULT {...}` line per comparison (ratios, not timed asserts).
+same run. Each side is timed `--repeat` times (default 3) and the best runs are
+compared, since shared hosts are noisy. Prints one `RESULT {...}` line per comparison
+(ratios, not timed asserts).
 
     python scripts/bench_completion.py [--programs 32] [--new-tokens 64] [--dtype bfloat16]
 """
@@ -73,7 +75,9 @@ def run_symphony(mode: str, addr: str, prompts: list[list[int]], n_new: int) -> 
     return elapsed, results
 
 
-def run_transformers(prompts: list[list[int]], n_new: int, dtype: str) -> tuple[float, list]:
+def run_transformers(prompts: list[list[int]], n_new: int, dtype: str,
+                     repeat: int) -> tuple[float, list]:
+    """The best of `repeat` timed runs (after a warm-up), and the generated ids."""
     import torch
     import transformers
     from predd.loader import default_model_path, load_weights
@@ -99,11 +103,14 @@ def run_transformers(prompts: list[list[int]], n_new: int, dtype: str) -> tuple[
     with torch.inference_mode():
         model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=4,
                        do_sample=False, pad_token_id=2, eos_token_id=None)   # warm-up
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n_new, do_sample=False,
-                             pad_token_id=2, eos_token_id=None)
-        elapsed = time.perf_counter() - t0
-    return elapsed, out[:, width:].tolist()
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n_new,
+                                 do_sample=False, pad_token_id=2, eos_token_id=None)
+            times.append(time.perf_counter() - t0)
+    print(f"bench: transformers: {' '.join(f'{t:.2f}s' for t in times)}", file=sys.stderr)
+    return min(times), out[:, width:].tolist()
 
 
 def main() -> int:
@@ -112,6 +119,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--modes", default="pred_loop,pred_sample,generate")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed runs per side; the best of each is compared (noisy hosts)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tests.conftest import start_predd
@@ -130,24 +139,26 @@ def main() -> int:
         results = {}
         for mode in args.modes.split(","):
             run_symphony(mode, daemon.addr, prompts[:4], 4)                  # warm-up
-            lip.connect(daemon.addr)
-            before = lip.stats()
-            lip.client().close()
-            elapsed, outs = run_symphony(mode, daemon.addr, prompts, args.new_tokens)
-            lip.connect(daemon.addr)
-            after = lip.stats()
-            lip.client().close()
-            steps = after["steps"] - before["steps"]
-            batch = (after["calls"] - before["calls"]) / max(steps, 1)
-            results[mode] = (elapsed, outs)
-            print(f"bench: {mode}: {elapsed:.2f}s, {steps} steps, mean batch {batch:.1f}, "
-                  f"step time {(after['step_ms'] - before['step_ms']) / max(steps, 1):.1f} ms, "
-                  f"launch wait {after['launch_wait_ms'] - before['launch_wait_ms']:.0f} ms",
-                  file=sys.stderr, flush=True)
+            for _ in range(args.repeat):
+                lip.connect(daemon.addr)
+                before = lip.stats()
+                lip.client().close()
+                elapsed, outs = run_symphony(mode, daemon.addr, prompts, args.new_tokens)
+                lip.connect(daemon.addr)
+                after = lip.stats()
+                lip.client().close()
+                steps = after["steps"] - before["steps"]
+                batch = (after["calls"] - before["calls"]) / max(steps, 1)
+                if mode not in results or elapsed < results[mode][0]:
+                    results[mode] = (elapsed, outs)
+                print(f"bench: {mode}: {elapsed:.2f}s, {steps} steps, mean batch {batch:.1f}, "
+                      f"step time {(after['step_ms'] - before['step_ms']) / max(steps, 1):.1f}"
+                      f" ms, launch wait {after['launch_wait_ms'] - before['launch_wait_ms']:.0f}"
+                      " ms", file=sys.stderr, flush=True)
     finally:
         daemon.stop()
     print("bench: transformers batched generate ...", file=sys.stderr, flush=True)
-    base_s, base_out = run_transformers(prompts, args.new_tokens, args.dtype)
+    base_s, base_out = run_transformers(prompts, args.new_tokens, args.dtype, args.repeat)
     total = args.programs * args.new_tokens
     base_tps = total / base_s
     hw = f"{platform.machine()} {os.cpu_count()} cpu"
