@@ -38,13 +38,8 @@ class Timeouts:
     poll_s: float = 1.0         # stats poll period (restart detection, deferred frees)
 
 
-class PreddError(Exception):
+class PreddError(LipError):
     """A failed predd call; `.code` is the errno name predd (or liblip) gave."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
     @property
     def errno(self) -> int:
@@ -67,16 +62,14 @@ class Backend:
 
     # ------------------------------------------------------------ connection
 
-    def _make_client(self) -> Client:
-        """A Client even when predd is down: its I/O thread reconnects by itself, and
-        `hello` is sent again whenever a (new) predd answers."""
-        client = Client.__new__(Client)
+    def _make_client(self) -> Client | None:
+        """A connected Client, or None when predd did not answer `hello` (a failed
+        Client leaves nothing behind; `poll` calls `connect` again later)."""
         try:
-            client.__init__(self.addr, lease_s=30.0, name="kvfsd",
-                            dead_after_s=self.t.dead_after_s)
+            return Client(self.addr, lease_s=30.0, name="kvfsd",
+                          dead_after_s=self.t.dead_after_s)
         except LipError:
-            pass
-        return client
+            return None
 
     async def connect(self) -> bool:
         """Make the client, unless predd's endpoint refuses connections (then kvfsd
@@ -85,7 +78,7 @@ class Backend:
             if await trio.to_thread.run_sync(_endpoint_accepts, self.addr) is False:
                 return False
             self.client = await trio.to_thread.run_sync(self._make_client)
-        return True
+        return self.client is not None
 
     def close(self) -> None:
         if self.client is not None:
