@@ -158,10 +158,10 @@ def _gguf_config(path: str, fields: dict[str, Any], tensor_names: set[str]) -> M
 def _load_gguf(
     path: str, dtype: torch.dtype, progress: Progress
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    import gguf
     from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(path)
+    from predd import gguffile
+    reader = gguffile.reader(path)
     fields = {
         k: f.contents() for k, f in reader.fields.items() if k != "tokenizer.ggml.merges"
     }

@@ -135,9 +135,9 @@ def _gguf_pre_tokenizer(pre: str | None) -> Any:
 
 
 def _load_gguf(path: str) -> Tokenizer:
-    import gguf
+    from predd import gguffile
 
-    fields = gguf.GGUFReader(path).fields
+    fields = gguffile.reader(path).fields
 
     def field(name: str, default: Any = None) -> Any:
         return fields[name].contents() if name in fields else default
