@@ -123,7 +123,7 @@ class Engine(KVOps):
             queue = self.deferred.pop(oid)
             while queue:
                 identity, req, extra = queue.pop(0)
-                session = self.sessions.get(self._session_of(identity))
+                session = self.sessions.of_identity(identity)
                 if session is None:
                     continue
                 try:
@@ -133,10 +133,6 @@ class Engine(KVOps):
                 if self.scheduler.busy(oid) and queue:
                     self.deferred.setdefault(oid, [])[:0] = queue
                     break
-
-    def _session_of(self, identity: bytes) -> int:
-        s = self.sessions._by_identity.get(identity)
-        return s.sid if s else -1
 
     def _cap(self, token: str, write: bool = False) -> Capability:
         return self.caps.lookup(token, write)

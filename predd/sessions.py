@@ -49,6 +49,9 @@ class Sessions:
         session.last_seen = now
         return session
 
+    def of_identity(self, identity: bytes) -> Session | None:
+        return self._by_identity.get(identity)
+
     def get(self, sid: int) -> Session | None:
         return self._by_sid.get(sid)
 
