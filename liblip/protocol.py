@@ -46,6 +46,7 @@ class Hello(Request):
     pid: int = 0
     uid: int = -1
     lease_s: float = 10.0
+    token: str = ""          # tcp:// clients: the secret that names their uid
     op: ClassVar[str] = "hello"
 
 
@@ -103,6 +104,7 @@ class ChatTemplate(Request):
 @dataclass
 class KvCreate(Request):
     persist: bool = False
+    owner: int | None = None   # charge to this uid (trusted peers only: kvfsd)
     op: ClassVar[str] = "kv_create"
 
 
@@ -111,6 +113,7 @@ class KvFork(Request):
     cap: str = ""
     rights: str = "rw"
     persist: bool = False
+    owner: int | None = None   # charge to this uid (trusted peers only: kvfsd)
     op: ClassVar[str] = "kv_fork"
 
 
@@ -155,6 +158,7 @@ class KvExtract(Request):
     cap: str = ""
     ranges: list[list[int]] = field(default_factory=list)
     persist: bool = False
+    owner: int | None = None   # charge to this uid (trusted peers only: kvfsd)
     op: ClassVar[str] = "kv_extract"
 
 
@@ -162,6 +166,7 @@ class KvExtract(Request):
 class KvMerge(Request):
     caps: list[str] = field(default_factory=list)
     persist: bool = False
+    owner: int | None = None   # charge to this uid (trusted peers only: kvfsd)
     op: ClassVar[str] = "kv_merge"
 
 
@@ -175,6 +180,7 @@ class KvExport(Request):
 class KvImport(Request):
     """Followed by one binary frame: the bytes `kv_export` returned."""
     persist: bool = False
+    owner: int | None = None   # charge to this uid (trusted peers only: kvfsd)
     op: ClassVar[str] = "kv_import"
 
 
