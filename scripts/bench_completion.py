@@ -9,7 +9,7 @@ same run. Each side is timed `--repeat` times (default 3) and the best runs are
 compared, since shared hosts are noisy. Prints one `RESULT {...}` line per comparison
 (ratios, not timed asserts).
 
-    python scripts/bench_completion.py [--programs 32] [--new-tokens 64] [--dtype bfloat16]
+    python scripts/bench_completion.py [--programs 32] [--new-tokens 64] [--dtype auto]
 """
 from __future__ import annotations
 
@@ -117,13 +117,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--programs", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="auto: the machine's best (predd.dtype); both sides use it")
     ap.add_argument("--modes", default="pred_loop,pred_sample,generate")
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed runs per side; the best of each is compared (noisy hosts)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from predd import dtype
     from tests.conftest import start_predd
+    args.dtype, why = dtype.resolve(args.dtype, "cpu")
+    flags = sorted(f for f in dtype.cpu_flags() if f.startswith(("avx", "amx")))
+    print(f"bench: dtype {args.dtype} ({why}); CPU flags: {' '.join(flags)}",
+          file=sys.stderr, flush=True)
     rundir = tempfile.mkdtemp(prefix="symphony-bench-")
     print(f"bench: starting predd ({args.dtype}) ...", file=sys.stderr, flush=True)
     daemon = start_predd(rundir, "--dtype", args.dtype, "--kv-pages", "1024",

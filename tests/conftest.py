@@ -40,7 +40,10 @@ def die_with_parent() -> None:
 
 def start_predd(rundir: str, *args: str, env: dict | None = None,
                 timeout: float = 120.0) -> Daemon:
-    """Start `python -m predd` and wait for its `ready <addr>` line."""
+    """Start `python -m predd` and wait for its `ready <addr>` line. float32 unless the
+    caller names a dtype: tests compare with transformers' float32 logits and tokens."""
+    if "--dtype" not in args:
+        args = ("--dtype", "float32", *args)
     os.makedirs(rundir, exist_ok=True)
     log = os.path.join(rundir, "predd.log")
     proc = subprocess.Popen(
