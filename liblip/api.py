@@ -331,13 +331,14 @@ def prefill(kv: KV, tokens: Sequence[int]) -> dict:
 
 
 def _generate_fields(kv: KV, tokens, max_tokens, stop, sample, ignore_eos) -> dict:
-    stop = list(stop or [])
-    ids = [s for s in stop if isinstance(s, int)]
-    texts = [s for s in stop if isinstance(s, str)]
-    fields = {"cap": kv.cap, "tokens": [int(t) for t in tokens], "max_tokens": max_tokens,
-              "stop_text": texts}
-    if ids or ignore_eos:
-        fields["stop"] = ids + ([] if ignore_eos else info_cached()["eos_ids"])
+    """One meaning for `stop`, here and on the wire: None = the model's EOS ids (none
+    with ignore_eos); a list = exactly its token ids and strings, so [] = never stop early."""
+    fields = {"cap": kv.cap, "tokens": [int(t) for t in tokens], "max_tokens": max_tokens}
+    if stop is not None:
+        fields["stop"] = [s for s in stop if isinstance(s, int)]
+        fields["stop_text"] = [s for s in stop if isinstance(s, str)]
+    elif ignore_eos:
+        fields["stop"] = []
     if sample is not None:
         fields["sample"] = sample
     return fields
@@ -356,8 +357,8 @@ def generate_stream(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
 def generate(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
              stop: Sequence[int | str] | None = None, sample: dict | None = None,
              ignore_eos: bool = False) -> Generated:
-    """Greedy (or `sample`d) completion inside predd; stops at EOS, a stop token or
-    text, or max_tokens. Returns the generated ids (a stop token included) as a list
+    """Greedy (or `sample`d) completion inside predd; stops at max_tokens or at `stop`
+    (None: the model's EOS ids; a list: exactly those token ids and strings). Returns the generated ids (a stop token included) as a list
     that also carries `.finish_reason` and `.cost`."""
     fields = _generate_fields(kv, tokens, max_tokens, stop, sample, ignore_eos)
     reply = client().call("generate", stream=False, **fields)

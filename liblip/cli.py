@@ -103,7 +103,7 @@ def cmd_chat(args) -> int:
 def cmd_generate(args) -> int:
     path = resolve(args.file)
     with lip.kv_open(path, write=True) as kv:
-        stop = args.stop or None
+        stop = [*lip.info()["eos_ids"], *args.stop] if args.stop else None
         out = _stream_text(lip.generate_stream(kv, [], args.max_tokens, stop=stop,
                                                sample=_sample_args(args)))
         sys.stdout.write("\n")
