@@ -115,9 +115,14 @@ class Distribution:
 
 class Generated(list):
     """The ids `generate` produced (a plain list of ints), plus what predd said of the
-    run: `finish_reason` ("stop", "length" or an errno name) and `cost`."""
-    finish_reason: str = ""
-    cost: dict = {}
+    run: each id's `logprobs`, `finish_reason` ("stop", "length" or an errno name) and
+    `cost`."""
+
+    def __init__(self, ids=()) -> None:
+        super().__init__(ids)
+        self.logprobs: list[float] = []
+        self.finish_reason = ""
+        self.cost: dict = {}
 
 
 @dataclass
@@ -346,12 +351,20 @@ def _generate_fields(kv: KV, tokens, max_tokens, stop, sample, ignore_eos) -> di
 
 def generate_stream(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
                     stop: Sequence[int | str] | None = None, sample: dict | None = None,
-                    ignore_eos: bool = False) -> Iterator[int]:
+                    ignore_eos: bool = False, out: Generated | None = None) -> Iterator[int]:
     """Tokens as predd's loop produces them. The cache ends as a pred loop leaves it:
-    every generated token but the last is appended."""
+    every generated token but the last is appended. `out`, when given, collects the
+    ids, their logprobs and, once the stream ends, finish_reason and cost."""
     fields = _generate_fields(kv, tokens, max_tokens, stop, sample, ignore_eos)
     for reply in client().stream("generate", stream=True, **fields):
-        yield from reply.get("tokens", [])
+        ids = reply.get("tokens", [])
+        if out is not None:
+            out.extend(ids)
+            out.logprobs.extend(reply.get("logprobs", []))
+            if not reply.get("more"):
+                out.finish_reason = reply.get("finish_reason", "")
+                out.cost = reply.get("cost", {})
+        yield from ids
 
 
 def generate(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
@@ -363,6 +376,7 @@ def generate(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
     fields = _generate_fields(kv, tokens, max_tokens, stop, sample, ignore_eos)
     reply = client().call("generate", stream=False, **fields)
     out = Generated(reply["tokens"])
+    out.logprobs = list(reply.get("logprobs", []))
     out.finish_reason, out.cost = reply.get("finish_reason", ""), reply.get("cost", {})
     return out
 

@@ -1,0 +1,147 @@
+"""The ASGI app: FastAPI routes over the gateway's parts, auth, errors, health, metrics.
+
+Every route answers errors in one shape (errors.py) and counts itself in
+`symphony_http_requests_total{route,method,status}` — the route template
+(`/v1/runs/{run_id}`), never the raw path. Auth: with API keys, every /v1 route needs
+`Authorization: Bearer KEY`; without keys the server is loopback-only and every caller
+is `anonymous` (one unprivileged uid). /health and /metrics need no key.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import liblip as lip
+from gatewayd.errors import ApiError, error_body
+from gatewayd.keys import ApiKeys, Caller
+from gatewayd.meter import Meter
+from gatewayd.metrics import Metrics
+from gatewayd.openai_bridge import OpenAIBridge
+from gatewayd.programs import Programs
+from gatewayd.runs import Runs
+
+MAX_BODY = (1 << 20) + (1 << 18)   # 1 MiB of stdin, or an upload, with JSON headroom
+
+
+@dataclass
+class Gateway:
+    """Everything a route needs; one per server."""
+    mount: str
+    rundir: str
+    keys: ApiKeys | None
+    anonymous: Caller
+    programs: Programs
+    runs: Runs
+    bridge: OpenAIBridge
+    meter: Meter
+    metrics: Metrics
+    allow_uploads: bool
+    log: object
+
+    def caller(self, request: Request) -> Caller:
+        if self.keys is None:
+            return self.anonymous
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        found = self.keys.lookup(key.strip()) if scheme.lower() == "bearer" and key else None
+        if found is None:
+            raise ApiError(401, "invalid_api_key", "a valid API key is needed: send "
+                           "`Authorization: Bearer KEY`")
+        return found
+
+
+async def json_body(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise ApiError(413, "EFBIG", f"the request body is over {MAX_BODY} bytes")
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        raise ApiError(400, "EINVAL", "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "EINVAL", "the request body must be a JSON object")
+    return body
+
+
+class HttpMetrics:
+    """Pure ASGI middleware (streams pass through untouched): counts every response by
+    route template, method and status when its headers go out."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                path = getattr(route, "path", None) or "unmatched"
+                self.metrics.http.labels(path, scope["method"], str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def create_app(gw: Gateway) -> FastAPI:
+    from gatewayd.openai_api import router as openai_router
+    from gatewayd.runs_api import router as runs_router
+
+    app = FastAPI(title="Symphony gateway", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.gw = gw
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        gw.metrics.errors.labels(exc.code).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc):
+        gw.metrics.errors.labels("ENOENT").inc()
+        return JSONResponse(error_body(404, "ENOENT", f"no route {request.url.path}"), 404)
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, exc):
+        gw.metrics.errors.labels("EINVAL").inc()
+        return JSONResponse(error_body(405, "EINVAL", f"{request.method} is not allowed on "
+                                       f"{request.url.path}"), 405)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):
+        code = exc.code if isinstance(exc, lip.LipError) else "EIO"
+        gw.metrics.errors.labels(code).inc()
+        gw.log(f"{request.method} {request.url.path}: {exc!r}")
+        return JSONResponse(error_body(500, code, f"internal error: {exc}"), 500)
+
+    @app.get("/health")
+    async def health():
+        async def predd_ok() -> bool:
+            try:
+                await asyncio.to_thread(lip.client().call, "ping", timeout=2.0)
+                return True
+            except lip.LipError:
+                return False
+        parts = {"predd": await predd_ok(),
+                 "kvfs": await asyncio.to_thread(os.path.ismount, gw.mount),
+                 "openai": gw.bridge.ready.is_set()}
+        ok = all(parts.values())
+        return JSONResponse({"status": "ok" if ok else "degraded", **parts},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        body = await asyncio.to_thread(gw.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(runs_router)
+    app.include_router(openai_router)
+    app.add_middleware(HttpMetrics, metrics=gw.metrics)
+    return app

@@ -1,0 +1,174 @@
+"""What a run costs, read off predd's public figures (`ps`, `stats`) — never its insides.
+
+A run's predd sessions are the sessions whose (kernel-reported) pid belongs to the run's
+process tree: the sandbox launcher and its descendants, rescanned from /proc at every
+poll (every `interval` seconds while any run is alive). From them:
+* `peak_pages`: the most KV pages the run's sessions held at once (sampled per poll);
+* `sessions`: how many predd sessions the run opened (that the polls saw);
+* `settle(run)`: after the processes are gone, wait until predd has ended every one of
+  those sessions — at once when the program said `bye` (liblip does at exit), else
+  when its lease runs out — so a run's anonymous KV objects are free when it reports
+  its exit.
+Tokens computed/reused are predd-wide counters, so a run's figures are the counters'
+difference over its lifetime; `tokens_exclusive` says whether the gateway saw nothing
+else (no other run, no OpenAI request) running meanwhile — only then are they the
+run's alone. (predd keeps no per-session token counters for `ps` to show.)
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+
+import liblip as lip
+
+
+@dataclass
+class Usage:
+    root_pid: int
+    started: float
+    stats0: dict
+    pids: set[int] = field(default_factory=set)
+    sessions: set[int] = field(default_factory=set)     # predd session ids seen
+    pages: int = 0
+    peak_pages: int = 0
+    shared: bool = False
+    alive: bool = True
+    cost: dict = field(default_factory=dict)
+
+
+def children_of() -> dict[int, list[int]]:
+    """ppid -> pids, from /proc."""
+    tree: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        tree.setdefault(ppid, []).append(int(name))
+    return tree
+
+
+def descendants(root: int, tree: dict[int, list[int]]) -> set[int]:
+    out, todo = {root}, [root]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+class Meter:
+    def __init__(self, interval: float = 0.2, lease_s: float = 10.0) -> None:
+        self.interval = interval
+        self.lease_s = lease_s
+        self.usage: dict[str, Usage] = {}
+        self.activities: set[str] = set()     # runs and OpenAI requests in progress
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------ activity
+
+    def _begin(self, key: str) -> None:
+        self.activities.add(key)
+        if len(self.activities) > 1:
+            for other in self.activities:
+                if other in self.usage:
+                    self.usage[other].shared = True
+
+    def begin_request(self, key: str) -> None:
+        """An OpenAI request (or other predd work the gateway causes) started."""
+        self._begin(key)
+
+    def end_request(self, key: str) -> None:
+        self.activities.discard(key)
+
+    async def track(self, run_id: str, root_pid: int) -> None:
+        stats0 = await asyncio.to_thread(lip.stats)
+        self.usage[run_id] = Usage(root_pid, time.monotonic(), stats0, pids={root_pid})
+        self._begin(run_id)
+        self._wake.set()
+
+    # ------------------------------------------------------------ polling
+
+    async def loop(self) -> None:
+        while True:
+            if not any(u.alive for u in self.usage.values()):
+                self._wake.clear()
+                await self._wake.wait()
+            try:
+                await asyncio.to_thread(self.poll)
+            except lip.LipError:
+                pass
+            await asyncio.sleep(self.interval)
+
+    def poll(self) -> list[dict]:
+        """One look at predd's sessions; updates every live run's usage."""
+        rows = lip.ps()
+        tree = children_of()
+        for u in self.usage.values():
+            if u.alive:
+                u.pids |= descendants(u.root_pid, tree)
+            mine = [r for r in rows if r.get("pid") in u.pids]
+            if u.alive:
+                u.sessions |= {r["session"] for r in mine}
+                u.pages = sum(r.get("pages", 0) for r in mine)
+                u.peak_pages = max(u.peak_pages, u.pages)
+        return rows
+
+    async def settle(self, run_id: str) -> bool:
+        """The run's processes are gone: wait until predd has ended its sessions
+        (at most a lease and a bit). True when they all ended."""
+        u = self.usage[run_id]
+        u.alive = False
+        self.activities.discard(run_id)
+        deadline = time.monotonic() + self.lease_s + 2.0
+        while True:
+            try:
+                rows = await asyncio.to_thread(lip.ps)
+            except lip.LipError:
+                return False
+            live = {r["session"] for r in rows} & u.sessions | {
+                r["session"] for r in rows if r.get("pid") in u.pids}
+            if not live:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+
+    async def finish(self, run_id: str, wall_s: float) -> dict:
+        """The run's cost, once it has settled; forgets the run."""
+        u = self.usage.pop(run_id)
+        try:
+            stats1 = await asyncio.to_thread(lip.stats)
+        except lip.LipError:
+            stats1 = u.stats0
+        return {
+            "tokens_computed": stats1["tokens_computed"] - u.stats0["tokens_computed"],
+            "tokens_reused": stats1["tokens_reused"] - u.stats0["tokens_reused"],
+            "tokens_exclusive": not u.shared,
+            "peak_pages": u.peak_pages,
+            "sessions": len(u.sessions),
+            "wall_s": round(wall_s, 3),
+        }
+
+    def live_cost(self, run_id: str, wall_s: float) -> dict:
+        u = self.usage.get(run_id)
+        if u is None:
+            return {}
+        return {"pages": u.pages, "peak_pages": u.peak_pages, "sessions": len(u.sessions),
+                "wall_s": round(wall_s, 3)}
+
+    async def uid_pages(self, uid: int) -> int:
+        """KV pages `uid` holds now: predd's per-uid figure where `ps` has one
+        (persistent caches included), else the sum over its sessions."""
+        reply = await asyncio.to_thread(lambda: lip.client().call("ps"))
+        for row in reply.get("uids", []):
+            if row.get("uid") == uid:
+                return int(row.get("pages", 0))
+        return sum(r.get("pages", 0) for r in reply.get("sessions", []) if r.get("uid") == uid)

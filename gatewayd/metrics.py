@@ -1,0 +1,116 @@
+"""`GET /metrics`: Prometheus text, made by prometheus_client from one registry.
+
+Two sources:
+* predd's `stats`, read at every scrape (a collector; nothing is cached): pages
+  total/used, objects, sessions, steps, calls and mean batch, tokens computed/reused,
+  and queue wait and step time as summaries (predd keeps their sums and counts, not
+  their distributions);
+* what the gateway itself sees: HTTP requests by route template, method and status;
+  errors answered, by errno; runs active/finished/failed by program; and for the OpenAI
+  API, tokens by kind and per-request histograms of queue wait, model time and latency
+  (from the `cost` predd returns to the OpenAI LIP).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    SummaryMetricFamily)
+
+import liblip as lip
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class PreddCollector:
+    """predd's figures at scrape time; `symphony_predd_up` 0 when it does not answer."""
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self.timeout_s = timeout_s
+
+    def describe(self):
+        return []   # no help-time call to predd
+
+    def collect(self):
+        try:
+            s = lip.client().call("stats", timeout=self.timeout_s)
+        except lip.LipError:
+            yield GaugeMetricFamily("symphony_predd_up", "predd answers stats", value=0)
+            return
+        yield GaugeMetricFamily("symphony_predd_up", "predd answers stats", value=1)
+        gauges = {"kv_pages_total": ("pages_total", "KV pages in predd's pool"),
+                  "kv_pages_used": ("pages_used", "KV pages referenced by some object"),
+                  "kv_objects": ("objects", "KV objects alive"),
+                  "sessions": ("sessions", "predd sessions (connected programs)"),
+                  "pending_calls": ("pending_calls", "pred/generate calls waiting or running"),
+                  "mean_batch": ("mean_batch", "calls per forward pass, since start")}
+        for name, (key, doc) in gauges.items():
+            yield GaugeMetricFamily(f"symphony_{name}", doc, value=s.get(key, 0))
+        counters = {"steps": ("steps", "forward passes"),
+                    "calls": ("calls", "call chunks served by forward passes"),
+                    "tokens_computed": ("tokens_computed", "tokens whose K/V predd computed"),
+                    "tokens_reused": ("tokens_reused",
+                                      "cached entries calls attended to without recomputing"),
+                    "predd_requests": ("requests", "requests predd answered"),
+                    "predd_errors": ("errors", "requests predd answered with an error")}
+        for name, (key, doc) in counters.items():
+            yield CounterMetricFamily(f"symphony_{name}", doc, value=s.get(key, 0))
+        yield SummaryMetricFamily("symphony_queue_wait_seconds",
+                                  "time calls waited before their first step (sum, count)",
+                                  count_value=s.get("calls", 0),
+                                  sum_value=s.get("queue_wait_ms", 0.0) / 1e3)
+        yield SummaryMetricFamily("symphony_step_seconds", "forward pass time (sum, count)",
+                                  count_value=s.get("steps", 0),
+                                  sum_value=s.get("step_ms", 0.0) / 1e3)
+        yield CounterMetricFamily("symphony_launch_wait_seconds",
+                                  "time predd held a step for more calls (adaptive launch)",
+                                  value=s.get("launch_wait_ms", 0.0) / 1e3)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.http = Counter("symphony_http_requests", "HTTP requests, by route template, "
+                            "method and status", ["route", "method", "status"], registry=r)
+        self.errors = Counter("symphony_errors", "errors answered, by errno name",
+                              ["errno"], registry=r)
+        self.runs_active = Gauge("symphony_runs_active", "program runs going, by program",
+                                 ["program"], registry=r)
+        self.runs_finished = Counter("symphony_runs_finished", "program runs ended, by "
+                                     "program", ["program"], registry=r)
+        self.runs_failed = Counter("symphony_runs_failed", "program runs that ended other "
+                                   "than with status 0 (killed, failed, non-zero)",
+                                   ["program"], registry=r)
+        self.openai_tokens = Counter("symphony_openai_tokens", "OpenAI API tokens, by kind "
+                                     "(prompt, cached, completion)", ["kind"], registry=r)
+        self.openai_queue = Histogram("symphony_openai_queue_wait_seconds", "per OpenAI "
+                                      "request: time its predd calls waited for a step",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.openai_step = Histogram("symphony_openai_step_seconds", "per OpenAI request: "
+                                     "forward-pass time of its predd calls",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.openai_latency = Histogram("symphony_openai_request_seconds", "per OpenAI "
+                                        "request: time from arrival to its last byte",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        r.register(PreddCollector())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def run_started(self, program: str) -> None:
+        self.runs_active.labels(program).inc()
+
+    def run_ended(self, program: str, ok: bool) -> None:
+        self.runs_active.labels(program).dec()
+        self.runs_finished.labels(program).inc()
+        if not ok:
+            self.runs_failed.labels(program).inc()
+
+    def openai_done(self, usage: dict, cost: dict, seconds: float) -> None:
+        self.openai_tokens.labels("prompt").inc(usage.get("prompt_tokens", 0))
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        self.openai_tokens.labels("cached").inc(cached)
+        self.openai_tokens.labels("completion").inc(usage.get("completion_tokens", 0))
+        if cost:
+            self.openai_queue.observe(cost.get("queue_ms", 0.0) / 1e3)
+            self.openai_step.observe(cost.get("step_ms", 0.0) / 1e3)
+        self.openai_latency.observe(seconds)

@@ -1,0 +1,157 @@
+"""The gateway's side of the OpenAI LIP (mount_examples/openai_server.py).
+
+The LIP runs like any program — `lip run --sandbox`, as its own uid — and speaks JSON
+lines on its stdin/stdout (its docstring has the messages). This module starts it,
+waits for its `ready` line, numbers requests, and routes each reply line to the waiting
+request's queue. If the LIP dies, every waiting request fails with 503 and the LIP is
+started again (after a pause that grows while it keeps dying).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+
+from gatewayd.errors import ApiError
+from gatewayd.launcher import Launcher
+from gatewayd.programs import EXAMPLES, Program
+
+PROGRAM = Program("openai_server", os.path.join(EXAMPLES, "openai_server.py"), "python")
+READY_TIMEOUT_S = 120.0
+
+
+class OpenAIBridge:
+    def __init__(self, launcher: Launcher, uid: int, model: str | None, log) -> None:
+        self.launcher = launcher
+        self.uid = uid
+        self.model_path = model
+        self.log = log
+        self.ids = itertools.count(1)
+        self.waiting: dict[int, asyncio.Queue] = {}
+        self.proc: asyncio.subprocess.Process | None = None
+        self.model = ""
+        self.ready = asyncio.Event()
+        self.closing = False
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Start the LIP and keep it running; returns once it is ready."""
+        self._task = asyncio.create_task(self._keep_running())
+        ready = asyncio.create_task(self.ready.wait())
+        done, _ = await asyncio.wait({ready, self._task}, timeout=READY_TIMEOUT_S,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if ready not in done:
+            ready.cancel()
+            raise RuntimeError("the OpenAI LIP did not become ready")
+
+    async def _keep_running(self) -> None:
+        pause = 1.0
+        while not self.closing:
+            try:
+                await self._run_once()
+            except Exception as exc:   # noqa: BLE001 - logged, then started again
+                self.log(f"openai: {exc!r}")
+            self.ready.clear()
+            self._fail_waiting("the OpenAI LIP stopped; try again")
+            if self.closing:
+                return
+            self.log(f"openai: LIP exited; starting it again in {pause:g} s")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 30.0)
+
+    async def _run_once(self) -> None:
+        args = ["--model", self.model_path] if self.model_path else []
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.launcher.argv(PROGRAM, args, self.uid, None),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, cwd="/", start_new_session=True,
+            env=self.launcher.env(PROGRAM, {}, "openai"), limit=1 << 24)
+        errors = asyncio.create_task(self._log_stderr(self.proc.stderr))
+        try:
+            async for msg in self._lines(self.proc.stdout):
+                if msg.get("ready"):
+                    self.model = msg.get("model", "")
+                    self.log(f"openai: ready (model {self.model}, pid {self.proc.pid})")
+                    self.ready.set()
+                    continue
+                queue = self.waiting.get(msg.get("id"))
+                if queue is not None:
+                    queue.put_nowait(msg)
+        finally:
+            await self.proc.wait()
+            await asyncio.wait({errors}, timeout=2)
+
+    @staticmethod
+    async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[dict]:
+        while True:
+            line = await stream.readline()
+            if not line:
+                return
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(msg, dict):
+                yield msg
+
+    async def _log_stderr(self, stream: asyncio.StreamReader) -> None:
+        while True:
+            line = await stream.readline()
+            if not line:
+                return
+            self.log("openai: " + line.decode("utf-8", "replace").rstrip())
+
+    def _fail_waiting(self, message: str) -> None:
+        for queue in self.waiting.values():
+            queue.put_nowait({"status": 503, "body": ApiError(503, "EIO", message).body()})
+            queue.put_nowait({"done": True})
+
+    async def _send(self, msg: dict) -> None:
+        if not self.ready.is_set() or self.proc is None or self.proc.stdin.is_closing():
+            raise ApiError(503, "EAGAIN", "the OpenAI LIP is not ready; try again")
+        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+        await self.proc.stdin.drain()
+
+    async def request(self, op: str, body=None, scope: str = "") -> AsyncIterator[dict]:
+        """The LIP's reply lines for one request, up to and including `done`. Leaving
+        the iteration early (a client that went away) cancels the request."""
+        rid = next(self.ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.waiting[rid] = queue
+        finished = False
+        try:
+            await self._send({"id": rid, "op": op, "body": body, "scope": scope})
+            while True:
+                msg = await queue.get()
+                if msg.get("done"):
+                    finished = True
+                    yield msg
+                    return
+                yield msg
+        finally:
+            self.waiting.pop(rid, None)
+            if not finished:
+                try:
+                    await self._send({"id": rid, "op": "cancel"})
+                except (ApiError, ConnectionError, RuntimeError):
+                    pass
+
+    async def stop(self) -> None:
+        """Close its stdin (it exits, and liblip ends its predd session); kill it if it
+        does not go within a few seconds."""
+        self.closing = True
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except asyncio.TimeoutError:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self._task is not None:
+            await asyncio.wait({self._task}, timeout=5)

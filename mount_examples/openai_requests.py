@@ -1,0 +1,206 @@
+"""OpenAI request bodies, checked: `/v1/chat/completions` and `/v1/completions` into one
+`Completion` record, or a `RequestError` with the HTTP status and the offending `param`.
+
+Supported: model, messages | prompt, max_tokens (max_completion_tokens), temperature,
+top_p, seed, stop, n, logprobs/top_logprobs, response_format (text, json_object,
+json_schema), stream + stream_options.include_usage, echo (completions), user.
+Fields this server cannot honour (tools, logit_bias, penalties, best_of, suffix) are a
+400 unless they hold their neutral value; unknown fields are ignored, as vLLM does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_N = 16
+MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+DEFAULT_MAX_TOKENS = 256
+ROLES = {"system", "developer", "user", "assistant"}
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str = "EINVAL") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass
+class Completion:
+    chat: bool
+    model: str
+    messages: list[dict] = field(default_factory=list)   # chat
+    prompt: str | list[int] = ""                         # completions: text or ids
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    schema: dict | None = None         # JSON schema the output must follow
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+
+    @property
+    def sample(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p}
+
+
+def _bad(message: str, param: str) -> RequestError:
+    return RequestError(400, message, param)
+
+
+def _int(body: dict, name: str, lo: int, hi: int, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(f"{name} must be an integer in [{lo}, {hi}]", name)
+    return value
+
+
+def _float(body: dict, name: str, lo: float, hi: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise _bad(f"{name} must be a number in [{lo}, {hi}]", name)
+    return float(value)
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(f"{name} must be a boolean", name)
+    return value
+
+
+def _unsupported(body: dict) -> None:
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
+               "tools": [], "functions": [], "tool_choice": "none", "best_of": 1,
+               "suffix": ""}
+    for name, value in neutral.items():
+        if body.get(name) not in (None, value):
+            raise _bad(f"{name} is not supported by this server", name)
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise _bad("only text content parts are supported", f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad("content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"each message needs a role in {sorted(ROLES)}", f"messages[{i}].role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _content(m, i)})
+    return out
+
+
+def _prompt(body: dict) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        return list(prompt)
+    raise _bad("prompt must be a string or a list of token ids (one prompt per request)",
+               "prompt")
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
+            isinstance(s, str) and s for s in stop):
+        raise _bad(f"stop must be a non-empty string or a list of at most {MAX_STOP}", "stop")
+    return stop
+
+
+def _response_format(body: dict) -> dict | None:
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _bad("response_format.json_schema.schema must be a JSON schema object",
+                       "response_format")
+        return schema
+    raise _bad("response_format.type must be text, json_object or json_schema",
+               "response_format")
+
+
+def parse(body, chat: bool, served: str) -> Completion:
+    """Check a request body; RequestError(400) names the first bad field, (404) a model
+    other than the `served` one."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model is required", "model")
+    if model != served:
+        raise RequestError(404, f"The model `{model}` does not exist (this server serves "
+                           f"`{served}`)", "model", "model_not_found")
+    _unsupported(body)
+    c = Completion(chat=chat, model=model)
+    if chat:
+        c.messages = _messages(body)
+        c.logprobs = _bool(body, "logprobs")
+        c.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+        if c.top_logprobs and not c.logprobs:
+            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+        c.max_tokens = _int(body, "max_completion_tokens", 1, 1 << 20, None)
+    else:
+        c.prompt = _prompt(body)
+        n_lp = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, None)
+        c.logprobs, c.top_logprobs = n_lp is not None, n_lp or 0
+        c.echo = _bool(body, "echo")
+    c.max_tokens = _int(body, "max_tokens", 1, 1 << 20, c.max_tokens)
+    c.n = _int(body, "n", 1, MAX_N, 1)
+    c.temperature = _float(body, "temperature", 0.0, 2.0, 1.0)
+    c.top_p = _float(body, "top_p", 0.0, 1.0, 1.0)
+    if c.top_p == 0.0:
+        raise _bad("top_p must be > 0", "top_p")
+    c.seed = _int(body, "seed", -(2**63), 2**63 - 1, None)
+    c.stop = _stop(body)
+    c.schema = _response_format(body)
+    c.stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict) or not c.stream:
+            raise _bad("stream_options needs stream: true and is an object", "stream_options")
+        c.include_usage = _bool(opts, "include_usage")
+    return c
