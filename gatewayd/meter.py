@@ -164,6 +164,11 @@ class Meter:
         return {"pages": u.pages, "peak_pages": u.peak_pages, "sessions": len(u.sessions),
                 "wall_s": round(wall_s, 3)}
 
+    def pages(self, run_id: str) -> int:
+        """KV pages a live run's sessions held at the last poll."""
+        u = self.usage.get(run_id)
+        return u.pages if u is not None else 0
+
     async def uid_pages(self, uid: int) -> int:
         """KV pages `uid` holds now: predd's per-uid figure where `ps` has one
         (persistent caches included), else the sum over its sessions."""

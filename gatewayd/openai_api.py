@@ -28,9 +28,37 @@ router = APIRouter()
 _keys = itertools.count(1)
 
 
-async def _until_disconnected(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
+class _Replies:
+    """The LIP's reply lines for one request, read while watching the client: `next()`
+    is None once the client has gone. `close()` cancels the request in the LIP if it
+    has not finished."""
+
+    def __init__(self, lines, request: Request) -> None:
+        self.lines = lines
+        self.step: asyncio.Future | None = None
+        self.watcher = asyncio.create_task(self._until_disconnected(request))
+
+    @staticmethod
+    async def _until_disconnected(request: Request) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    async def next(self) -> dict | None:
+        self.step = asyncio.ensure_future(self.lines.__anext__())
+        done, _ = await asyncio.wait({self.step, self.watcher},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if self.step not in done:
+            return None
+        step, self.step = self.step, None
+        return step.result()
+
+    async def close(self) -> None:
+        self.watcher.cancel()
+        if self.step is not None:
+            self.step.cancel()
+            with contextlib.suppress(BaseException):
+                await self.step
+        await self.lines.aclose()
 
 
 async def _answer(request: Request, op: str, body) -> Response:
@@ -39,69 +67,50 @@ async def _answer(request: Request, op: str, body) -> Response:
     started = time.monotonic()
     key = f"openai:{next(_keys)}"
     gw.meter.begin_request(key)
-    replies = gw.bridge.request(op, body, scope=caller.name)
-    watcher = asyncio.create_task(_until_disconnected(request))
+    replies = _Replies(gw.bridge.request(op, body, scope=caller.name), request)
+    last: dict | None = None
 
-    async def next_reply() -> dict | None:
-        """The next line, or None once the client has gone (which cancels it)."""
-        step = asyncio.ensure_future(replies.__anext__())
-        done, _ = await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if step in done:
-            return step.result()
-        step.cancel()
-        with contextlib.suppress(BaseException):
-            await step
-        return None
-
-    def finish(msg: dict | None) -> None:
+    async def finish() -> None:
+        await replies.close()
         gw.meter.end_request(key)
-        if msg and msg.get("usage"):
-            gw.metrics.openai_done(msg["usage"], msg.get("cost") or {},
+        if last and last.get("usage"):
+            gw.metrics.openai_done(last["usage"], last.get("cost") or {},
                                    time.monotonic() - started)
 
     try:
-        first = await next_reply()
+        first = await replies.next()
+        if first is None:                   # the client left before the answer began
+            await finish()
+            return Response(status_code=499)
+        if not first.get("stream"):
+            while (msg := await replies.next()) is not None:   # up to `done`
+                last = msg
+                if msg.get("done"):
+                    break
+            await finish()
+            status = first.get("status", 500)
+            if status >= 400:
+                code = ((first.get("body") or {}).get("error") or {}).get("code") or "EIO"
+                gw.metrics.errors.labels(str(code)).inc()
+            return JSONResponse(first.get("body"), status_code=status)
     except BaseException:
-        watcher.cancel()
-        finish(None)
-        await replies.aclose()
+        await finish()
         raise
-    if first is None:
-        watcher.cancel()
-        finish(None)
-        await replies.aclose()
-        return Response(status_code=499)
-    if not first.get("stream"):
-        watcher.cancel()
-        last = None
-        async for msg in replies:       # the `done` line, with usage and cost
-            last = msg
-        finish(last)
-        status = first.get("status", 500)
-        if status >= 400:
-            code = ((first.get("body") or {}).get("error") or {}).get("code") or "EIO"
-            gw.metrics.errors.labels(str(code)).inc()
-        return JSONResponse(first.get("body"), status_code=status)
 
     async def chunks():
-        last = None
+        nonlocal last
         try:
-            while True:
-                msg = await next_reply()
-                if msg is None:
-                    return
+            while (msg := await replies.next()) is not None:
                 if msg.get("done"):
                     last = msg
-                    break
+                    yield ServerSentEvent(data="[DONE]")
+                    return
                 if "chunk" in msg:
                     yield ServerSentEvent(data=json.dumps(msg["chunk"], separators=(",", ":")))
                 elif msg.get("status", 200) >= 400:      # failed after it started
                     yield ServerSentEvent(data=json.dumps(msg.get("body")))
-            yield ServerSentEvent(data="[DONE]")
         finally:
-            watcher.cancel()
-            finish(last)
-            await replies.aclose()
+            await finish()
 
     return EventSourceResponse(chunks(), sep="\n")
 

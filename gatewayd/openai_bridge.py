@@ -134,6 +134,7 @@ class OpenAIBridge:
         finally:
             self.waiting.pop(rid, None)
             if not finished:
+                self.log(f"openai: request {rid} cancelled (its client went away)")
                 try:
                     await self._send({"id": rid, "op": "cancel"})
                 except (ApiError, ConnectionError, RuntimeError):

@@ -7,8 +7,8 @@ Lifetime rules:
   and `stderr` (one per line), and exactly one `exit`, the last, sent only after predd
   has ended the run's sessions (meter.settle), so its anonymous KV objects are free.
 * Every process of a run shares one process group (the launcher starts a new session),
-  and killing a run signals the whole group: SIGINT (a Python LIP unwinds, and liblip
-  ends its predd session at exit), then SIGKILL after KILL_GRACE_S.
+  and killing a run sends SIGINT to its programs (a Python LIP unwinds, and liblip ends
+  its predd session at exit), then SIGKILL to the whole group after KILL_GRACE_S.
 * A run is its caller's: other callers get 404 for it. Finished runs are kept (state
   and output) until KEEP_FINISHED newer ones have finished.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import secrets
@@ -149,8 +150,9 @@ class Runs:
             if sum(r.active for r in self.of(caller)) >= limits.runs:
                 raise ApiError(429, "EAGAIN", f"{caller.name} already has {limits.runs} runs "
                                "going (the limit for this key)")
-            if limits.pages:
-                held = await self.meter.uid_pages(caller.uid)
+            if limits.pages:   # predd's figure for the uid, or what its runs hold
+                held = max(await self.meter.uid_pages(caller.uid),
+                           sum(self.meter.pages(r.id) for r in self.of(caller) if r.active))
                 if held >= limits.pages:
                     raise ApiError(429, "EDQUOT", f"uid {caller.uid} holds {held} KV pages; "
                                    f"this key may start runs below {limits.pages}")
@@ -258,24 +260,49 @@ class Runs:
         except ProcessLookupError:
             return False
 
+    @staticmethod
+    def _group(pgid: int) -> list[int]:
+        """The group's processes that still run (a zombie, whose parent has not reaped
+        it yet, has finished)."""
+        pids = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != b"Z":
+                pids.append(int(name))
+        return pids
+
+    def _group_running(self, pgid: int) -> bool:
+        return bool(self._group(pgid))
+
     async def _reap(self, pgid: int, grace: float) -> None:
-        """Wait up to `grace` for the group to empty, then SIGKILL what is left."""
+        """Wait up to `grace` for the group to finish, then SIGKILL what is left."""
         deadline = time.monotonic() + grace
-        while self._signal_group(pgid, 0) and time.monotonic() < deadline:
+        while self._group_running(pgid) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self._signal_group(pgid, signal.SIGKILL)
         deadline = time.monotonic() + 2.0
-        while self._signal_group(pgid, 0) and time.monotonic() < deadline:
+        while self._group_running(pgid) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
     async def kill(self, run: Run, reason: str, wait: bool = True) -> None:
-        """Stop a run: SIGINT to its process group (Python unwinds and liblip ends its
-        predd session), SIGKILL after KILL_GRACE_S. With `wait`, return once it has
+        """Stop a run: SIGINT to its programs (Python unwinds and liblip ends its predd
+        session), SIGKILL to its whole process group after KILL_GRACE_S. With `wait`, return once it has
         ended and predd has freed its sessions' objects."""
         if run.active and run.proc is not None and run.kill_reason is None:
             run.kill_reason = reason
-            self._signal_group(run.proc.pid, signal.SIGINT)
-            asyncio.create_task(self._reap(run.proc.pid, KILL_GRACE_S))
+            # The program, not its launcher: `lip run` then reports the program's end.
+            launcher = run.proc.pid
+            programs = [p for p in self._group(launcher) if p != launcher] or [launcher]
+            for pid in programs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGINT)
+            asyncio.create_task(self._reap(launcher, KILL_GRACE_S))
         if wait:
             await run.done.wait()
 

@@ -15,10 +15,11 @@ How it uses the system calls:
   (prefix_cache.py: MOUNT/openai/SCOPE-HASH.kv), forked and truncated; the rest is
   prefilled once; `usage.prompt_tokens_details.cached_tokens` is what was reused;
 * n > 1 forks the prefilled prompt n times (one prefill, n branches, one thread each);
-* plain decoding is predd's own loop (`generate_stream`: sampling, EOS, stop strings);
+* plain decoding is predd's own loop (`generate_stream`: sampling, EOS, stop strings),
+  in calls of GENERATE_CHUNK tokens;
   top_logprobs and response_format need a pred per token: raw logits (to report the
   top alternatives) and/or an llguidance mask (constrained_json.py's method);
-* a cancelled request frees its caches, which ends its predd calls.
+* a cancelled request stops at its next call and frees its caches.
 
     python mount_examples/openai_server.py [--model PATH.gguf] [--cache-files 16]
 """
@@ -41,6 +42,7 @@ from openai_requests import DEFAULT_MAX_TOKENS, Completion, RequestError, parse
 from prefix_cache import PrefixCache
 
 MAX_REQUESTS = 64
+GENERATE_CHUNK = 16      # tokens per generate call: how far a cancelled request runs on
 STATUS_OF = {"EINVAL": 400, "EDQUOT": 429, "EAGAIN": 429, "ENOSPC": 503, "EIO": 503}
 
 
@@ -360,30 +362,45 @@ class Server:
     # ------------------------------------------------------------ decoding
 
     def _decode_generate(self, req, kv, last, ch: Choice, max_tokens, sample, stops, emit):
-        """predd's own loop: one request streams every token."""
-        out = lip.Generated()
+        """predd's own loop (sampling, EOS and stop strings inside predd), GENERATE_CHUNK
+        tokens per call: predd cannot abort a running generate, so a cancelled request
+        stops at the end of its chunk."""
         stop = [*eos_ids(), *stops]
-        for token in lip.generate_stream(kv, [last], max_tokens, stop=stop, sample=sample,
-                                         out=out):
+        pending, chunk = [last], 0
+        while True:
+            budget = min(GENERATE_CHUNK, max_tokens - len(ch.ids))
+            seed = None if sample["seed"] is None else (sample["seed"] * 1_000_003 + chunk) % 2**63
+            out = lip.Generated()
+            for token in lip.generate_stream(kv, pending, budget, stop=stop,
+                                             sample={**sample, "seed": seed}, out=out):
+                req.check()
+                lp = out.logprobs[len(out) - 1] if len(out.logprobs) >= len(out) else 0.0
+                ch.ids.append(token)
+                entries = [] if token in eos_ids() else [(token, lp, [])]
+                ch.entries += entries
+                text = ch.out.feed([token]) if emit or stops else ch.out.add([token])
+                if emit:
+                    emit(text, entries)
+                if ch.out.stopped:   # a stop string across two calls: predd cannot see it
+                    break
             req.check()
-            lp = out.logprobs[len(ch.ids)] if len(out.logprobs) > len(ch.ids) else 0.0
-            ch.ids.append(token)
-            entries = [] if token in eos_ids() else [(token, lp, [])]
-            ch.entries += entries
-            if emit:
-                emit(ch.out.feed([token]), entries)
-            else:
-                ch.out.add([token])
-        req.check()
-        reason = out.finish_reason
-        if not reason and ch.ids:   # a predd whose last token reply ends the stream
-            stopped = ch.ids[-1] in eos_ids() or (stops and ch.out.feed([]) is not None
-                                                  and ch.out.stopped)
-            reason = "stop" if stopped else "length" if len(ch.ids) >= max_tokens else ""
-        if reason not in ("stop", "length"):
-            raise lip.LipError(reason or "EIO", "generation failed")
-        ch.finish_reason = reason
-        ch.add_cost(out.cost)
+            if ch.out.stopped:
+                ch.finish_reason = "stop"
+                return
+            ch.add_cost(out.cost)
+            reason = out.finish_reason
+            if not reason and out:   # a predd whose last token reply ends the stream
+                reason = "stop" if out[-1] in eos_ids() or ch.out.stopped else \
+                    "length" if len(out) >= budget else ""
+            if reason not in ("stop", "length"):
+                raise lip.LipError(reason or "EIO", "generation failed")
+            if reason == "stop":
+                ch.finish_reason = "stop"
+                return
+            if len(ch.ids) >= max_tokens:
+                ch.finish_reason = "length"
+                return
+            pending, chunk = [ch.ids[-1]], chunk + 1
 
     def _decode_pred(self, req, kv, last, ch: Choice, max_tokens, sample, top, matcher, emit):
         """A pred per token: predd samples under the grammar's mask, or, for top

@@ -1,0 +1,243 @@
+"""The OpenAI API of a real `symphony serve`, through the official `openai` package:
+answered by the OpenAI LIP (mount_examples/openai_server.py), checked against predd's
+own greedy decoding and predd's counters (one prefill for n > 1, cached prefixes)."""
+from __future__ import annotations
+
+import json
+import os
+
+import openai
+import pytest
+
+from tests.integration.gateway_fixtures import eventually, finish, start_serve
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="symphony serve needs root")
+EOS = {0, 2}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_serve(str(tmp_path_factory.mktemp("openai")))
+    yield s
+    finish(s)
+
+
+@pytest.fixture
+def predd(server):
+    c = server.predd()
+    yield c
+    report = c.call("fsck")
+    c.close()
+    assert report["clean"], report["problems"]
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=300) as c:
+        yield c
+
+
+@pytest.fixture
+def model(predd):
+    return predd.call("info")["model"]
+
+
+def greedy(predd, tokens: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """predd's own greedy decode of `tokens` (a fresh cache): ids and text."""
+    kv = predd.call("kv_create")
+    try:
+        ids = predd.call("generate", cap=kv["cap"], tokens=tokens, max_tokens=max_tokens,
+                         stream=False)["tokens"]
+    finally:
+        predd.call("kv_free", cap=kv["cap"])
+    return ids, predd.call("detokenize", tokens=ids, skip_special=True)["text"]
+
+
+def template(predd, messages) -> list[int]:
+    return predd.call("chat_template", messages=messages)["tokens"]
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+QUESTION = [{"role": "system", "content": "You answer in exactly one short sentence."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models(client, model):
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_chat_is_predds_greedy_decode(client, predd, model):
+    tokens = template(predd, QUESTION)
+    ids, text = greedy(predd, tokens, 12)
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12,
+                                       temperature=0)
+    assert r.choices[0].message.content == text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("stop" if ids[-1] in EOS else "length")
+    assert r.usage.prompt_tokens == len(tokens)
+    assert r.usage.completion_tokens == len(ids)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streamed_chat_reuses_the_cached_conversation(client, predd, model):
+    tokens = template(predd, QUESTION)
+    ids, text = greedy(predd, tokens, 12)
+    stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    parts, finish_reasons, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            if choice.finish_reason:
+                finish_reasons.append(choice.finish_reason)
+    assert "".join(parts) == text
+    assert finish_reasons == ["stop" if ids[-1] in EOS else "length"]
+    assert usage.completion_tokens == len(ids)
+    # the same prompt again: all of it but the last token comes from the cache file
+    assert usage.prompt_tokens_details.cached_tokens == len(tokens) - 1
+
+
+def test_n_forks_one_prefill(client, predd, model):
+    messages = [{"role": "system", "content": "You are Quill, a poet who names colours."},
+                {"role": "user", "content": "Name a colour you like."}]
+    tokens = template(predd, messages)
+    before = predd.call("stats")["tokens_computed"]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=6,
+                                       temperature=0.9, n=4, seed=7)
+    computed = predd.call("stats")["tokens_computed"] - before
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # the prompt is computed once (all but its last token, which each branch feeds to
+    # get its own first token), plus every generated token but each branch's last
+    assert computed == (len(tokens) - 1) + r.usage.completion_tokens
+    assert r.usage.prompt_tokens == len(tokens)
+
+
+def test_repeated_system_prompt_is_cached(client, predd, model, server):
+    system = {"role": "system", "content": "You are Atlas, a geography tutor. You answer "
+              "questions about capitals, rivers and mountains in one friendly sentence."}
+    first = [system, {"role": "user", "content": "Which river flows through Cairo?"}]
+    second = [system, {"role": "user", "content": "What is the tallest mountain?"}]
+    r1 = client.chat.completions.create(model=model, messages=first, max_tokens=8,
+                                        temperature=0)
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    before = predd.call("stats")["tokens_computed"]
+    r2 = client.chat.completions.create(model=model, messages=second, max_tokens=8,
+                                        temperature=0)
+    computed = predd.call("stats")["tokens_computed"] - before
+    t1, t2 = template(predd, first), template(predd, second)
+    shared = common_prefix(t1, t2)
+    system_turn = predd.call("chat_template", messages=[system],
+                             add_generation_prompt=False)["tokens"]
+    assert shared >= len(system_turn) >= 16
+    assert r2.usage.prompt_tokens_details.cached_tokens == shared
+    assert computed == len(t2) - 1 - shared + r2.usage.completion_tokens
+    files = os.listdir(os.path.join(server.mount, "openai"))
+    assert files and all(f.endswith(".kv") for f in files)
+
+
+def test_json_schema_response_validates(client, model):
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "languages": {"type": "array", "items": {"enum": ["python", "c", "rust", "go"]},
+                      "minItems": 1, "maxItems": 3}},
+        "required": ["name", "age", "languages"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=model, max_tokens=60, temperature=0.7, seed=3,
+        messages=[{"role": "user", "content": "Describe a programmer as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "programmer", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    doc = json.loads(r.choices[0].message.content)
+    assert set(doc) == {"name", "age", "languages"}
+    assert isinstance(doc["name"], str) and 1 <= len(doc["name"]) <= 12
+    assert isinstance(doc["age"], int) and 18 <= doc["age"] <= 99
+    assert 1 <= len(doc["languages"]) <= 3
+    assert set(doc["languages"]) <= {"python", "c", "rust", "go"}
+
+
+def test_stop_string_cuts_the_answer(client, predd, model):
+    messages = [{"role": "user", "content": "List three fruits."}]
+    ids, text = greedy(predd, template(predd, messages), 24)
+    stop = text[len(text) // 2:len(text) // 2 + 3]     # a string the answer will contain
+    assert len(stop) == 3
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                       temperature=0, stop=[stop, "never seen"])
+    assert r.choices[0].message.content == text[:text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_completion_with_logprobs(client, predd, model):
+    prompt = "The capital of France is"
+    ids, text = greedy(predd, predd.call("tokenize", text=prompt)["tokens"], 4)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                  logprobs=2)
+    choice = r.choices[0]
+    assert choice.text == text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len([t for t in ids if t not in EOS])
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2
+        assert top[token] == pytest.approx(logprob) and logprob == pytest.approx(max(top.values()))
+
+
+def test_chat_top_logprobs(client, model):
+    r = client.chat.completions.create(model=model, max_tokens=3, temperature=0,
+                                       messages=[{"role": "user", "content": "Hi"}],
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert content and all(len(e.top_logprobs) == 3 for e in content)
+    assert all(e.top_logprobs[0].token == e.token for e in content)   # greedy: the top one
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"temperature": 3.0}, "temperature"),
+    ({"n": 0}, "n"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+])
+def test_invalid_requests_are_400(client, model, kwargs, param):
+    args = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**args)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == param
+    assert err.value.body["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-5", max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_a_client_that_leaves_cancels_its_request(client, predd, model):
+    before = predd.call("stats")["pages_used"]
+    stream = client.chat.completions.create(
+        model=model, max_tokens=400, temperature=0.8, stream=True,
+        messages=[{"role": "user", "content": "Tell me a very long story about a lighthouse."}])
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    # the LIP stops at the end of its current generate call (16 tokens) and frees
+    assert eventually(lambda: predd.call("stats")["pending_calls"] == 0, timeout=120)
+    assert eventually(lambda: predd.call("stats")["pages_used"] == before, timeout=30)
