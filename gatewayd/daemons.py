@@ -49,10 +49,14 @@ class Daemon:
             self._pumps.append(asyncio.create_task(self._pump(self.proc.stdout)))
             return self.ready_line
         ready.cancel()
-        exited.cancel()
-        if self.proc.returncode is None:
+        if not done:
+            exited.cancel()
             await self.stop()
             raise RuntimeError(f"{self.name} was not ready within {timeout:g} s")
+        try:     # it closed its stdout without `ready`: it is exiting
+            await asyncio.wait_for(exited, 10)
+        except asyncio.TimeoutError:
+            await self.stop()
         await asyncio.wait(self._pumps, timeout=2)
         raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} "
                            "before it was ready (its log is above)")
