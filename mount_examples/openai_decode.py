@@ -1,0 +1,249 @@
+"""How the OpenAI LIP decodes one choice, with liblip calls only.
+
+* `decode_generate`: predd's own loop (sampling, EOS and stop strings inside predd),
+  GENERATE_CHUNK tokens per `generate` call. predd cannot abort a running generate, so
+  a cancelled request stops at the end of its chunk; a stop string that spans two
+  calls is caught here (TextOut).
+* `decode_pred`: one `pred` per token, for what predd's loop cannot do: the top
+  alternatives' logprobs (raw logits come back and the program samples) and JSON
+  schemas (an llguidance mask goes with each call, as constrained_json.py does; the
+  tokens the grammar forces are appended without sampling).
+A Choice collects the ids (a final EOS included), each shown token's logprob entry,
+the text (stop strings cut out) and the finish reason.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+import liblip as lip
+from common import eos_ids, info
+from openai_requests import RequestError
+
+GENERATE_CHUNK = 16      # tokens per generate call: how far a cancelled request runs on
+
+
+class Cancelled(Exception):
+    """The client went away; the request stops at its next call."""
+
+
+class Request:
+    """One request: whether it was cancelled, and the caches it holds (all freed when
+    it ends, or at once on cancel — predd frees them after their running call)."""
+
+    def __init__(self, rid) -> None:
+        self.rid = rid
+        self.cancelled = threading.Event()
+        self.kvs: list[lip.KV] = []
+        self.lock = threading.Lock()
+
+    def track(self, kv: lip.KV) -> lip.KV:
+        with self.lock:
+            self.kvs.append(kv)
+        if self.cancelled.is_set():
+            self.free()
+        return kv
+
+    def check(self) -> None:
+        if self.cancelled.is_set():
+            raise Cancelled()
+
+    def free(self) -> None:
+        with self.lock:
+            kvs, self.kvs = self.kvs, []
+        for kv in kvs:
+            try:
+                lip.kv_close(kv)
+            except lip.LipError:
+                pass
+
+
+class TextOut:
+    """A choice's text as its tokens come: stop strings cut it (and are left out), and
+    text that might begin a stop string or end mid-character is held back."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def _text(self) -> tuple[str, bool]:
+        text = lip.detokenize([t for t in self.ids if t not in eos_ids()], skip_special=True)
+        cuts = [text.find(s) for s in self.stops if s in text]
+        return (text[:min(cuts)], True) if cuts else (text, False)
+
+    def add(self, ids: list[int]) -> str:
+        """Take tokens without looking at the text (nobody is watching it)."""
+        self.ids += ids
+        return ""
+
+    def feed(self, ids: list[int]) -> str:
+        """Take tokens; the text that is safe to show now."""
+        self.ids += ids
+        text, self.stopped = self._text()
+        if not self.stopped:
+            hold = max((k for s in self.stops for k in range(1, len(s))
+                        if text.endswith(s[:k])), default=0)
+            text = text[:len(text) - hold]
+            while text.endswith("\ufffd"):
+                text = text[:-1]
+        return self._advance(text)
+
+    def finish(self) -> str:
+        """The text not shown yet, once the choice is over."""
+        return self._advance(self._text()[0])
+
+    def full(self) -> str:
+        return self._text()[0]
+
+    def _advance(self, text: str) -> str:
+        if not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+class Grammar:
+    """llguidance over the served model's vocabulary, loaded on first use."""
+
+    def __init__(self, model: str | None) -> None:
+        self.model = model
+        self.tok = None
+        self.lock = threading.Lock()
+
+    def matcher(self, schema: dict):
+        import llguidance
+        with self.lock:
+            if self.tok is None:
+                self.tok = self._load()
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_flexible": False})
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.tok)
+        except Exception as exc:   # noqa: BLE001 - llguidance's own errors
+            error = str(exc)
+        if error:
+            raise RequestError(400, f"response_format: {error}", "response_format")
+        return llguidance.LLMatcher(self.tok, grammar)
+
+    def _load(self):
+        import llguidance
+        from constrained_json import PreddTokenizer, default_model, gguf_vocab
+        try:
+            path = self.model or default_model()
+            tokens = gguf_vocab(path)
+        except (SystemExit, Exception) as exc:   # noqa: BLE001
+            raise RequestError(400, "response_format needs the served model's GGUF "
+                               f"vocabulary ({exc})", "response_format") from None
+        if len(tokens) != info()["vocab_size"]:
+            raise RequestError(400, f"{path}: vocabulary size differs from the served "
+                               "model's", "response_format")
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(PreddTokenizer(tokens)),
+                                      eos_token=sorted(eos_ids()))
+
+
+class Choice:
+    """One branch's output: ids (EOS included), logprob entries, text, finish reason."""
+
+    def __init__(self, index: int, stops: list[str]) -> None:
+        self.index = index
+        self.ids: list[int] = []
+        self.entries: list[tuple[int, float, list]] = []   # (id, logprob, [(id, lp)])
+        self.out = TextOut(stops)
+        self.finish_reason = "length"
+        self.text_offset = 0               # completions logprobs: where the next token starts
+        self.queue_ms = self.step_ms = 0.0
+
+    def add_cost(self, cost: dict) -> None:
+        self.queue_ms += cost.get("queue_ms", 0.0)
+        self.step_ms += cost.get("step_ms", 0.0)
+
+
+def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int,
+                    sample: dict, stops: list[str], emit=None) -> None:
+    """predd's own loop (sampling, EOS and stop strings inside predd), GENERATE_CHUNK
+    tokens per call: predd cannot abort a running generate, so a cancelled request
+    stops at the end of its chunk."""
+    stop = [*eos_ids(), *stops]
+    pending, chunk = [last], 0
+    while True:
+        budget = min(GENERATE_CHUNK, max_tokens - len(ch.ids))
+        seed = None if sample["seed"] is None else (sample["seed"] * 1_000_003 + chunk) % 2**63
+        out = lip.Generated()
+        for token in lip.generate_stream(kv, pending, budget, stop=stop,
+                                         sample={**sample, "seed": seed}, out=out):
+            req.check()
+            lp = out.logprobs[len(out) - 1] if len(out.logprobs) >= len(out) else 0.0
+            ch.ids.append(token)
+            entries = [] if token in eos_ids() else [(token, lp, [])]
+            ch.entries += entries
+            text = ch.out.feed([token]) if emit or stops else ch.out.add([token])
+            if emit:
+                emit(text, entries)
+            if ch.out.stopped:   # a stop string across two calls: predd cannot see it
+                break
+        req.check()
+        if ch.out.stopped:
+            ch.finish_reason = "stop"
+            return
+        ch.add_cost(out.cost)
+        reason = out.finish_reason
+        if not reason and out:   # a predd whose last token reply ends the stream
+            reason = "stop" if out[-1] in eos_ids() or ch.out.stopped else \
+                "length" if len(out) >= budget else ""
+        if reason not in ("stop", "length"):
+            raise lip.LipError(reason or "EIO", "generation failed")
+        if reason == "stop":
+            ch.finish_reason = "stop"
+            return
+        if len(ch.ids) >= max_tokens:
+            ch.finish_reason = "length"
+            return
+        pending, chunk = [ch.ids[-1]], chunk + 1
+
+
+
+def decode_pred(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int,
+                sample: dict, top: int, matcher=None, emit=None) -> None:
+    """A pred per token: predd samples under the grammar's mask, or, for top
+    logprobs, returns the raw (masked) logits and the program samples."""
+    rng = np.random.default_rng(sample["seed"])
+    nbytes = (info()["vocab_size"] + 7) // 8
+    pending = [last]
+    while len(ch.ids) < max_tokens:
+        mask = matcher.compute_bitmask()[:nbytes] if matcher else None
+        if top:
+            d = lip.pred(kv, pending, mask=mask)
+            token = d.argmax() if sample["temperature"] < 1e-4 else d.sample(
+                sample["temperature"], sample["top_p"], rng=rng)
+            lps = d.logprobs()
+            ids, top_lps = d.topk(top)
+            lp, alts = float(lps[token]), list(zip(ids, top_lps))
+            cost = d.cost
+        else:
+            s = lip.pred(kv, pending, mask=mask, sample={
+                **sample, "seed": int(rng.integers(2**31))})
+            token, lp, alts, cost = s.token, s.logprob, [], s.cost
+        req.check()
+        ch.add_cost(cost)
+        forced: list[int] = []
+        if matcher:
+            if not matcher.consume_token(token):
+                raise RuntimeError(f"grammar refused token {token}: {matcher.get_error()}")
+            forced = [] if matcher.is_stopped() else matcher.compute_ff_tokens()
+            if forced and not matcher.consume_tokens(forced):
+                raise RuntimeError(f"grammar refused forced tokens: {matcher.get_error()}")
+        new = [token, *forced][:max_tokens - len(ch.ids)]
+        ch.ids += new
+        entries = [(t, lp if j == 0 else 0.0, alts if j == 0 else [])
+                   for j, t in enumerate(new) if t not in eos_ids()]
+        ch.entries += entries
+        text = ch.out.feed(new) if emit or ch.out.stops else ch.out.add(new)
+        if emit:
+            emit(text, entries)
+        if token in eos_ids() or ch.out.stopped or (matcher and matcher.is_stopped()):
+            ch.finish_reason = "stop"
+            return
+        pending = new

@@ -1,0 +1,86 @@
+"""OpenAI response bodies for the OpenAI LIP: whole answers, stream chunks, logprobs.
+
+A logprob entry is `(token id, logprob, [(alternative id, logprob), ...])`; token
+strings come from predd's `detokenize` of the single token, cached.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import liblip as lip
+from openai_decode import Choice
+from openai_requests import Completion
+
+
+class Formatter:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.token_text: dict[int, str] = {}
+        self.lock = threading.Lock()
+
+    def head(self, c: Completion, cid: str, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if c.chat \
+            else "text_completion"
+        return {"id": cid, "object": kind, "created": int(time.time()), "model": self.model}
+
+    def token(self, t: int) -> str:
+        with self.lock:
+            text = self.token_text.get(t)
+        if text is None:
+            text = lip.detokenize([t])
+            with self.lock:
+                self.token_text[t] = text
+        return text
+
+    def logprobs(self, c: Completion, entries: list, offset: int = 0) -> dict | None:
+        if not c.logprobs:
+            return None
+        if c.chat:
+            def one(t, lp):
+                s = self.token(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            return {"content": [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in alts]}
+                                for t, lp, alts in entries]}
+        tokens = [self.token(t) for t, _, _ in entries]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{self.token(a): alp for a, alp in alts}
+                                 for _, _, alts in entries], "text_offset": offsets}
+
+    def chunk(self, c: Completion, cid: str, ch: Choice, text, entries: list,
+              finish: bool = False) -> dict | None:
+        """One stream chunk for choice `ch`: its new text (or, for chat, the opening
+        role delta, a dict) and the logprobs of the tokens that came with it; None when
+        there is nothing to say."""
+        if not (finish or text or entries):
+            return None
+        if c.chat:
+            delta = text if isinstance(text, dict) else ({"content": text} if text else {})
+            choice = {"index": ch.index, "delta": delta, "logprobs": self.logprobs(c, entries)}
+        else:
+            choice = {"index": ch.index, "text": text,
+                      "logprobs": self.logprobs(c, entries, ch.text_offset)}
+            ch.text_offset += len(text)
+        choice["finish_reason"] = ch.finish_reason if finish else None
+        return {**self.head(c, cid, True), "choices": [choice]}
+
+    def whole(self, c: Completion, cid: str, prompt: list[int], choices: list[Choice],
+              usage: dict) -> dict:
+        out = []
+        echo = lip.detokenize(prompt) if c.echo else ""
+        for ch in choices:
+            text = ch.out.full()
+            if c.chat:
+                out.append({"index": ch.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": self.logprobs(c, ch.entries),
+                            "finish_reason": ch.finish_reason})
+            else:
+                out.append({"index": ch.index, "text": echo + text,
+                            "logprobs": self.logprobs(c, ch.entries, len(echo)),
+                            "finish_reason": ch.finish_reason})
+        return {**self.head(c, cid, False), "choices": out, "usage": usage,
+                "system_fingerprint": None}
