@@ -217,14 +217,21 @@ class RunCgroup:
                     pass
             time.sleep(0.01)
 
-    def remove(self) -> None:
+    def remove(self) -> list[str]:
+        """Remove the run's groups; the paths that would not go (normally none)."""
+        left = []
         for part in self.parts:
-            for _ in range(100):   # a group is busy for a moment after its last task
+            for attempt in range(250):   # busy for a moment after its last task left
                 try:
                     os.rmdir(part.path)
                     break
                 except FileNotFoundError:
                     break
                 except OSError:
+                    if attempt % 50 == 49:
+                        self.kill()
                     time.sleep(0.02)
+            else:
+                left.append(part.path)
         self.parts.clear()
+        return left

@@ -172,7 +172,9 @@ def run(req: Request) -> int:
             return _launch(prep, group)
         finally:
             group.kill()
-            group.remove()
+            for path in group.remove():
+                print(f"lip: EBUSY: sandbox: could not remove cgroup {path}",
+                      file=sys.stderr, flush=True)
     finally:
         who.release()
 
