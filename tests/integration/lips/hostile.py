@@ -4,8 +4,9 @@ Runs as a Python LIP (`lip run --sandbox hostile.py ...`, no fork/no exec) and a
 plain program (`lip run --sandbox -- python hostile.py ...`).
 
 Arguments with a value are NAME=VALUE (a path, a pid); absolute paths among the
-arguments are not attacks (the sandbox exposes such arguments to the run). Attacks that never end (spin,
-sleep, fork-bomb, hog) print `NAME started` first and are meant to be ended by a limit.
+arguments are not attacks (the sandbox exposes such arguments to the run). Attacks
+that never end (spin, sleep, fork-bomb, hog) print `NAME started` first and are meant
+to be ended by a limit.
 """
 import ctypes
 import errno

@@ -15,7 +15,7 @@ for arg in "$@"; do
     read-shadow) cat /etc/shadow >/dev/null 2>&1 ;;
     read) cat "$value" >/dev/null 2>&1 ;;
     run-written-binary) cp /bin/true "$HOME/t" && chmod +x "$HOME/t" && "$HOME/t" 2>/dev/null ;;
-    ldso-written-binary) cp /bin/true "$HOME/t" && /lib64/ld-linux-x86-64.so.2 "$HOME/t" 2>/dev/null ;;
+    ldso-written-binary) cp /bin/true "$HOME/t" && $(ls /lib64/ld-linux-x86-64.so.2 /lib/ld-linux-aarch64.so.1 2>/dev/null | head -1) "$HOME/t" 2>/dev/null ;;
     run-system-binary) /bin/true ;;
     kill) kill -0 "$value" 2>/dev/null ;;
     fork-bomb) echo "fork-bomb started"; bomb() { bomb | bomb & }; while :; do bomb; done 2>/dev/null ;;
