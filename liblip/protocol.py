@@ -345,22 +345,34 @@ def error_reply(rid: int | None, code: str, message: str) -> dict:
 
 # ---------------------------------------------------------------- where things are
 
+SYSTEM_RUNDIR = "/run/symphony"
+
+
 def default_rundir() -> str:
-    """$SYMPHONY_RUNDIR, else a per-user directory under /run or /tmp."""
+    """$SYMPHONY_RUNDIR, else /run/symphony for root, else a per-user directory under
+    $XDG_RUNTIME_DIR or /tmp. predd refuses a rundir it does not own or that others
+    can write (predd/server.py)."""
     import os
     if os.environ.get("SYMPHONY_RUNDIR"):
         return os.environ["SYMPHONY_RUNDIR"]
     if os.geteuid() == 0:
-        return "/run/symphony"
+        return SYSTEM_RUNDIR
     return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"symphony-{os.geteuid()}")
 
 
 def default_addr(rundir: str | None = None) -> str:
-    """$PREDD_ADDR, else the ipc socket in the run directory."""
+    """Where a client finds predd: $PREDD_ADDR, else the socket in $SYMPHONY_RUNDIR,
+    else the system predd's (/run/symphony/predd.sock) when it exists, else the socket
+    in the per-user rundir. With `rundir`, the socket in that directory."""
     import os
-    if rundir is None and os.environ.get("PREDD_ADDR"):
+    if rundir is not None:
+        return f"ipc://{os.path.join(rundir, 'predd.sock')}"
+    if os.environ.get("PREDD_ADDR"):
         return os.environ["PREDD_ADDR"]
-    return f"ipc://{os.path.join(rundir or default_rundir(), 'predd.sock')}"
+    system = os.path.join(SYSTEM_RUNDIR, "predd.sock")
+    if not os.environ.get("SYMPHONY_RUNDIR") and os.path.exists(system):
+        return f"ipc://{system}"
+    return f"ipc://{os.path.join(default_rundir(), 'predd.sock')}"
 
 
 def default_mount() -> str:
