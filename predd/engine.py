@@ -350,7 +350,7 @@ class Engine(KVOps):
         """The error a request gets for `exc`: its own errno, or EIO (logged) for a bug."""
         if isinstance(exc, ProtocolError):
             return exc
-        self.log(f"{what} failed: {traceback.format_exc()}")
+        self.log(f"{what} failed: {''.join(traceback.format_exception(exc))}")
         return ProtocolError("EIO", f"internal error: {type(exc).__name__}: {exc}")
 
     def _fail(self, call: Call, exc: Exception) -> None:
@@ -366,16 +366,20 @@ class Engine(KVOps):
 
     def _undo(self, call: Call) -> None:
         """Put the object of an admitted call that will not complete back exactly as it
-        was before the call: reservation released, nothing the call computed kept."""
+        was before the call: reservation released, nothing the call computed kept.
+        Never raises (a failure here is a bug: logged, and fsck will show it)."""
         st: CallState = call.payload
         obj = self.store.objects.get(call.oid)
         if obj is None or not call.admitted:   # never admitted: it changed nothing
             return
-        if st.reopened is not None and obj.length < st.base:
-            self.store.restore_last(call.oid, *st.reopened)
-        self.store.release_reservation(call.oid)
-        if obj.length > st.base:
-            self.store.truncate(call.oid, st.base)
+        try:
+            if st.reopened is not None and obj.length < st.base:
+                self.store.restore_last(call.oid, *st.reopened)
+            self.store.release_reservation(call.oid)
+            if obj.length > st.base:
+                self.store.truncate(call.oid, st.base)
+        except Exception as exc:
+            self.log(f"undoing call {st.rid}: {''.join(traceback.format_exception(exc))}")
 
     def step(self) -> bool:
         """Run one batch if any call is ready; whether one ran."""
@@ -393,11 +397,7 @@ class Engine(KVOps):
                     self.scheduler.remove(item.call)
                     continue
                 settled.add(item.call.cid)
-                try:
-                    self._fail(item.call, exc)
-                except Exception:
-                    self.log(f"undoing call {item.call.payload.rid}: "
-                             f"{traceback.format_exc()}")
+                self._fail(item.call, exc)
         self.replay_deferred(time.monotonic())
         return True
 

@@ -1164,3 +1164,17 @@ def test_random_operations_keep_every_invariant():
         w.free(oid)
     assert w.pool.free_pages == 24
     w.verify()
+
+
+def test_non_finite_k_v_is_found_in_every_dtype():
+    """bfloat16 travels as raw uint16 bits: an all-ones exponent is inf or NaN."""
+    from predd.kvstore import _finite
+    bf16 = np.array([0x3F80, 0x0000, 0x8000, 0x7F7F, 0x0001], np.uint16)   # 1, ±0, max, tiny
+    assert _finite(bf16, "bfloat16")
+    for bits in (0x7F80, 0xFF80, 0x7FC0, 0xFFC1):                          # ±inf, NaNs
+        assert not _finite(np.append(bf16, np.uint16(bits)), "bfloat16")
+    for dtype in ("float32", "float16"):
+        ok = np.array([1.0, -0.0, 6e4], dtype)
+        assert _finite(ok, dtype)
+        for bad in (np.inf, -np.inf, np.nan):
+            assert not _finite(np.append(ok, np.array([bad], dtype)), dtype)
