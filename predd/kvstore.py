@@ -332,6 +332,7 @@ def parse_export(blob: bytes, mine: dict, vocab: int, max_length: int
     a disk that rots under kvfsd's snapshots, is caught rather than served).
     """
     at = len(EXPORT_MAGIC) + 4
+    blob = bytes(blob) if isinstance(blob, (bytearray, memoryview)) else blob
     if not isinstance(blob, bytes) or len(blob) < at + 4 or not blob.startswith(EXPORT_MAGIC):
         raise ProtocolError("EINVAL", "not a Symphony KV export (of this version)")
     (crc,) = struct.unpack_from("<I", blob, len(blob) - 4)
