@@ -165,8 +165,11 @@ def test_a_bug_in_the_step_bookkeeping_fails_only_unanswered_calls(monkeypatch):
     kv_b = h.ok(B, "kv_create")["cap"]
     p = h.send(A, "pred", cap=kv_a, tokens=[1, 2, 3])                 # done in one step
     g = h.send(B, "generate", cap=kv_b, tokens=[4, 5], max_tokens=5, stop=[])
-    monkeypatch.setattr(h.engine.scheduler, "update",
-                        lambda *a: (_ for _ in ()).throw(KeyError("bookkeeping")))
+
+    def broken_update(*args):
+        raise KeyError("bookkeeping")
+
+    monkeypatch.setattr(h.engine.scheduler, "update", broken_update)
     assert h.engine.step()
     monkeypatch.undo()
     assert h.reply(A, p)["ok"]
