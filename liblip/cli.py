@@ -6,9 +6,10 @@
     lip chat FILE MESSAGE        append a user turn, stream the reply, append it too
     lip generate FILE [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--stop S]
     lip cat FILE                 the cache's content as text
-    lip run [--sandbox] PROGRAM [ARGS...]
+    lip run [--sandbox [--uid UID] [--memory SIZE] [--cpu-seconds N] [--wall-seconds N]
+            [--max-procs N]] [--] PROGRAM [ARGS...]
                                  run a LIP (a .py file runs under this Python);
-                                 --sandbox: as an untrusted process (liblip/sandbox.py)
+                                 --sandbox: as an untrusted process (docs/sandbox.md)
 
 FILE is a `.kv` file: relative to the current directory when that is inside the KV
 file system, else to $KVFS_MOUNT. Errors print `lip: ENAME: message` and exit 1.
@@ -25,6 +26,22 @@ from liblip.client import LipError
 from liblip.protocol import default_addr, default_mount
 
 CHAT_PROBE = "\x00probe\x00"
+RUN_SANDBOX_HELP = """\
+--sandbox (root only) runs PROGRAM, whatever it is, as an untrusted process:
+  a fresh unprivileged uid per run (or --uid), no groups, never root;
+  an empty network namespace and no sockets but AF_UNIX; predd is reached through
+    its ipc:// socket ($PREDD_ADDR; tcp:// is refused);
+  a private file system: read-only, writable only in $HOME (= $TMPDIR, a private
+    noexec tmpfs) and $KVFS_MOUNT; private /tmp, /run, /dev/shm; exec only of
+    installed binaries, never of a file the program wrote;
+  its own pid namespace and cgroup: --max-procs processes, --memory for the whole run
+    (and per process), --cpu-seconds, --wall-seconds; ending the run ends all of it;
+  no controlling terminal, no TIOCSTI, no ptrace, mount, namespaces, memfd, io_uring;
+  a .py PROGRAM may also not fork or exec.
+Exit status: the program's (128+N if killed by signal N); 124 when a time limit
+ended the run, 137 when the memory limit did; 126 when the sandbox refused to start
+the program (it never ran), 127 when PROGRAM does not exist. The sandbox's own
+messages read `lip: CODE: sandbox: ...` on stderr."""
 
 
 def resolve(path: str) -> str:
@@ -136,13 +153,12 @@ def cmd_run(args) -> int:
     env.setdefault("PREDD_ADDR", default_addr())
     env.setdefault("KVFS_MOUNT", default_mount())
     if args.sandbox:
-        from liblip import sandbox
-        try:
-            return sandbox.run([os.path.abspath(program) if os.path.exists(program)
-                                else program, *args.args], env, env["KVFS_MOUNT"])
-        except (OSError, ValueError) as exc:
-            code = "EPERM" if isinstance(exc, PermissionError) else "EINVAL"
-            raise LipError(code, f"sandbox: {exc}") from None
+        return _run_sandboxed(args, env)
+    limited = [f"--{n.replace('_', '-')}" for n in ("uid", "memory", "cpu_seconds",
+                                                     "wall_seconds", "max_procs")
+               if getattr(args, n) is not None]
+    if limited:
+        raise LipError("EINVAL", f"{', '.join(limited)}: only with --sandbox")
     argv = [program, *args.args]
     if program.endswith(".py"):
         argv = [sys.executable, *argv]
@@ -151,6 +167,24 @@ def cmd_run(args) -> int:
     except OSError as exc:
         raise LipError("ENOENT" if isinstance(exc, FileNotFoundError) else "EACCES",
                        f"{program}: {exc.strerror}") from None
+
+
+def _run_sandboxed(args, env: dict[str, str]) -> int:
+    from liblip import sandbox
+    try:
+        memory = sandbox.parse_size(args.memory) if args.memory else None
+    except ValueError as exc:
+        raise LipError("EINVAL", f"--memory: {exc}") from None
+    given = {"memory": memory, "cpu_seconds": args.cpu_seconds,
+             "wall_seconds": args.wall_seconds, "max_procs": args.max_procs}
+    limits = sandbox.Limits(**{k: v for k, v in given.items() if v is not None})
+    request = sandbox.Request([args.program, *args.args], env, limits, args.uid,
+                              env["KVFS_MOUNT"])
+    try:
+        return sandbox.run(request)
+    except sandbox.SandboxError as exc:
+        print(f"lip: {exc.code}: {exc.message}", file=sys.stderr, flush=True)
+        return exc.status
 
 
 def parser() -> argparse.ArgumentParser:
@@ -178,10 +212,21 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--stop", action="append", help="stop text (repeatable)")
     p = sub.add_parser("cat")
     p.add_argument("file")
-    p = sub.add_parser("run")
+    p = sub.add_parser(
+        "run", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a LIP: PROGRAM is any executable (a .py file runs under this "
+                    "Python).",
+        epilog=RUN_SANDBOX_HELP)
     p.add_argument("--sandbox", action="store_true",
-                   help="own uid, rlimits, no network, read-only file system but scratch "
-                        "and $KVFS_MOUNT, no exec/fork/inet sockets (liblip/sandbox.py)")
+                   help="run as an untrusted process (needs root; see below)")
+    p.add_argument("--uid", type=int, metavar="UID",
+                   help="run as this uid (not 0) instead of a fresh one per run")
+    p.add_argument("--memory", metavar="SIZE",
+                   help="memory of the run: bytes or 512M, 2G... (default 2G)")
+    p.add_argument("--cpu-seconds", type=int, metavar="N", help="CPU time (default 600)")
+    p.add_argument("--wall-seconds", type=int, metavar="N", help="wall time (default 3600)")
+    p.add_argument("--max-procs", type=int, metavar="N",
+                   help="processes and threads (default 64)")
     p.add_argument("program")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return ap

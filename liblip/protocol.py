@@ -3,8 +3,9 @@
 A request is one msgpack map `{"op": ..., "rid": int, ...fields}` optionally followed by
 binary frames; a reply echoes `rid` with `"ok": true` and results, or `"ok": false` and
 `{"error": {"code": ERRNO_NAME, "message": ...}}`. Every op's fields are a dataclass below;
-`decode_request` validates a raw map against it and raises `ProtocolError` (EINVAL,
-EBADMSG, ENOSYS) — never anything else — so a server can answer bad input and go on.
+`decode_request` validates a raw map against it (types, sizes, shapes) and raises
+`ProtocolError` (EINVAL, E2BIG, EBADMSG, ENOSYS) — never anything else — so a server can
+answer bad input and go on.
 This module is pure Python (no torch, no zmq) so any process may import it.
 """
 from __future__ import annotations
@@ -21,6 +22,10 @@ import msgpack
 PROTOCOL_VERSION = 1
 RIGHTS = ("r", "rw")
 CAP_HEX_LEN = 32  # 128-bit capabilities, hex
+# Sizes any request field may have, whatever the model (predd's own, smaller, limits
+# follow from its model: see predd/limits.py). Beyond them a request is E2BIG.
+MAX_ITEMS = 1 << 20      # items of a list field
+MAX_CHARS = 1 << 24      # characters of a str field, bytes of a bytes field
 
 
 class ProtocolError(Exception):
@@ -309,10 +314,20 @@ def decode_request(header: dict) -> Request:
             continue
         if key not in fields_:
             raise ProtocolError("EINVAL", f"{op}: unknown field {key!r}")
+        _check_size(f"{op}.{key}", value)
         if not _is_instance(value, hints[key]):
             raise ProtocolError("EINVAL", f"{op}.{key}: expected {_type_name(hints[key])}")
         kwargs[key] = value
+    if op == "kv_extract" and any(len(r) != 2 for r in kwargs.get("ranges", [])):
+        raise ProtocolError("EINVAL", "kv_extract.ranges: each range is [start, end]")
     return cls(**kwargs)
+
+
+def _check_size(what: str, value: Any) -> None:
+    if isinstance(value, list) and len(value) > MAX_ITEMS:
+        raise ProtocolError("E2BIG", f"{what}: {len(value)} items, at most {MAX_ITEMS}")
+    if isinstance(value, (str, bytes)) and len(value) > MAX_CHARS:
+        raise ProtocolError("E2BIG", f"{what}: {len(value)} long, at most {MAX_CHARS}")
 
 
 def _type_name(kind: Any) -> str:
@@ -345,22 +360,34 @@ def error_reply(rid: int | None, code: str, message: str) -> dict:
 
 # ---------------------------------------------------------------- where things are
 
+SYSTEM_RUNDIR = "/run/symphony"
+
+
 def default_rundir() -> str:
-    """$SYMPHONY_RUNDIR, else a per-user directory under /run or /tmp."""
+    """$SYMPHONY_RUNDIR, else /run/symphony for root, else a per-user directory under
+    $XDG_RUNTIME_DIR or /tmp. predd refuses a rundir it does not own or that others
+    can write (predd/server.py)."""
     import os
     if os.environ.get("SYMPHONY_RUNDIR"):
         return os.environ["SYMPHONY_RUNDIR"]
     if os.geteuid() == 0:
-        return "/run/symphony"
+        return SYSTEM_RUNDIR
     return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"symphony-{os.geteuid()}")
 
 
 def default_addr(rundir: str | None = None) -> str:
-    """$PREDD_ADDR, else the ipc socket in the run directory."""
+    """Where a client finds predd: $PREDD_ADDR, else the socket in $SYMPHONY_RUNDIR,
+    else the system predd's (/run/symphony/predd.sock) when it exists, else the socket
+    in the per-user rundir. With `rundir`, the socket in that directory."""
     import os
-    if rundir is None and os.environ.get("PREDD_ADDR"):
+    if rundir is not None:
+        return f"ipc://{os.path.join(rundir, 'predd.sock')}"
+    if os.environ.get("PREDD_ADDR"):
         return os.environ["PREDD_ADDR"]
-    return f"ipc://{os.path.join(rundir or default_rundir(), 'predd.sock')}"
+    system = os.path.join(SYSTEM_RUNDIR, "predd.sock")
+    if not os.environ.get("SYMPHONY_RUNDIR") and os.path.exists(system):
+        return f"ipc://{system}"
+    return f"ipc://{os.path.join(default_rundir(), 'predd.sock')}"
 
 
 def default_mount() -> str:

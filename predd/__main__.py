@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = lambda msg: print(f"predd: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     rundir = args.rundir or default_rundir()
-    addr = args.addr or (default_addr(rundir) if args.rundir else default_addr())
+    # Its own rundir, never the system predd's that clients fall back to.
+    addr = args.addr or os.environ.get("PREDD_ADDR") or default_addr(rundir)
     try:
         model_path = args.model or default_model_path()
     except FileNotFoundError as exc:

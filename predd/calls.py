@@ -1,10 +1,16 @@
 """A pred or generate call in flight: its inputs, its results so far and what it cost.
 
 The scheduler sees only counters (`Call.total`, `Call.computed`); this record is the
-engine's payload on the call. `finish_*` build the replies.
+engine's payload on the call. `pred_reply` builds a pred's reply.
+
+Commit rule: a call's computed tokens become entries of its object only when they are
+all computed (`committed` counts those that are), so a chunked prefill is never seen or
+left half-done; `base` and `reopened` say how to put the object back exactly as it was
+if the call fails.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +36,7 @@ class CallState:
     stop: frozenset[int] = frozenset()
     stop_text: tuple[str, ...] = ()
     stream: bool = True
+    stop_window: int = 0             # tokens of output a stop_text match is looked for in
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     # results and cost
@@ -40,6 +47,24 @@ class CallState:
     admitted_at: float = 0.0
     reused: int = 0
     step_s: float = 0.0
+    # commit and undo
+    committed: int = 0               # leading tokens that are entries of the object
+    base: int = 0                    # the object's length when the call was admitted
+    reopened: tuple[int, int, np.ndarray] | None = None   # re-predict: the entry, to undo
+
+    def __post_init__(self) -> None:
+        # A stop string of m characters spans at most 4m tokens (a byte-level token is at
+        # least one byte, a character at most four), plus a few for a cut character at
+        # the window's start: matching in that tail of the output finds every new match.
+        if self.stop_text:
+            self.stop_window = 4 * max(len(t) for t in self.stop_text) + 8
+
+    def hits_stop_text(self, decode: Callable[[list[int]], str]) -> bool:
+        """Whether the output now contains a stop string. Earlier tokens were checked when
+        they came, so only a match ending in the last `stop_window` tokens is new: the
+        cost per token is bounded, not the length of the output."""
+        tail = decode(self.generated[-self.stop_window:])
+        return any(t in tail for t in self.stop_text)
 
     def chunk(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Token ids, positions and wanted-output indices (chunk-relative) of a chunk."""

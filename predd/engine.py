@@ -13,10 +13,11 @@ from __future__ import annotations
 import time
 import traceback
 
-import torch
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+import torch
 
 from liblip import protocol as p
 from liblip.protocol import ProtocolError, error_reply, ok_reply
@@ -25,16 +26,16 @@ from predd.calls import CallState
 from predd.caps import Capabilities, Capability
 from predd.kvops import KVOps
 from predd.kvstore import KVStore
+from predd.limits import MAX_POSITION, Limits
 from predd.pool import Pool
 from predd.quota import QuotaConfig, Quotas
 from predd.runner import Chunk, Runner
-from predd.scheduler import Call, Scheduler, SchedulerConfig
+from predd.scheduler import Call, Plan, PlanItem, Scheduler, SchedulerConfig
 from predd.sessions import Session, Sessions
 from predd.tokenizer import Tokenizer
 
 Send = Callable[[bytes, dict, list[bytes]], None]
 CHANGES = frozenset({"pred", "generate", "kv_truncate", "kv_free"})
-MAX_POSITION = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class EngineConfig:
     lease_s: float = 10.0
     scheduler: SchedulerConfig = SchedulerConfig()
     quota: QuotaConfig = QuotaConfig()
+    limits: Limits = Limits()
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Engine(KVOps):
         self.counters = Counters()
         self.deferred: dict[int, list[tuple[bytes, p.Request, list[bytes]]]] = {}
         self.vocab = runner.cfg.vocab_size
+        self.limits = config.limits.resolved(runner.cfg.max_position)
         self.started = time.monotonic()
 
     # ------------------------------------------------------------ requests
@@ -128,8 +131,8 @@ class Engine(KVOps):
                     continue
                 try:
                     self._dispatch(identity, session, req, extra, now)
-                except ProtocolError as exc:
-                    self._error(identity, req.rid, exc)
+                except Exception as exc:   # this request's error alone, never the loop's
+                    self._error(identity, req.rid, self._errno(exc, f"request {req.rid}"))
                 if self.scheduler.busy(oid) and queue:
                     self.deferred.setdefault(oid, [])[:0] = queue
                     break
@@ -156,7 +159,7 @@ class Engine(KVOps):
     def end_session(self, s: Session, why: str) -> None:
         dropped = self.scheduler.cancel(lambda c: c.session == s.sid)
         for call in dropped:
-            self.store.release_reservation(call.oid)
+            self._undo(call)
         for oid, queue in list(self.deferred.items()):
             queue[:] = [q for q in queue if q[0] != s.identity]
             if not queue:
@@ -240,35 +243,28 @@ class Engine(KVOps):
     # ------------------------------------------------------------ text
 
     def op_tokenize(self, s, r: p.Tokenize, extra, now) -> dict:
+        self.limits.check_text("tokenize.text", r.text)
         return {"tokens": self.tokenizer.encode(r.text, add_special=r.add_special)}
 
     def op_detokenize(self, s, r: p.Detokenize, extra, now) -> dict:
-        self._check_tokens(r.tokens)
+        self.limits.count("detokenize.tokens", r.tokens, self.limits.text_tokens)
+        self.limits.ids("detokenize.tokens", r.tokens, self.vocab)
         return {"text": self.tokenizer.decode(r.tokens, skip_special=r.skip_special)}
 
     def op_chat_template(self, s, r: p.ChatTemplate, extra, now) -> dict:
-        for m in r.messages:
-            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise ProtocolError("EINVAL", "messages: each needs str role and content")
+        self.limits.check_messages(r.messages)
         try:
             text = self.tokenizer.apply_chat_template(r.messages, r.add_generation_prompt)
         except Exception as exc:
             raise ProtocolError("EINVAL", f"chat template failed: {exc}") from None
         return {"text": text, "tokens": self.tokenizer.encode(text)}
 
-    def _check_tokens(self, tokens: list[int]) -> None:
-        if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab):
-            raise ProtocolError("EINVAL", f"token ids must be in [0, {self.vocab})")
-
     # ------------------------------------------------------------ pred / generate
 
     def op_pred(self, s: Session, r: p.Pred, extra, now) -> None:
         cap = self._cap(r.cap, write=True)
+        self.limits.check_pred(r, self.vocab)
         n = len(r.tokens)
-        self._check_tokens(r.tokens)
-        if r.positions is not None and (len(r.positions) != n or any(
-                not 0 <= q < MAX_POSITION for q in r.positions)):
-            raise ProtocolError("EINVAL", f"positions: one per token, in [0, {MAX_POSITION})")
         if n == 0:   # re-predict from the last entry: it becomes the one token
             if r.outputs not in (None, [0], [-1]):
                 raise ProtocolError("EINVAL", "with no tokens only output 0 exists")
@@ -278,8 +274,6 @@ class Engine(KVOps):
             if any(not -n <= o < n for o in outputs):
                 raise ProtocolError("EINVAL", f"outputs must index the {n} tokens")
             outputs = [o % n for o in outputs]
-        if r.topk < 0:
-            raise ProtocolError("EINVAL", "topk must be >= 0")
         sample = p.SampleParams.from_wire(r.sample)
         state = CallState(s.identity, r.rid, "pred", list(r.tokens), r.positions, outputs,
                           sample, sampling.mask_tensor(r.mask, self.vocab), topk=r.topk,
@@ -288,9 +282,7 @@ class Engine(KVOps):
 
     def op_generate(self, s: Session, r: p.Generate, extra, now) -> None:
         cap = self._cap(r.cap, write=True)
-        self._check_tokens(r.tokens)
-        if r.max_tokens < 1:
-            raise ProtocolError("EINVAL", "max_tokens must be >= 1")
+        self.limits.check_generate(r, self.vocab)
         sample = p.SampleParams.from_wire(r.sample)
         stop = self.tokenizer.eos_ids if r.stop is None else r.stop
         state = CallState(s.identity, r.rid, "generate", list(r.tokens), None, [],
@@ -307,28 +299,87 @@ class Engine(KVOps):
         self.scheduler.submit(call, now)
 
     def _admit(self, call: Call) -> bool:
-        """Resolve positions and reserve the call's slots; reply ENOSPC if out of pages."""
+        """Resolve positions and reserve the call's slots, all or nothing; on any error
+        reply it to this call alone (the object is as it was) and refuse it."""
         st: CallState = call.payload
-        obj = self.store.get(call.oid)
-        if not st.tokens:
-            # Re-predict from the cache's last entry: recompute it in place.
-            tokens, positions = self.store.entries(call.oid, obj.length - 1)
-            self.store.truncate(call.oid, obj.length - 1)
-            st.tokens, st.positions = tokens.tolist(), positions.tolist()
-        if st.positions is None:
-            first = self.store.last_position(obj) + 1
-            st.positions = list(range(first, first + len(st.tokens)))
-        st.reused = obj.length
-        st.admitted_at = time.monotonic()
         try:
-            self.quotas.check(call.oid, self.store.pages_needed(call.oid, len(st.tokens)))
-            self.store.reserve(call.oid, len(st.tokens))
-        except ProtocolError as exc:
-            self._error(st.identity, st.rid, exc)
+            self._prepare(call.oid, st)
+        except Exception as exc:
+            self._error(st.identity, st.rid, self._errno(exc, f"call {st.rid}"))
             return False
         self.counters.tokens_reused += st.reused
         self.counters.queue_wait_s += st.admitted_at - st.arrival
         return True
+
+    def _prepare(self, oid: int, st: CallState) -> None:
+        """Every check first (positions fit int32, the object stays within the context,
+        quota), then the one change: reserve new slots, or reopen the last entry for a
+        re-predict (`tokens=[]`, recomputed in place)."""
+        obj = self.store.get(oid)
+        st.base = obj.length
+        if st.tokens:
+            if st.positions is None:
+                first = self.store.last_position(obj) + 1
+                st.positions = list(range(first, first + len(st.tokens)))
+            grow = len(st.tokens)
+        else:
+            if obj.length == 0:
+                raise ProtocolError("EINVAL", "no tokens and an empty cache: nothing to "
+                                    "predict from")
+            tokens, positions = self.store.entries(oid, obj.length - 1)
+            st.tokens, st.positions = tokens.tolist(), positions.tolist()
+            grow = 0
+        # A generate appends max_tokens - 1 more entries after its prompt.
+        last = st.positions[-1] + max(st.max_tokens - 1, 0)
+        if last >= MAX_POSITION:
+            raise ProtocolError("EOVERFLOW", f"positions would reach {last}: past the "
+                                f"largest position {MAX_POSITION - 1}")
+        if obj.length + grow > self.limits.context:
+            raise ProtocolError("E2BIG", f"the object would hold {obj.length + grow} entries, "
+                                f"more than the context of {self.limits.context}")
+        if grow:
+            self.quotas.check(oid, self.store.pages_needed(oid, grow))
+            self.store.reserve(oid, grow)
+        else:
+            self.quotas.check(oid, self.store.reopen_pages(oid))
+            st.reopened = self.store.reopen_last(oid)
+        st.reused = self.store.get(oid).length
+        st.admitted_at = time.monotonic()
+
+    def _errno(self, exc: Exception, what: str) -> ProtocolError:
+        """The error a request gets for `exc`: its own errno, or EIO (logged) for a bug."""
+        if isinstance(exc, ProtocolError):
+            return exc
+        self.log(f"{what} failed: {''.join(traceback.format_exception(exc))}")
+        return ProtocolError("EIO", f"internal error: {type(exc).__name__}: {exc}")
+
+    def _fail(self, call: Call, exc: Exception) -> None:
+        """Fail one call alone: it leaves the queue with its error, and its object is put
+        back as it was."""
+        st: CallState = call.payload
+        self.scheduler.remove(call)
+        error = self._errno(exc, f"call {st.rid}")
+        try:
+            self._undo(call)
+        finally:
+            self._error(st.identity, st.rid, error)
+
+    def _undo(self, call: Call) -> None:
+        """Put the object of an admitted call that will not complete back exactly as it
+        was before the call: reservation released, nothing the call computed kept.
+        Never raises (a failure here is a bug: logged, and fsck will show it)."""
+        st: CallState = call.payload
+        obj = self.store.objects.get(call.oid)
+        if obj is None or not call.admitted:   # never admitted: it changed nothing
+            return
+        try:
+            if st.reopened is not None and obj.length < st.base:
+                self.store.restore_last(call.oid, *st.reopened)
+            self.store.release_reservation(call.oid)
+            if obj.length > st.base:
+                self.store.truncate(call.oid, st.base)
+        except Exception as exc:
+            self.log(f"undoing call {st.rid}: {''.join(traceback.format_exception(exc))}")
 
     def step(self) -> bool:
         """Run one batch if any call is ready; whether one ran."""
@@ -336,60 +387,118 @@ class Engine(KVOps):
         if not plan.items:
             self.replay_deferred(time.monotonic())
             return False
+        settled: set[int] = set()
         try:
-            self._run(plan)
-        except Exception as exc:   # a bug in one step must not take the daemon down
+            self._run(plan, settled)
+        except Exception as exc:   # a bug in the step's bookkeeping: fail what is unsettled
             self.log(f"step failed: {traceback.format_exc()}")
             for item in plan.items:
-                call, st = item.call, item.call.payload
-                self.scheduler.remove(call)
-                self.store.release_reservation(call.oid)
-                self._error(st.identity, st.rid, ProtocolError("EIO", f"step failed: {exc}"))
+                if item.call.cid in settled:     # answered: just out of the queue
+                    self.scheduler.remove(item.call)
+                    continue
+                settled.add(item.call.cid)
+                self._fail(item.call, exc)
         self.replay_deferred(time.monotonic())
         return True
 
-    def _run(self, plan) -> None:
-        chunks = []
+    def _run(self, plan: Plan, settled: set[int]) -> None:
+        """Execute a plan. A call that fails (building its chunk, in the forward pass,
+        picking its token) fails alone; `settled` collects the calls answered for good."""
+        items, chunks = [], []
         for item in plan.items:
-            st: CallState = item.call.payload
-            tokens, positions, wanted = st.chunk(item.start, item.count)
-            obj = self.store.get(item.call.oid)
-            ctx = self.store.slots(obj, 0, obj.length + item.count)
-            chunks.append(Chunk(tokens, positions, ctx, wanted))
+            try:
+                chunks.append(self._chunk(item))
+                items.append(item)
+            except Exception as exc:
+                settled.add(item.call.cid)
+                self._fail(item.call, exc)
         started = time.monotonic()
-        results = self.runner.execute(chunks)
+        results = self._execute(chunks)
         elapsed = time.monotonic() - started
-        finished: set[int] = set()
-        for item, chunk, logits in zip(plan.items, chunks, results):
+        ran: list[PlanItem] = []
+        for item, chunk, out in zip(items, chunks, results):
             call, st = item.call, item.call.payload
+            if isinstance(out, Exception):
+                settled.add(call.cid)
+                self._fail(call, out)
+                continue
             st.step_s += elapsed
-            self.store.commit(call.oid, chunk.tokens, chunk.positions)
-            if len(logits):
-                st.logits.append(logits)
-        self._pick_greedy([i.call.payload for i in plan.items if i.completes])
-        for item in plan.items:
-            if item.completes and self._finish_chunk(item.call, item.call.payload):
-                finished.add(item.call.cid)
+            if len(out):
+                st.logits.append(out)
+            if item.completes:   # the call's known tokens are all computed: commit them
+                done = item.start + item.count
+                self.store.commit(call.oid, np.asarray(st.tokens[st.committed:done], np.int32),
+                                  np.asarray(st.positions[st.committed:done], np.int32))
+                st.committed = done
+            ran.append(item)
+        self._pick_greedy([i.call.payload for i in ran if i.completes])
+        finished: set[int] = set()
+        failed: set[int] = set()
+        for item in ran:
+            if item.completes:
+                try:
+                    if self._finish_chunk(item.call, item.call.payload):
+                        finished.add(item.call.cid)
+                except Exception as exc:
+                    failed.add(item.call.cid)
+                    self._fail(item.call, exc)
+        settled |= finished | failed
+        ran = [i for i in ran if i.call.cid not in failed]
         c = self.counters
         c.steps += 1
-        c.calls += len(plan.items)
-        c.tokens_computed += plan.num_tokens
+        c.calls += len(ran)
+        c.tokens_computed += sum(i.count for i in ran)
         c.step_s += elapsed
-        self.scheduler.update(plan, finished, time.monotonic(), elapsed)
+        self.scheduler.update(Plan(ran), finished, time.monotonic(), elapsed)
+
+    def _chunk(self, item: PlanItem) -> Chunk:
+        """The runner's view of one call's chunk: it attends to the object's entries, the
+        call's earlier (not yet committed) tokens and itself."""
+        st: CallState = item.call.payload
+        tokens, positions, wanted = st.chunk(item.start, item.count)
+        obj = self.store.get(item.call.oid)
+        end = obj.length + item.start + item.count - st.committed
+        return Chunk(tokens, positions, self.store.slots(obj, 0, end), wanted)
+
+    def _execute(self, chunks: list[Chunk]) -> list[torch.Tensor | Exception]:
+        """runner.execute, isolating failures: if the batch raises, its halves run
+        again (bisection) until each failing chunk stands alone with its exception. The
+        failed pass wrote only into the calls' own reserved slots, which the retry
+        rewrites (or the failed call's undo releases)."""
+        if not chunks:
+            return []
+        try:
+            results = list(self.runner.execute(chunks))
+            if len(results) != len(chunks):
+                raise RuntimeError(f"runner returned {len(results)} results for "
+                                   f"{len(chunks)} chunks")
+            return results
+        except Exception as exc:
+            if len(chunks) == 1:
+                return [exc]
+            self.log(f"a batch of {len(chunks)} failed ({type(exc).__name__}: {exc}); "
+                     "retrying it in halves")
+            mid = len(chunks) // 2
+            return self._execute(chunks[:mid]) + self._execute(chunks[mid:])
 
     @staticmethod
     def _pick_greedy(states: list[CallState]) -> None:
         """The next token of every greedy, unmasked generate in one batched op (the
-        same argmax and logprob `sampling.sample` gives, without 32 small calls)."""
+        same argmax and logprob `sampling.sample` gives, without 32 small calls). If it
+        fails, each call picks its own token in `next_token`."""
         greedy = [st for st in states if st.op == "generate" and st.allowed is None
                   and (st.sample is None or st.sample.temperature < sampling.MIN_TEMPERATURE)]
         if not greedy:
             return
-        rows = torch.cat([st.logits.pop() for st in greedy])          # [k, V]
-        logprobs = torch.log_softmax(rows, dim=-1)
-        tokens = torch.argmax(rows, dim=-1)
-        picked = logprobs.gather(1, tokens[:, None])[:, 0]
+        try:
+            rows = torch.cat([st.logits[-1] for st in greedy])          # [k, V]
+            logprobs = torch.log_softmax(rows, dim=-1)
+            tokens = torch.argmax(rows, dim=-1)
+            picked = logprobs.gather(1, tokens[:, None])[:, 0]
+        except Exception:
+            return
         for st, token, lp in zip(greedy, tokens.tolist(), picked.tolist()):
+            st.logits.pop()
             st.picked = (token, lp)
 
     def _finish_chunk(self, call: Call, st: CallState) -> bool:
@@ -406,27 +515,30 @@ class Engine(KVOps):
         reason = None
         if token in st.stop:
             reason = "stop"
-        elif st.stop_text and any(t in self.tokenizer.decode(st.generated) for t in st.stop_text):
+        elif st.stop_text and st.hits_stop_text(self.tokenizer.decode):
             reason = "stop"
         elif len(st.generated) >= st.max_tokens:
             reason = "length"
+        elif obj.length + 1 > self.limits.context:
+            reason = "length"          # the object is full: no room for the token
         if reason is None:
             try:
                 self.quotas.check(call.oid, self.store.pages_needed(call.oid, 1))
                 self.store.reserve(call.oid, 1)
             except ProtocolError as exc:
                 reason = exc.code
-        if st.stream:
-            self.send(st.identity, ok_reply(st.rid, more=reason is None, tokens=[token],
-                                            logprobs=[logprob]), [])
         if reason is None:
+            if st.stream:
+                self.send(st.identity, ok_reply(st.rid, more=True, tokens=[token],
+                                                logprobs=[logprob]), [])
             st.tokens.append(token)
             st.positions.append(st.positions[-1] + 1)
             call.total += 1
             return False
+        # The one terminal message: a stream's last token comes with the outcome.
         final = {"finish_reason": reason, "cost": cost, "more": False,
-                 "tokens": [] if st.stream else st.generated,
-                 "logprobs": [] if st.stream else st.logprobs,
+                 "tokens": [token] if st.stream else st.generated,
+                 "logprobs": [logprob] if st.stream else st.logprobs,
                  "generated": len(st.generated)}
         if st.stream:
             final["final"] = True

@@ -72,14 +72,18 @@ class KVOps:
         return self._stat(cap.oid)
 
     def op_kv_extract(self, s, r: p.KvExtract, extra, now) -> dict:
+        self.limits.count("kv_extract.ranges", r.ranges, self.limits.extract_ranges)
         cap = self._cap(r.cap)
-        return self._new_object(self.store.extract(cap.oid, r.ranges).oid, s, r.persist)
+        obj = self.store.extract(cap.oid, r.ranges, max_length=self.limits.context)
+        return self._new_object(obj.oid, s, r.persist)
 
     def op_kv_merge(self, s, r: p.KvMerge, extra, now) -> dict:
         if not r.caps:
             raise ProtocolError("EINVAL", "kv_merge needs at least one capability")
+        self.limits.count("kv_merge.caps", r.caps, self.limits.merge_caps)
         oids = [self._cap(t).oid for t in r.caps]
-        return self._new_object(self.store.merge(oids).oid, s, r.persist)
+        obj = self.store.merge(oids, max_length=self.limits.context)
+        return self._new_object(obj.oid, s, r.persist)
 
     def op_kv_export(self, s, r: p.KvExport, extra, now):
         cap = self._cap(r.cap)
@@ -89,5 +93,5 @@ class KVOps:
     def op_kv_import(self, s, r: p.KvImport, extra, now) -> dict:
         if len(extra) != 1:
             raise ProtocolError("EINVAL", "kv_import needs exactly one binary frame")
-        obj = self.store.import_(extra[0])
+        obj = self.store.import_(extra[0], self.vocab, self.limits.context)
         return self._new_object(obj.oid, s, r.persist)

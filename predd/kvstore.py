@@ -10,6 +10,8 @@ Lifetime rules (checked by `check`):
   (copy-on-write), so a fork never sees another object's later entries.
 * fork shares every page (O(pages), no tensor copy); extract and merge share whole,
   aligned pages and copy the rest; free drops the object's references.
+* Every operation that can fail (ENOSPC, E2BIG, a bad export) fails before it changes
+  anything: an object is either changed as asked or left exactly as it was.
 The K/V tensors are not here: `PageData` (the runner's cache) copies, reads and writes
 slots, addressed as flat slot ids `page * page_size + slot`.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,9 +27,10 @@ import msgpack
 import numpy as np
 
 from liblip.protocol import ProtocolError
+from predd.limits import MAX_POSITION
 from predd.pool import Pool
 
-EXPORT_MAGIC = b"SYKV1\n"
+EXPORT_MAGIC = b"SYKV2\n"   # SYKV1 had no checksum
 
 
 class PageData(Protocol):
@@ -104,17 +108,56 @@ class KVStore:
         cow = self._needs_copy(obj)
         fresh = self.pool.alloc(self.pages_needed(oid, n))
         if cow:
-            old = obj.pages[start // ps]
-            new = fresh.pop()
-            filled = start % ps
-            self.data.copy_slots(old * ps + np.arange(filled), new * ps + np.arange(filled))
-            self.pool.token_ids[new, :filled] = self.pool.token_ids[old, :filled]
-            self.pool.positions[new, :filled] = self.pool.positions[old, :filled]
-            obj.pages[start // ps] = new
-            self.pool.decref([old])
+            self._copy_page(obj, start // ps, start % ps, fresh.pop())
         obj.pages.extend(fresh)
         obj.reserved += n
         return self.slots(obj, start, start + n)
+
+    def _copy_page(self, obj: KVObject, index: int, filled: int, new: int) -> None:
+        """Copy-on-write: page `index` of `obj` becomes `new`, a copy of its first
+        `filled` slots; the object drops its reference to the shared original."""
+        ps = self.page_size
+        old = obj.pages[index]
+        self.data.copy_slots(old * ps + np.arange(filled), new * ps + np.arange(filled))
+        self.pool.token_ids[new, :filled] = self.pool.token_ids[old, :filled]
+        self.pool.positions[new, :filled] = self.pool.positions[old, :filled]
+        obj.pages[index] = new
+        self.pool.decref([old])
+
+    def reopen_pages(self, oid: int) -> int:
+        """Fresh pages `reopen_last` takes: one when the last entry's page is shared."""
+        obj = self.get(oid)
+        if obj.length == 0:
+            return 0
+        return int(self.pool.refcount[obj.pages[(obj.length - 1) // self.page_size]] > 1)
+
+    def reopen_last(self, oid: int) -> tuple[int, int, np.ndarray]:
+        """Turn the last entry back into a one-slot reservation, so that a call recomputes
+        it in place (re-predict). Its page is made private first (all or nothing: ENOSPC
+        changes nothing). Returns what `restore_last` needs to undo it: the entry's token,
+        position and K/V."""
+        obj = self.get(oid)
+        assert obj.reserved == 0, "reopen with a call in flight"
+        if obj.length == 0:
+            raise ProtocolError("EINVAL", "the object is empty: no last entry to recompute")
+        ps = self.page_size
+        i = obj.length - 1
+        if self.reopen_pages(oid):
+            self._copy_page(obj, i // ps, i % ps + 1, self.pool.alloc(1)[0])
+        page, slot = obj.pages[i // ps], i % ps
+        saved = np.ascontiguousarray(self.data.read_slots(np.array([page * ps + slot])))
+        token = int(self.pool.token_ids[page, slot])
+        position = int(self.pool.positions[page, slot])
+        obj.length -= 1
+        obj.reserved = 1
+        return token, position, saved
+
+    def restore_last(self, oid: int, token: int, position: int, saved: np.ndarray) -> None:
+        """Undo `reopen_last` whose call failed: the entry is back as it was."""
+        obj = self.get(oid)
+        assert obj.reserved >= 1, "restore without the reopened slot"
+        self.data.write_slots(self.slots(obj, obj.length, obj.length + 1), saved)
+        self.commit(oid, np.array([token], np.int32), np.array([position], np.int32))
 
     def _needs_copy(self, obj: KVObject) -> bool:
         """Whether the next write lands in a partial last page other objects hold."""
@@ -179,19 +222,30 @@ class KVStore:
 
     # ------------------------------------------------------------ extract / merge
 
-    def extract(self, oid: int, ranges: list[list[int]]) -> KVObject:
+    def extract(self, oid: int, ranges: list[list[int]], max_length: int | None = None
+                ) -> KVObject:
+        """A new object with the entries of `ranges`, in order (E2BIG past max_length)."""
         obj = self.get(oid)
-        parts = []
         for r in ranges:
             if len(r) != 2 or not 0 <= r[0] <= r[1] <= obj.length:
                 raise ProtocolError("EINVAL", f"range {r} outside [0, {obj.length}]")
-            parts.append(self.slots(obj, r[0], r[1]))
+        self._check_length("kv_extract", sum(r[1] - r[0] for r in ranges), max_length)
+        parts = [self.slots(obj, r[0], r[1]) for r in ranges]
         return self._assemble(np.concatenate(parts) if parts else np.zeros(0, np.int64))
 
-    def merge(self, oids: list[int]) -> KVObject:
+    def merge(self, oids: list[int], max_length: int | None = None) -> KVObject:
+        """A new object with the entries of each object, concatenated (E2BIG past
+        max_length)."""
         objs = [self.get(oid) for oid in oids]
+        self._check_length("kv_merge", sum(o.length for o in objs), max_length)
         parts = [self.slots(o) for o in objs]
         return self._assemble(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+
+    @staticmethod
+    def _check_length(what: str, n: int, max_length: int | None) -> None:
+        if max_length is not None and n > max_length:
+            raise ProtocolError("E2BIG", f"{what}: the new object would hold {n} entries, "
+                                f"more than the limit of {max_length}")
 
     def _assemble(self, src: np.ndarray) -> KVObject:
         """A new object whose entries are the slots `src`, in order."""
@@ -227,41 +281,21 @@ class KVStore:
         meta = {**self.data.describe(), "length": obj.length, "shape": list(kv.shape),
                 "tokens": tokens.tolist(), "positions": positions.tolist()}
         head = msgpack.packb(meta)
-        return EXPORT_MAGIC + struct.pack("<I", len(head)) + head + kv.tobytes()
+        prefix = EXPORT_MAGIC + struct.pack("<I", len(head)) + head
+        crc = zlib.crc32(kv.data, zlib.crc32(prefix))
+        return b"".join([prefix, kv.data, struct.pack("<I", crc)])
 
-    def import_(self, blob: bytes) -> KVObject:
-        if not blob.startswith(EXPORT_MAGIC) or len(blob) < len(EXPORT_MAGIC) + 4:
-            raise ProtocolError("EINVAL", "not a Symphony KV export")
-        at = len(EXPORT_MAGIC)
-        (head_len,) = struct.unpack_from("<I", blob, at)
-        try:
-            meta = msgpack.unpackb(blob[at + 4: at + 4 + head_len])
-            mine = self.data.describe()
-            for key, value in mine.items():
-                if meta.get(key) != value:
-                    raise ProtocolError("EINVAL", f"export is for {key}={meta.get(key)!r}, "
-                                        f"this predd has {value!r}")
-            n = int(meta["length"])
-            shape = tuple(meta["shape"])
-            dtype = np.dtype(mine["numpy_dtype"])
-            kv = np.frombuffer(blob, dtype=dtype, offset=at + 4 + head_len).reshape(shape)
-            tokens = np.asarray(meta["tokens"], np.int32)
-            positions = np.asarray(meta["positions"], np.int32)
-            if len(tokens) != n or len(positions) != n or shape[2] != n:
-                raise ValueError("length mismatch")
-            if n and (tokens.min() < 0 or positions.min() < 0):
-                raise ValueError("negative token id or position")
-        except ProtocolError:
-            raise
-        except Exception as exc:
-            raise ProtocolError("EINVAL", f"corrupt KV export: {exc}") from None
+    def import_(self, blob: bytes, vocab: int, max_length: int) -> KVObject:
+        """A new object from `export` bytes. The whole blob is checked before any page is
+        taken (see `parse_export`); then it is all or nothing like `reserve`."""
+        n, tokens, positions, kv = parse_export(blob, self.data.describe(), vocab, max_length)
         obj = self._new([], 0)
         try:
             slots = self.reserve(obj.oid, n)
-        except ProtocolError:
+            self.data.write_slots(slots, kv)
+        except BaseException:
             self.free(obj.oid)
             raise
-        self.data.write_slots(slots, kv)
         self.commit(obj.oid, tokens, positions)
         return obj
 
@@ -280,3 +314,87 @@ class KVStore:
 
     def _pages_for(self, n: int) -> int:
         return -(-n // self.page_size)
+
+
+# ---------------------------------------------------------------- the export format
+
+def parse_export(blob: bytes, mine: dict, vocab: int, max_length: int
+                 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(length, token ids, positions, K/V [layers, 2, n, Hkv, D]) of an export made for
+    the cache `mine` describes; EINVAL (E2BIG past `max_length` entries) on anything
+    else: a bad header, another model/geometry/dtype, lengths that disagree, token ids
+    outside the vocabulary, positions outside [0, MAX_POSITION), K/V of the wrong size
+    or holding NaN or infinity (it would poison every call that attends to it).
+
+    Format: EXPORT_MAGIC, a little-endian u32 header length, a msgpack map (the cache's
+    `describe()` fields, `length`, `shape`, `tokens`, `positions`), the K/V bytes, and a
+    little-endian u32 CRC-32 of everything before it (so a flipped byte anywhere, as on
+    a disk that rots under kvfsd's snapshots, is caught rather than served).
+    """
+    at = len(EXPORT_MAGIC) + 4
+    blob = bytes(blob) if isinstance(blob, (bytearray, memoryview)) else blob
+    if not isinstance(blob, bytes) or len(blob) < at + 4 or not blob.startswith(EXPORT_MAGIC):
+        raise ProtocolError("EINVAL", "not a Symphony KV export (of this version)")
+    (crc,) = struct.unpack_from("<I", blob, len(blob) - 4)
+    if zlib.crc32(memoryview(blob)[:-4]) != crc:
+        raise _corrupt("checksum mismatch (truncated or damaged)")
+    blob = memoryview(blob)[:-4]
+    (head_len,) = struct.unpack_from("<I", blob, len(EXPORT_MAGIC))
+    if head_len > len(blob) - at:
+        raise _corrupt(f"a header of {head_len} bytes in {len(blob)}")
+    try:
+        meta = msgpack.unpackb(blob[at:at + head_len])
+    except Exception as exc:   # msgpack raises many types on garbage
+        raise _corrupt(f"header is not msgpack ({type(exc).__name__})") from None
+    if not isinstance(meta, dict):
+        raise _corrupt("header is not a map")
+    for key, value in mine.items():
+        if meta.get(key) != value:
+            raise ProtocolError("EINVAL", f"export is for {key}={_short(meta.get(key))}, "
+                                f"this predd has {value!r}")
+    n = meta.get("length")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise _corrupt(f"length {_short(n)}")
+    if n > max_length:
+        raise ProtocolError("E2BIG", f"export of {n} entries: more than the limit of "
+                            f"{max_length}")
+    shape = [mine["layers"], 2, n, mine["kv_heads"], mine["head_dim"]]
+    if meta.get("shape") != shape:
+        raise _corrupt(f"shape {_short(meta.get('shape'))}, expected {shape}")
+    tokens = _int_array(meta.get("tokens"), n, "tokens", vocab)
+    positions = _int_array(meta.get("positions"), n, "positions", MAX_POSITION)
+    dtype = np.dtype(mine["numpy_dtype"])
+    want = int(np.prod(shape)) * dtype.itemsize
+    if len(blob) - at - head_len != want:
+        raise _corrupt(f"{len(blob) - at - head_len} bytes of K/V, expected {want}")
+    kv = np.frombuffer(blob, dtype=dtype, offset=at + head_len).reshape(shape)
+    if not _finite(kv, mine["dtype"]):
+        raise ProtocolError("EINVAL", "KV export holds NaN or infinite K/V")
+    return n, tokens, positions, kv
+
+
+def _corrupt(why: str) -> ProtocolError:
+    return ProtocolError("EINVAL", f"corrupt KV export: {why}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int_array(values, n: int, what: str, bound: int) -> np.ndarray:
+    """`values` as int32 if it is a list of n ints in [0, bound); else EINVAL."""
+    if not isinstance(values, list) or len(values) != n:
+        raise _corrupt(f"{what}: expected a list of {n}")
+    arr = np.asarray(values) if n else np.zeros(0, np.int64)
+    if arr.dtype.kind not in "iu" or arr.shape != (n,):
+        raise _corrupt(f"{what}: expected integers")
+    if n and (arr.min() < 0 or arr.max() >= bound):
+        raise _corrupt(f"{what}: out of range [0, {bound})")
+    return arr.astype(np.int32)
+
+
+def _finite(kv: np.ndarray, dtype: str) -> bool:
+    if dtype == "bfloat16":   # raw uint16 bits: all-ones exponent is inf or NaN
+        return bool(np.all((kv & 0x7F80) != 0x7F80))
+    return bool(np.all(np.isfinite(kv)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import sys
 import time
 
@@ -37,12 +38,26 @@ class Server:
     def _bind(self, addr: str) -> None:
         if addr.startswith("ipc://"):
             path = addr[len("ipc://"):]
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            if os.path.exists(path):
+            rundir = os.path.dirname(os.path.abspath(path))
+            os.makedirs(os.path.dirname(rundir), exist_ok=True)
+            try:
+                os.mkdir(rundir, 0o755)
+                os.chmod(rundir, 0o755)   # whatever the umask: clients must reach the socket
+            except FileExistsError:
+                pass
+            st = os.lstat(rundir)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                # Someone else's (or a shared) directory could swap our socket for theirs.
+                self.log(f"EPERM: run directory {rundir} must be a directory owned by uid "
+                         f"{os.geteuid()} and not writable by group or others (it is "
+                         f"{'a link' if stat.S_ISLNK(st.st_mode) else oct(st.st_mode & 0o7777)}, "
+                         f"uid {st.st_uid}); refusing to start")
+                raise SystemExit(2)
+            if os.path.lexists(path):
                 os.unlink(path)   # a stale socket of a dead predd
         self.sock.bind(addr)
         if addr.startswith("ipc://"):
-            os.chmod(addr[len("ipc://"):], 0o666)   # capabilities, not the socket, guard objects
+            os.chmod(addr[len("ipc://"):], 0o666)   # peers are told apart by SO_PEERCRED
         if addr.endswith(":0"):
             self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 

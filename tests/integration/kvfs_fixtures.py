@@ -192,11 +192,15 @@ def fill(lip, path: str, tokens: list[int]) -> None:
 def tiled_export(blob: bytes, times: int) -> bytes:
     """A predd export whose entries are `blob`'s repeated `times` times, at positions
     0..n-1: a long cache without the minutes a CPU takes to prefill one. Knows the
-    export layout of predd/kvstore.py (magic, u32 header length, msgpack, raw K/V)."""
+    export layout of predd/kvstore.py (magic, u32 header length, msgpack, raw K/V,
+    u32 CRC-32 of all that)."""
+    import zlib
+
     import msgpack
     import numpy as np
-    magic = b"SYKV1\n"
+    magic = b"SYKV2\n"
     assert blob.startswith(magic)
+    blob = blob[:-4]
     (head_len,) = struct.unpack_from("<I", blob, len(magic))
     at = len(magic) + 4
     meta = msgpack.unpackb(blob[at:at + head_len])
@@ -207,4 +211,5 @@ def tiled_export(blob: bytes, times: int) -> bytes:
     meta.update(length=n, shape=list(tiled.shape), tokens=meta["tokens"] * times,
                 positions=list(range(n)))
     head = msgpack.packb(meta)
-    return magic + struct.pack("<I", len(head)) + head + tiled.tobytes()
+    out = magic + struct.pack("<I", len(head)) + head + tiled.tobytes()
+    return out + struct.pack("<I", zlib.crc32(out))

@@ -82,8 +82,9 @@ def export_kv(lip, kv) -> np.ndarray:
     import struct
 
     import msgpack
-    blob = lip.kv_export(kv)
-    at = len(b"SYKV1\n")
+    blob = lip.kv_export(kv)[:-4]          # the last 4 bytes are a CRC-32
+    assert blob.startswith(b"SYKV2\n")
+    at = len(b"SYKV2\n")
     (head_len,) = struct.unpack_from("<I", blob, at)
     meta = msgpack.unpackb(blob[at + 4: at + 4 + head_len])
     return np.frombuffer(blob, dtype=meta["numpy_dtype"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import random
 import struct
+import zlib
 
 import msgpack
 import numpy as np
@@ -17,9 +18,11 @@ import pytest
 
 from liblip.protocol import ProtocolError
 from predd.kvstore import EXPORT_MAGIC, KVStore
+from predd.limits import MAX_POSITION
 from predd.pool import Pool
 
 LAYERS, HEADS, DIM = 2, 1, 4
+VOCAB, MAX_LENGTH = 1 << 16, 1 << 12   # what import_ accepts here
 
 
 class FakePages:
@@ -88,6 +91,9 @@ class World:
         self.want[oid][0].extend(tokens)
         self.want[oid][1].extend(positions)
         return slots.tolist()
+
+    def import_(self, blob: bytes):
+        return self.store.import_(blob, VOCAB, MAX_LENGTH)
 
     def filled(self, n: int, positions=None) -> int:
         oid = self.create()
@@ -431,6 +437,71 @@ def test_free_drops_reserved_pages_too():
     w.verify()
 
 
+# ---------------------------------------------------------------- reopen (re-predict)
+
+def test_reopen_last_of_a_private_page_copies_nothing_and_restore_undoes_it():
+    w = World(num_pages=8, page_size=4)
+    a = w.filled(5)                              # entry 4 alone in page 1
+    assert w.store.reopen_pages(a) == 0
+    token, position, saved = w.store.reopen_last(a)
+    assert (token, position) == (w.want[a][0][4], 4)
+    assert np.array_equal(saved, payload([token], [4]))
+    o = w.obj(a)
+    assert (o.length, o.reserved, o.pages) == (4, 1, [0, 1])
+    assert w.pool.free_pages == 6 and w.pages.copies == []
+    assert w.store.check() == []
+    w.pages.write_slots([4], np.full_like(saved, 7.0))   # a failed recompute scribbles
+    w.store.restore_last(a, token, position, saved)
+    assert (o.length, o.reserved) == (5, 0)
+    w.verify()                                   # K/V, token and position as before
+
+
+def test_reopen_last_of_a_shared_page_copies_it_first():
+    w = World(num_pages=8, page_size=4)
+    a = w.filled(6)                              # pages 0, 1 (entries 4, 5 in page 1)
+    b = w.fork(a)
+    assert w.store.reopen_pages(b) == 1
+    token, position, saved = w.store.reopen_last(b)
+    assert (token, position) == (w.want[a][0][5], 5)
+    assert w.pages.copies == [([4, 5], [8, 9])]  # the entry's own slot too
+    assert w.page_list(b) == [0, 2] and w.refs(3) == [2, 1, 1]
+    # Recompute entry 5 of b in place: a keeps its own.
+    w.pages.write_slots([9], payload([token], [5]))
+    w.store.commit(b, np.array([token]), np.array([5]))
+    w.verify()
+
+
+def test_reopen_last_enospc_changes_nothing():
+    w = World(num_pages=2, page_size=4)
+    a = w.filled(6)
+    b = w.fork(a)
+    snap = w.snapshot()
+    with pytest.raises(ProtocolError) as err:
+        w.store.reopen_last(b)
+    assert err.value.code == "ENOSPC"
+    assert w.same(snap)
+    w.verify()
+
+
+def test_reopen_last_of_an_empty_object_is_einval():
+    w = World()
+    a = w.create()
+    with pytest.raises(ProtocolError) as err:
+        w.store.reopen_last(a)
+    assert err.value.code == "EINVAL"
+    assert w.store.reopen_pages(a) == 0
+
+
+def test_reopen_of_a_shared_page_then_restore_is_clean():
+    w = World(num_pages=8, page_size=4)
+    a = w.filled(5)
+    b = w.fork(a)
+    token, position, saved = w.store.reopen_last(b)   # page 1 copied to page 2
+    w.store.restore_last(b, token, position, saved)
+    assert w.page_list(b) == [0, 2] and w.refs(3) == [2, 1, 1]
+    w.verify()
+
+
 # ---------------------------------------------------------------- truncate
 
 def test_truncate_keeps_pages_that_still_hold_entries():
@@ -717,6 +788,33 @@ def test_merge_enospc_changes_nothing():
     w.verify()
 
 
+def test_extract_and_merge_past_max_length_are_e2big_and_change_nothing():
+    w = World(num_pages=16, page_size=4)
+    a = w.filled(6)
+    b = w.filled(5)
+    snap = w.snapshot()
+    cases = [
+        (lambda: w.store.extract(a, [[0, 6], [0, 5]], max_length=10),
+         "kv_extract: the new object would hold 11 entries, more than the limit of 10"),
+        (lambda: w.store.merge([a, b], max_length=10),
+         "kv_merge: the new object would hold 11 entries, more than the limit of 10"),
+        (lambda: w.store.merge([a] * 100, max_length=10),
+         "kv_merge: the new object would hold 600 entries, more than the limit of 10"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ProtocolError) as err:
+            call()
+        assert (err.value.code, err.value.message) == ("E2BIG", message)
+        assert w.same(snap)
+    # A range outside the object is EINVAL before the length is looked at.
+    with pytest.raises(ProtocolError) as err:
+        w.store.extract(a, [[0, 7]], max_length=1)
+    assert err.value.code == "EINVAL"
+    m = w.store.merge([a, b], max_length=11).oid          # exactly at the limit
+    w.want[m] = (w.want[a][0] + w.want[b][0], w.want[a][1] + w.want[b][1])
+    w.verify()
+
+
 def test_merge_of_an_object_with_itself_is_clean():
     w = World(num_pages=8, page_size=4)
     a = w.filled(4)                              # one full page
@@ -764,16 +862,18 @@ def test_export_import_round_trip():
     assert meta["length"] == 6 and meta["shape"] == [LAYERS, 2, 6, HEADS, DIM]
     assert meta["tokens"] == w.want[a][0] and meta["positions"] == [10, 11, 12, 20, 21, 22]
     assert meta["model"] == "fake"
-    assert len(blob) == len(EXPORT_MAGIC) + 4 + head_len + LAYERS * 2 * 6 * HEADS * DIM * 4
+    body = LAYERS * 2 * 6 * HEADS * DIM * 4
+    assert len(blob) == len(EXPORT_MAGIC) + 4 + head_len + body + 4
+    assert struct.unpack('<I', blob[-4:])[0] == zlib.crc32(blob[:-4])
 
-    i = w.store.import_(blob).oid
+    i = w.import_(blob).oid
     w.want[i] = (list(w.want[a][0]), list(w.want[a][1]))
     assert w.page_list(i) == [2, 3] and w.pool.free_pages == 12
     assert w.store.last_position(w.obj(i)) == 22
     w.verify()
     # into a fresh store too
     w2 = World(num_pages=4, page_size=4)
-    j = w2.store.import_(blob).oid
+    j = w2.import_(blob).oid
     w2.want[j] = (list(w.want[a][0]), list(w.want[a][1]))
     assert w2.page_list(j) == [0, 1]
     w2.verify()
@@ -784,7 +884,7 @@ def test_export_import_with_another_page_size():
     a = w.filled(7)
     blob = w.store.export(a)
     w2 = World(num_pages=8, page_size=16)
-    j = w2.store.import_(blob).oid
+    j = w2.import_(blob).oid
     w2.want[j] = (list(w.want[a][0]), list(w.want[a][1]))
     assert w2.page_list(j) == [0]
     w2.verify()
@@ -793,7 +893,7 @@ def test_export_import_with_another_page_size():
 def test_export_import_empty_object():
     w = World(num_pages=4, page_size=4)
     a = w.create()
-    i = w.store.import_(w.store.export(a)).oid
+    i = w.import_(w.store.export(a)).oid
     w.want[i] = ([], [])
     assert w.page_list(i) == []
     w.verify()
@@ -806,46 +906,118 @@ def test_import_for_another_model_is_einval():
     w = World(num_pages=4, page_size=4)
     snap = w.snapshot()
     with pytest.raises(ProtocolError) as err:
-        w.store.import_(blob)
+        w.import_(blob)
     assert err.value.code == "EINVAL" and "model" in err.value.message
     assert w.same(snap) and w.store.objects == {}
 
 
+def seal(unsealed: bytes) -> bytes:
+    """An export with a valid checksum around whatever `unsealed` holds."""
+    return unsealed + struct.pack("<I", zlib.crc32(unsealed))
+
+
 def corrupt_blobs(blob: bytes) -> dict[str, bytes]:
+    """Damaged exports; all but the first few carry a valid checksum, so that each one
+    reaches the check it is about."""
     at = len(EXPORT_MAGIC)
     (head_len,) = struct.unpack_from("<I", blob, at)
     meta = msgpack.unpackb(blob[at + 4:at + 4 + head_len])
-    body = blob[at + 4 + head_len:]
+    body = blob[at + 4 + head_len:-4]
+    n = meta["length"]
 
     def rebuild(m, data=body):
         head = msgpack.packb(m)
-        return EXPORT_MAGIC + struct.pack("<I", len(head)) + head + data
+        return seal(EXPORT_MAGIC + struct.pack("<I", len(head)) + head + data)
+
+    def kv_with(value: float) -> bytes:
+        kv = np.frombuffer(body, np.float32).copy()
+        kv[len(kv) // 2] = value
+        return kv.tobytes()
 
     return {
         "empty": b"",
         "garbage": b"not a kv export at all",
         "magic only": EXPORT_MAGIC,
         "short length": EXPORT_MAGIC + b"\x01\x00",
-        "huge head": EXPORT_MAGIC + struct.pack("<I", 1 << 30) + blob[at + 4:],
-        "zero head": EXPORT_MAGIC + struct.pack("<I", 0) + blob[at + 4:],
+        "old format": b"SYKV1\n" + blob[at:-4],
+        "checksum wrong": blob[:-4] + struct.pack("<I", zlib.crc32(blob[:-4]) ^ 1),
+        "truncated": blob[:-1],
+        "flipped header byte": blob[:at + 6] + bytes([blob[at + 6] ^ 0x20]) + blob[at + 7:],
+        "flipped K/V byte": blob[:-9] + bytes([blob[-9] ^ 1]) + blob[-8:],
+        "huge head": seal(EXPORT_MAGIC + struct.pack("<I", 1 << 30) + blob[at + 4:-4]),
+        "zero head": seal(EXPORT_MAGIC + struct.pack("<I", 0) + blob[at + 4:-4]),
+        "head not msgpack": seal(EXPORT_MAGIC + struct.pack("<I", 3) + b"\xc1\xc1\xc1" + body),
         "head not a map": rebuild([1, 2, 3]),
         "no length": rebuild({k: v for k, v in meta.items() if k != "length"}),
+        "length not an int": rebuild({**meta, "length": float(n)}),
+        "length a bool": rebuild({**meta, "length": True}),
+        "length negative": rebuild({**meta, "length": -1}),
         "no shape": rebuild({k: v for k, v in meta.items() if k != "shape"}),
-        "length mismatch": rebuild({**meta, "length": meta["length"] + 1}),
+        "length mismatch": rebuild({**meta, "length": n + 1}),
         "tokens short": rebuild({**meta, "tokens": meta["tokens"][:-1]}),
+        "tokens not ints": rebuild({**meta, "tokens": [0.5] * n}),
+        "tokens bools": rebuild({**meta, "tokens": [True] * n}),
+        "tokens not a list": rebuild({**meta, "tokens": b"\x01" * n}),
         "positions short": rebuild({**meta, "positions": meta["positions"][:-1]}),
         "shape mismatch": rebuild({**meta, "shape": [LAYERS, 2, 4, HEADS, DIM]}),
-        "data truncated": blob[:-1],
-        "data short by a row": blob[:-4 * DIM],
-        "data extra": blob + b"\0" * 4,
+        # Same number of elements but another geometry: once, this reserved pages and
+        # then failed to write them (a leak).
+        "shape of another geometry": rebuild(
+            {**meta, "shape": [LAYERS, 2, n, HEADS, DIM * 2]}, body + body),
+        "shape reordered": rebuild({**meta, "shape": [LAYERS, 2, HEADS, n, DIM]}),
+        "data short by a row": rebuild(meta, body[:-4 * DIM]),
+        "data extra": rebuild(meta, body + b"\0" * 4),
         "token too big": rebuild({**meta, "tokens": [1 << 40] + meta["tokens"][1:]}),
+        "token past the vocabulary": rebuild({**meta, "tokens": [VOCAB] + meta["tokens"][1:]}),
+        "token negative": rebuild({**meta, "tokens": [-1] + meta["tokens"][1:]}),
+        "position negative": rebuild({**meta, "positions": [-1] + meta["positions"][1:]}),
+        "position past int32": rebuild(
+            {**meta, "positions": [MAX_POSITION] + meta["positions"][1:]}),
+        "NaN K/V": rebuild(meta, kv_with(float("nan"))),
+        "infinite K/V": rebuild(meta, kv_with(float("inf"))),
         "dtype": rebuild({**meta, "dtype": "bfloat16"}),
+        "model": rebuild({**meta, "model": "other"}),
+        "layers": rebuild({**meta, "layers": LAYERS + 1}),
+        "head_dim": rebuild({**meta, "head_dim": DIM * 2}),
     }
 
 
 def _case_names() -> list[str]:
     w = World()
     return list(corrupt_blobs(w.store.export(w.filled(3))))
+
+
+NOT_AN_EXPORT = "not a Symphony KV export"
+CHECKSUM = "checksum mismatch"
+LENGTH, SHAPE = "corrupt KV export: length", "corrupt KV export: shape"
+K_V_SIZE, NON_FINITE = "bytes of K/V, expected", "NaN or infinite K/V"
+# What the EINVAL message of each damaged export names.
+EXPECTED_MESSAGE = {
+    "empty": NOT_AN_EXPORT, "garbage": NOT_AN_EXPORT, "magic only": NOT_AN_EXPORT,
+    "short length": NOT_AN_EXPORT, "old format": NOT_AN_EXPORT,
+    "checksum wrong": CHECKSUM, "truncated": CHECKSUM, "flipped header byte": CHECKSUM,
+    "flipped K/V byte": CHECKSUM,
+    "huge head": "a header of", "zero head": "header is not msgpack",
+    "head not msgpack": "header is not msgpack", "head not a map": "header is not a map",
+    "no length": LENGTH, "length not an int": LENGTH, "length a bool": LENGTH,
+    "length negative": LENGTH,
+    "no shape": SHAPE, "length mismatch": SHAPE, "shape mismatch": SHAPE,
+    "shape of another geometry": SHAPE, "shape reordered": SHAPE,
+    "tokens short": "tokens: expected a list of 3",
+    "tokens not a list": "tokens: expected a list of 3",
+    "tokens not ints": "tokens: expected integers", "tokens bools": "tokens: expected integers",
+    "positions short": "positions: expected a list of 3",
+    "data short by a row": K_V_SIZE, "data extra": K_V_SIZE,
+    "token too big": "tokens: out of range [0, 65536)",
+    "token past the vocabulary": "tokens: out of range [0, 65536)",
+    "token negative": "tokens: out of range [0, 65536)",
+    "position negative": f"positions: out of range [0, {MAX_POSITION})",
+    "position past int32": f"positions: out of range [0, {MAX_POSITION})",
+    "NaN K/V": NON_FINITE, "infinite K/V": NON_FINITE,
+    "dtype": "export is for dtype='bfloat16', this predd has 'float32'",
+    "model": "export is for model='other', this predd has 'fake'",
+    "layers": "export is for layers=3", "head_dim": "export is for head_dim=8",
+}
 
 
 @pytest.mark.parametrize("case", _case_names())
@@ -856,10 +1028,43 @@ def test_import_garbage_is_einval_and_changes_nothing(case):
     keep = w.filled(2)
     snap = w.snapshot()
     with pytest.raises(ProtocolError) as err:
-        w.store.import_(blob)
+        w.import_(blob)
     assert err.value.code == "EINVAL", case
-    assert w.same(snap) and set(w.store.objects) == {keep}
+    assert EXPECTED_MESSAGE[case] in err.value.message, (case, err.value.message)
+    assert w.same(snap) and set(w.store.objects) == {keep} and w.pool.free_pages == 3
     w.verify()
+
+
+def test_import_longer_than_the_limit_is_e2big_and_changes_nothing():
+    src = World(num_pages=8, page_size=4)
+    blob = src.store.export(src.filled(5))
+    w = World(num_pages=8, page_size=4)
+    snap = w.snapshot()
+    with pytest.raises(ProtocolError) as err:
+        w.store.import_(blob, VOCAB, 4)
+    assert (err.value.code, err.value.message) == (
+        "E2BIG", "export of 5 entries: more than the limit of 4")
+    assert w.same(snap) and w.store.objects == {} and w.pool.free_pages == 8
+    i = w.store.import_(blob, VOCAB, 5).oid                 # exactly at the limit
+    w.want[i] = (list(src.want[1][0]), list(src.want[1][1]))
+    w.verify()
+
+
+def test_import_whose_write_fails_takes_no_page():
+    """Defence in depth: if writing K/V fails after the pages are reserved, the new
+    object is freed again (an exception from the cache, not a bad blob)."""
+    src = World(num_pages=8, page_size=4)
+    blob = src.store.export(src.filled(6))
+    w = World(num_pages=8, page_size=4)
+
+    def broken(slots, data):
+        raise RuntimeError("device lost")
+
+    w.pages.write_slots = broken
+    with pytest.raises(RuntimeError):
+        w.import_(blob)
+    assert w.store.objects == {} and w.pool.free_pages == 8
+    assert w.store.check() == []
 
 
 def test_import_enospc_changes_nothing():
@@ -869,7 +1074,7 @@ def test_import_enospc_changes_nothing():
     keep = w.filled(5)                              # 2 pages used, 2 free
     snap = w.snapshot()
     with pytest.raises(ProtocolError) as err:
-        w.store.import_(blob)
+        w.import_(blob)
     assert err.value.code == "ENOSPC"
     assert w.same(snap) and set(w.store.objects) == {keep}
     w.verify()
@@ -949,7 +1154,7 @@ def test_random_operations_keep_every_invariant():
                 w.free(rng.choice(oids))
             elif op == "export":
                 o = rng.choice(oids)
-                i = w.store.import_(w.store.export(o)).oid
+                i = w.import_(w.store.export(o)).oid
                 w.want[i] = (list(w.want[o][0]), list(w.want[o][1]))
         except ProtocolError as exc:
             assert exc.code == "ENOSPC"
@@ -959,3 +1164,17 @@ def test_random_operations_keep_every_invariant():
         w.free(oid)
     assert w.pool.free_pages == 24
     w.verify()
+
+
+def test_non_finite_k_v_is_found_in_every_dtype():
+    """bfloat16 travels as raw uint16 bits: an all-ones exponent is inf or NaN."""
+    from predd.kvstore import _finite
+    bf16 = np.array([0x3F80, 0x0000, 0x8000, 0x7F7F, 0x0001], np.uint16)   # 1, ±0, max, tiny
+    assert _finite(bf16, "bfloat16")
+    for bits in (0x7F80, 0xFF80, 0x7FC0, 0xFFC1):                          # ±inf, NaNs
+        assert not _finite(np.append(bf16, np.uint16(bits)), "bfloat16")
+    for dtype in ("float32", "float16"):
+        ok = np.array([1.0, -0.0, 6e4], dtype)
+        assert _finite(ok, dtype)
+        for bad in (np.inf, -np.inf, np.nan):
+            assert not _finite(np.append(ok, np.array([bad], dtype)), dtype)
