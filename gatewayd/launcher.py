@@ -27,6 +27,7 @@ SAFE_ENV = frozenset({"LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "NO_COLOR"})
 SAFE_PREFIXES = ("LIP_", "APP_", "AGENT_")
 ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 MAX_ENV_VALUE = 8192
+SERVICE_SECONDS = 10 * 365 * 86400
 
 
 def check_env(env: dict) -> dict[str, str]:
@@ -63,11 +64,16 @@ class Launcher:
 
     def argv(self, program: Program, args: list[str], uid: int,
              wall_s: float | None) -> list[str]:
+        """`wall_s` None: a service (the OpenAI LIP), which runs as long as the server,
+        with room for a thread per request."""
         cmd = [sys.executable, "-m", "liblip.cli", "run", "--sandbox"]
         if self.takes_uid:
             cmd += ["--uid", str(uid)]
             if wall_s:
                 cmd += ["--wall-seconds", str(int(wall_s) + 1)]   # the gateway kills first
+            else:
+                cmd += ["--wall-seconds", str(SERVICE_SECONDS), "--cpu-seconds",
+                        str(SERVICE_SECONDS), "--memory", "8G", "--max-procs", "1024"]
         if program.kind == "shell":
             cmd += ["/bin/sh", program.path]
         else:

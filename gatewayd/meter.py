@@ -2,7 +2,7 @@
 
 A run's predd sessions are the sessions whose (kernel-reported) pid belongs to the run's
 process tree: the sandbox launcher and its descendants, rescanned from /proc at every
-poll (every `interval` seconds while any run is alive). From them:
+poll (every `interval` seconds while any run is alive; see `_owns`). From them:
 * `peak_pages`: the most KV pages the run's sessions held at once (sampled per poll);
 * `sessions`: how many predd sessions the run opened (that the polls saw);
 * `settle(run)`: after the processes are gone, wait until predd has ended every one of
@@ -27,9 +27,11 @@ import liblip as lip
 @dataclass
 class Usage:
     root_pid: int
+    uid: int
     started: float
     stats0: dict
     pids: set[int] = field(default_factory=set)
+    ns_pids: set[int] = field(default_factory=set)
     sessions: set[int] = field(default_factory=set)     # predd session ids seen
     pages: int = 0
     peak_pages: int = 0
@@ -38,20 +40,22 @@ class Usage:
     cost: dict = field(default_factory=dict)
 
 
-def children_of() -> dict[int, list[int]]:
-    """ppid -> pids, from /proc."""
+def processes() -> tuple[dict[int, list[int]], set[int]]:
+    """From /proc: ppid -> pids, and the pids that have finished (zombies)."""
     tree: dict[int, list[int]] = {}
+    zombies: set[int] = set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
             continue
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
-        tree.setdefault(ppid, []).append(int(name))
-    return tree
+        tree.setdefault(int(fields[1]), []).append(int(name))
+        if fields[0] == b"Z":
+            zombies.add(int(name))
+    return tree, zombies
 
 
 def descendants(root: int, tree: dict[int, list[int]]) -> set[int]:
@@ -62,6 +66,25 @@ def descendants(root: int, tree: dict[int, list[int]]) -> set[int]:
                 out.add(child)
                 todo.append(child)
     return out
+
+
+def running_descendants(root: int) -> set[int]:
+    """The processes under `root` (not itself) that still run."""
+    tree, zombies = processes()
+    return descendants(root, tree) - {root} - zombies
+
+
+def namespace_pid(pid: int) -> int | None:
+    """A process's pid in its own (innermost) pid namespace: a sandboxed program's
+    os.getpid()."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 class Meter:
@@ -88,9 +111,9 @@ class Meter:
     def end_request(self, key: str) -> None:
         self.activities.discard(key)
 
-    async def track(self, run_id: str, root_pid: int) -> None:
+    async def track(self, run_id: str, root_pid: int, uid: int) -> None:
         stats0 = await asyncio.to_thread(lip.stats)
-        self.usage[run_id] = Usage(root_pid, time.monotonic(), stats0, pids={root_pid})
+        self.usage[run_id] = Usage(root_pid, uid, time.monotonic(), stats0, pids={root_pid})
         self._begin(run_id)
         self._wake.set()
 
@@ -110,16 +133,27 @@ class Meter:
     def poll(self) -> list[dict]:
         """One look at predd's sessions; updates every live run's usage."""
         rows = lip.ps()
-        tree = children_of()
+        tree, _ = processes()
         for u in self.usage.values():
             if u.alive:
-                u.pids |= descendants(u.root_pid, tree)
-            mine = [r for r in rows if r.get("pid") in u.pids]
+                new = descendants(u.root_pid, tree) - u.pids
+                u.pids |= new
+                u.ns_pids |= {n for n in map(namespace_pid, new) if n is not None}
+            mine = [r for r in rows if self._owns(u, r)]
             if u.alive:
                 u.sessions |= {r["session"] for r in mine}
                 u.pages = sum(r.get("pages", 0) for r in mine)
                 u.peak_pages = max(u.peak_pages, u.pages)
         return rows
+
+    @staticmethod
+    def _owns(u: Usage, row: dict) -> bool:
+        """Whether a `ps` row is one of the run's sessions: its pid (the kernel's, as
+        predd reads it from SO_PEERCRED) is in the run's tree. A predd that shows the
+        pid a client declared shows the one inside the sandbox's pid namespace; then
+        the uid must match as well (runs of one uid can then not be told apart)."""
+        pid = row.get("pid")
+        return pid in u.pids or (row.get("uid") == u.uid and pid in u.ns_pids)
 
     async def settle(self, run_id: str) -> bool:
         """The run's processes are gone: wait until predd has ended its sessions
@@ -134,7 +168,7 @@ class Meter:
             except lip.LipError:
                 return False
             live = {r["session"] for r in rows} & u.sessions | {
-                r["session"] for r in rows if r.get("pid") in u.pids}
+                r["session"] for r in rows if self._owns(u, r)}
             if not live:
                 return True
             if time.monotonic() > deadline:

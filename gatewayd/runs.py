@@ -6,9 +6,10 @@ Lifetime rules:
   (it could not be started). Its events are `run` (first: id and program), `stdout`
   and `stderr` (one per line), and exactly one `exit`, the last, sent only after predd
   has ended the run's sessions (meter.settle), so its anonymous KV objects are free.
-* Every process of a run shares one process group (the launcher starts a new session),
-  and killing a run sends SIGINT to its programs (a Python LIP unwinds, and liblip ends
-  its predd session at exit), then SIGKILL to the whole group after KILL_GRACE_S.
+* A run is one `lip run --sandbox` launcher and what runs under it (the sandbox's own
+  pid namespace: when the program ends, everything of the run ends). Killing a run
+  sends SIGINT to the processes under the launcher (a Python LIP unwinds, and liblip
+  ends its predd session at exit), then SIGTERM to the launcher after KILL_GRACE_S.
 * A run is its caller's: other callers get 404 for it. Finished runs are kept (state
   and output) until KEEP_FINISHED newer ones have finished.
 """
@@ -28,12 +29,12 @@ from dataclasses import dataclass, field
 from gatewayd.errors import ApiError
 from gatewayd.keys import Caller
 from gatewayd.launcher import Launcher, check_env
-from gatewayd.meter import Meter
+from gatewayd.meter import Meter, running_descendants
 from gatewayd.metrics import Metrics
 from gatewayd.programs import Program, remove_upload
 
 ACTIVE = ("starting", "running")
-KILL_GRACE_S = 2.0
+KILL_GRACE_S = 5.0
 KEEP_FINISHED = 256
 MAX_EVENTS = 20000          # kept per run for replay; older ones are dropped
 MAX_LINE = 64 * 1024
@@ -68,6 +69,7 @@ class Run:
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     kill_reason: str | None = None
+    sandbox_note: str = ""
 
     @property
     def active(self) -> bool:
@@ -147,15 +149,16 @@ class Runs:
             if self.closing:
                 raise ApiError(503, "ESHUTDOWN", "the server is stopping")
             limits = caller.limits
-            if sum(r.active for r in self.of(caller)) >= limits.runs:
-                raise ApiError(429, "EAGAIN", f"{caller.name} already has {limits.runs} runs "
-                               "going (the limit for this key)")
             if limits.pages:   # predd's figure for the uid, or what its runs hold
                 held = max(await self.meter.uid_pages(caller.uid),
                            sum(self.meter.pages(r.id) for r in self.of(caller) if r.active))
                 if held >= limits.pages:
                     raise ApiError(429, "EDQUOT", f"uid {caller.uid} holds {held} KV pages; "
                                    f"this key may start runs below {limits.pages}")
+            # counted and taken with no await in between: concurrent starts cannot both fit
+            if sum(r.active for r in self.of(caller)) >= limits.runs:
+                raise ApiError(429, "EAGAIN", f"{caller.name} already has {limits.runs} runs "
+                               "going (the limit for this key)")
         except ApiError:
             if upload_dir:
                 remove_upload(upload_dir)
@@ -172,13 +175,12 @@ class Runs:
                 stderr=asyncio.subprocess.PIPE, cwd="/", start_new_session=True,
                 env=self.launcher.env(program, extra, run.id))
         except OSError as exc:
-            run.state, run.reason = "failed", f"cannot start: {exc.strerror}"
-            await self._end(run, settle=False)
+            await self._end(run, "failed", f"cannot start: {exc.strerror}", settle=False)
             raise ApiError(500, "EIO", f"{program.name}: {run.reason}") from None
         run.state = "running"
         self.log(f"run {run.id}: {program.name} for {caller.name} (uid {caller.uid}) "
                  f"pid {run.proc.pid}")
-        await self.meter.track(run.id, run.proc.pid)
+        await self.meter.track(run.id, run.proc.pid, caller.uid)
         asyncio.create_task(self._supervise(run, stdin, limits.wall))
         return run
 
@@ -199,18 +201,13 @@ class Runs:
         except asyncio.TimeoutError:
             await self.kill(run, f"ETIME: wall time limit ({wall_s:g} s) reached", wait=False)
             await proc.wait()
-        # Its processes get the grace period to finish (liblip says `bye` as Python
-        # unwinds from SIGINT); whatever is left then, or kept our pipes open after a
-        # normal exit, is killed.
-        await self._reap(proc.pid, KILL_GRACE_S if run.kill_reason else 0.0)
-        await asyncio.wait(pumps, timeout=5)
+        await asyncio.wait(pumps, timeout=5)   # the sandbox ended every process of the run
         code = proc.returncode
         run.exit_status = 128 - code if code < 0 else code
         if run.kill_reason:
-            run.state, run.reason = "killed", run.kill_reason
+            await self._end(run, "killed", run.kill_reason, settle=True)
         else:
-            run.state = "exited"
-        await self._end(run, settle=True)
+            await self._end(run, "exited", run.sandbox_note, settle=True)
 
     async def _pump(self, run: Run, stream: asyncio.StreamReader, kind: str) -> None:
         pending = b""
@@ -221,14 +218,19 @@ class Runs:
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                await run.emit(kind, line[:MAX_LINE].decode("utf-8", "replace"))
+                text = line[:MAX_LINE].decode("utf-8", "replace")
+                if kind == "stderr" and text.startswith("lip: E") and ": sandbox: " in text:
+                    run.sandbox_note = text[len("lip: "):]    # why the sandbox ended it
+                await run.emit(kind, text)
             if len(pending) > MAX_LINE:
                 await run.emit(kind, pending[:MAX_LINE].decode("utf-8", "replace"))
                 pending = b""
         if pending:
             await run.emit(kind, pending[:MAX_LINE].decode("utf-8", "replace"))
 
-    async def _end(self, run: Run, settle: bool) -> None:
+    async def _end(self, run: Run, state: str, reason: str, settle: bool) -> None:
+        """The run's processes are gone: once predd has ended its sessions, it takes its
+        final state and sends `exit` (so whoever sees either sees its pages free)."""
         ended = time.time()
         if settle:
             settled = await self.meter.settle(run.id)
@@ -240,6 +242,7 @@ class Runs:
             run.cost = {"wall_s": round(ended - run.created, 3)}
         if run.upload_dir:
             remove_upload(run.upload_dir)
+        run.state, run.reason = state, reason
         ok = run.state == "exited" and run.exit_status == 0
         self.metrics.run_ended(run.program.name, ok)
         await run.emit("exit", json.dumps({"status": run.exit_status, "state": run.state,
@@ -251,60 +254,36 @@ class Runs:
         while len(self.finished) > KEEP_FINISHED:
             self.runs.pop(self.finished.popleft(), None)
 
-    @staticmethod
-    def _signal_group(pgid: int, sig: int) -> bool:
-        """Signal the run's process group; False when it has no process left."""
-        try:
-            os.killpg(pgid, sig)
-            return True
-        except ProcessLookupError:
-            return False
-
-    @staticmethod
-    def _group(pgid: int) -> list[int]:
-        """The group's processes that still run (a zombie, whose parent has not reaped
-        it yet, has finished)."""
-        pids = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[2]) == pgid and fields[0] != b"Z":
-                pids.append(int(name))
-        return pids
-
-    def _group_running(self, pgid: int) -> bool:
-        return bool(self._group(pgid))
-
-    async def _reap(self, pgid: int, grace: float) -> None:
-        """Wait up to `grace` for the group to finish, then SIGKILL what is left."""
-        deadline = time.monotonic() + grace
-        while self._group_running(pgid) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        self._signal_group(pgid, signal.SIGKILL)
-        deadline = time.monotonic() + 2.0
-        while self._group_running(pgid) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-
     async def kill(self, run: Run, reason: str, wait: bool = True) -> None:
-        """Stop a run: SIGINT to its programs (Python unwinds and liblip ends its predd
-        session), SIGKILL to its whole process group after KILL_GRACE_S. With `wait`, return once it has
-        ended and predd has freed its sessions' objects."""
+        """Stop a run: SIGINT to its processes (a Python LIP unwinds and liblip ends its
+        predd session), then the sandbox launcher ends what is left (SIGTERM after
+        KILL_GRACE_S: it kills the run's pid namespace). With `wait`, return once the
+        run has ended and predd has freed its sessions' objects."""
         if run.active and run.proc is not None and run.kill_reason is None:
             run.kill_reason = reason
-            # The program, not its launcher: `lip run` then reports the program's end.
-            launcher = run.proc.pid
-            programs = [p for p in self._group(launcher) if p != launcher] or [launcher]
-            for pid in programs:
+            inside = running_descendants(run.proc.pid)
+            for pid in inside:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGINT)
-            asyncio.create_task(self._reap(launcher, KILL_GRACE_S))
+            if not inside:                 # not started yet: the launcher ends the run
+                with contextlib.suppress(ProcessLookupError):
+                    run.proc.send_signal(signal.SIGTERM)
+            asyncio.create_task(self._escalate(run.proc))
         if wait:
             await run.done.wait()
+
+    @staticmethod
+    async def _escalate(proc: asyncio.subprocess.Process) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_GRACE_S)
+                return
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    if sig == signal.SIGKILL:   # the launcher does not answer: everything
+                        for pid in running_descendants(proc.pid):
+                            os.kill(pid, sig)
+                    proc.send_signal(sig)
 
     async def write_input(self, run: Run, data: str | None, eof: bool) -> None:
         if not run.active or run.proc is None:

@@ -27,6 +27,7 @@ import ipaddress
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 
@@ -163,6 +164,18 @@ def check_rundir(rundir: str) -> None:
 
 # ---------------------------------------------------------------- the gateway
 
+def prepare_cache_dir(mount: str, uid: int) -> None:
+    """MOUNT/openai: the OpenAI LIP's own directory (its prefix cache files)."""
+    path = os.path.join(mount, "openai")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise Fatal(f"{path} is not a directory; the OpenAI program keeps its caches there")
+    if st.st_uid != uid:
+        os.chown(path, uid, uid)
+    os.chmod(path, 0o700)
+
+
 LOG_CONFIG = {
     "version": 1, "disable_existing_loggers": False,
     "formatters": {
@@ -217,6 +230,7 @@ async def start_gateway(args, addr: str, mount: str, rundir: str, keys, limits,
                  log=gateway_log)
     meter_task = asyncio.create_task(meter.loop())
     try:
+        prepare_cache_dir(mount, OPENAI_UID)
         await bridge.start()
     except BaseException:
         await bridge.stop()

@@ -195,7 +195,10 @@ class Server:
         if errors:
             raise errors[0]
         req.check()
-        self.cache.store(scope, kvs[0], lip.kv_tokens(kvs[0]))
+        try:
+            self.cache.store(scope, kvs[0], lip.kv_tokens(kvs[0]))
+        except (lip.LipError, OSError) as exc:   # a cache that cannot grow fails no answer
+            print(f"openai_server: prefix cache: {exc}", file=sys.stderr, flush=True)
 
         completion = sum(len(ch.ids) for ch in choices)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": completion,
