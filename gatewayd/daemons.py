@@ -1,8 +1,9 @@
 """Child daemons of `symphony serve` (predd, kvfsd): start one, show its log lines on
 our stderr with its name as prefix, wait for its `ready ...` line, stop it.
 
-A daemon gets SIGTERM if the supervisor dies (PR_SET_PDEATHSIG), so a killed
-`symphony serve` does not leave a predd or a mount behind.
+A daemon runs in its own session (a terminal's Ctrl+C reaches only the supervisor,
+which stops the daemons in order) and gets SIGTERM if the supervisor dies
+(PR_SET_PDEATHSIG), so a killed `symphony serve` leaves no predd and no mount behind.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class Daemon:
         a clear message when it exits or stays silent instead."""
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, preexec_fn=_die_with_parent)
+            stderr=asyncio.subprocess.PIPE, preexec_fn=_die_with_parent,
+            start_new_session=True)   # Ctrl+C reaches the supervisor alone: it stops them in order
         self._pumps.append(asyncio.create_task(self._pump(self.proc.stderr)))
         ready = asyncio.create_task(self._ready())
         exited = asyncio.create_task(self.proc.wait())

@@ -106,18 +106,31 @@ class TextOut:
 
 
 class Grammar:
-    """llguidance over the served model's vocabulary, loaded on first use."""
+    """llguidance over the served model's vocabulary. Reading the vocabulary from the
+    GGUF file takes seconds, so `preload` starts it in the background at start-up."""
 
     def __init__(self, model: str | None) -> None:
         self.model = model
         self.tok = None
         self.lock = threading.Lock()
 
-    def matcher(self, schema: dict):
-        import llguidance
+    def preload(self) -> None:
+        def load() -> None:
+            try:
+                self._tokenizer()
+            except RequestError:
+                pass                        # said again to the first request that needs it
+        threading.Thread(target=load, daemon=True).start()
+
+    def _tokenizer(self):
         with self.lock:
             if self.tok is None:
                 self.tok = self._load()
+            return self.tok
+
+    def matcher(self, schema: dict):
+        import llguidance
+        self._tokenizer()
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 schema, defaults={"whitespace_flexible": False})

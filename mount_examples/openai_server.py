@@ -66,6 +66,7 @@ class Server:
         self.cache = PrefixCache(args.cache_dir or os.path.join(default_mount(), "openai"),
                                  max_files=args.cache_files, min_tokens=self.info["page_size"])
         self.grammar = Grammar(args.model)
+        self.grammar.preload()
         self.format = Formatter(self.model)
         self.requests: dict = {}
         self.lock = threading.Lock()

@@ -75,8 +75,8 @@ def test_models(client, model):
 
 def test_chat_is_predds_greedy_decode(client, predd, model):
     tokens = template(predd, QUESTION)
-    ids, text = greedy(predd, tokens, 12)
-    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12,
+    ids, text = greedy(predd, tokens, 8)
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8,
                                        temperature=0)
     assert r.choices[0].message.content == text
     assert r.choices[0].message.role == "assistant"
@@ -88,8 +88,8 @@ def test_chat_is_predds_greedy_decode(client, predd, model):
 
 def test_streamed_chat_reuses_the_cached_conversation(client, predd, model):
     tokens = template(predd, QUESTION)
-    ids, text = greedy(predd, tokens, 12)
-    stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12,
+    ids, text = greedy(predd, tokens, 8)
+    stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8,
                                             temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     parts, finish_reasons, usage = [], [], None
@@ -154,7 +154,7 @@ def test_json_schema_response_validates(client, model):
                       "minItems": 1, "maxItems": 3}},
         "required": ["name", "age", "languages"], "additionalProperties": False}
     r = client.chat.completions.create(
-        model=model, max_tokens=60, temperature=0.7, seed=3,
+        model=model, max_tokens=48, temperature=0.7, seed=3,
         messages=[{"role": "user", "content": "Describe a programmer as JSON."}],
         response_format={"type": "json_schema",
                          "json_schema": {"name": "programmer", "schema": schema}})
@@ -169,10 +169,10 @@ def test_json_schema_response_validates(client, model):
 
 def test_stop_string_cuts_the_answer(client, predd, model):
     messages = [{"role": "user", "content": "List three fruits."}]
-    ids, text = greedy(predd, template(predd, messages), 24)
+    ids, text = greedy(predd, template(predd, messages), 12)
     stop = text[len(text) // 2:len(text) // 2 + 3]     # a string the answer will contain
     assert len(stop) == 3
-    r = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=12,
                                        temperature=0, stop=[stop, "never seen"])
     assert r.choices[0].message.content == text[:text.index(stop)]
     assert r.choices[0].finish_reason == "stop"

@@ -1,6 +1,7 @@
 """`symphony serve` as an operator meets it: refusals before anything starts (clear line,
-non-zero status), one `ready http://HOST:PORT` line, prefixed logs, a clean stop on
-SIGTERM (runs killed, unmounted, exit 0), and a stop of everything when a part dies."""
+non-zero status), one `ready http://HOST:PORT` line, prefixed logs, a clean stop in
+order on Ctrl+C (runs killed, unmounted, exit 0; SIGTERM is what every other gateway
+test module's teardown sends), and a stop of everything when a part dies."""
 from __future__ import annotations
 
 import os
@@ -88,7 +89,7 @@ def test_predd_refusing_its_flags_stops_the_start(tmp_path):
         os.rmdir(mount)
 
 
-def test_ready_line_logs_and_clean_stop_on_sigterm(tmp_path):
+def test_ready_line_logs_and_clean_stop_on_ctrl_c(tmp_path):
     s = start_serve(str(tmp_path), "--programs", LIPS)
     try:
         assert s.ready_line == f"ready {s.url}"
@@ -103,7 +104,7 @@ def test_ready_line_logs_and_clean_stop_on_sigterm(tmp_path):
                 for e in sse_events(events):
                     if e.kind == "stdout":
                         break
-        s.proc.send_signal(signal.SIGTERM)
+        os.killpg(s.proc.pid, signal.SIGINT)      # Ctrl+C: the terminal's whole group
         assert s.proc.wait(timeout=120) == 0
         assert s.proc.stdout.read() == ""                 # `ready` was the only line
         log = s.log_text()
@@ -111,6 +112,9 @@ def test_ready_line_logs_and_clean_stop_on_sigterm(tmp_path):
             assert any(line.startswith(prefix) for line in log.splitlines()), prefix
         assert "gatewayd: run run_" in log and "(ESHUTDOWN: the server is stopping)" in log
         assert log.rstrip().endswith("symphony: stopped")
+        order = [log.index(x) for x in ("symphony: stopping: gateway", "gatewayd: Finished",
+                                        "kvfsd: unmounted", "predd: stopping")]
+        assert order == sorted(order)
         assert not is_mounted(s.mount)
         assert not os.path.exists(os.path.join(s.rundir, "predd.sock"))
     finally:
