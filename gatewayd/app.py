@@ -56,11 +56,15 @@ class Gateway:
 
 
 async def json_body(request: Request) -> dict:
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise ApiError(413, "EFBIG", f"the request body is over {MAX_BODY} bytes")
+    """The body as a JSON object, read up to MAX_BODY bytes (413 beyond: a huge body
+    is refused before it is all in memory)."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise ApiError(413, "EFBIG", f"the request body is over {MAX_BODY} bytes")
     try:
-        body = json.loads(raw or b"{}")
+        body = json.loads(bytes(raw) or b"{}")
     except ValueError:
         raise ApiError(400, "EINVAL", "the request body is not valid JSON") from None
     if not isinstance(body, dict):

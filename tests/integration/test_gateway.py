@@ -233,12 +233,15 @@ def test_bad_run_requests_are_400(http, body, param):
     assert r.json()["error"]["code"] == "EINVAL" and r.json()["error"]["param"] == param
 
 
-def test_unknown_program_and_run_are_404(http):
+def test_unknown_and_malformed_requests(http):
     r = http.post("/v1/programs/no_such_program/runs", headers=auth(ALICE), json={})
     assert r.status_code == 404 and r.json()["error"]["code"] == "ENOENT"
     assert http.get("/v1/runs/run_0000", headers=auth(ALICE)).status_code == 404
+    assert http.get("/v1/nothing/here").json()["error"]["code"] == "ENOENT"
     assert http.post("/v1/programs/holder/runs", headers=auth(ALICE),
                      content=b"{not json").status_code == 400
+    r = http.post("/v1/programs/holder/runs", headers=auth(ALICE), content=b" " * (3 << 20))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "EFBIG"
 
 
 def test_safe_env_reaches_the_program(http):
