@@ -119,6 +119,7 @@ def test_ready_line_logs_and_clean_stop_on_ctrl_c(tmp_path):
         assert not os.path.exists(os.path.join(s.rundir, "predd.sock"))
     finally:
         s.stop()
+        os.rmdir(s.mount)
 
 
 def test_a_part_that_dies_stops_the_rest(tmp_path):
@@ -136,3 +137,4 @@ def test_a_part_that_dies_stops_the_rest(tmp_path):
     finally:
         s.stop()
         force_unmount(s.mount)
+        os.rmdir(s.mount)
