@@ -10,13 +10,15 @@ Lifetime rules (checked by `check`):
   (copy-on-write), so a fork never sees another object's later entries.
 * fork shares every page (O(pages), no tensor copy); extract and merge share whole,
   aligned pages and copy the rest; free drops the object's references.
-The K/V tensors are not here: `PageData` (the runner's cache) copies, reads and writes
+Every change of a live object's page-list length is reported to `on_resize(oid,
+delta)` (the quota counters follow it). The K/V tensors are not here: `PageData` (the runner's cache) copies, reads and writes
 slots, addressed as flat slot ids `page * page_size + slot`.
 """
 from __future__ import annotations
 
 import itertools
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,9 +47,11 @@ class KVObject:
 
 
 class KVStore:
-    def __init__(self, pool: Pool, data: PageData) -> None:
+    def __init__(self, pool: Pool, data: PageData,
+                 on_resize: Callable[[int, int], None] = lambda oid, delta: None) -> None:
         self.pool = pool
         self.data = data
+        self.on_resize = on_resize
         self.objects: dict[int, KVObject] = {}
         self._next_oid = itertools.count(1)
 
@@ -80,6 +84,7 @@ class KVStore:
     def free(self, oid: int) -> None:
         obj = self.objects.pop(oid)
         self.pool.decref(obj.pages)
+        self.on_resize(oid, -len(obj.pages))
 
     def truncate(self, oid: int, length: int) -> None:
         obj = self.get(oid)
@@ -87,9 +92,11 @@ class KVStore:
         if not 0 <= length <= obj.length:
             raise ProtocolError("EINVAL", f"truncate to {length}: object has {obj.length} entries")
         keep = self._pages_for(length)
+        dropped = len(obj.pages) - keep
         self.pool.decref(obj.pages[keep:])
         del obj.pages[keep:]
         obj.length = length
+        self.on_resize(oid, -dropped)
 
     # ------------------------------------------------------------ writing
 
@@ -114,6 +121,7 @@ class KVStore:
             self.pool.decref([old])
         obj.pages.extend(fresh)
         obj.reserved += n
+        self.on_resize(oid, len(fresh))
         return self.slots(obj, start, start + n)
 
     def _needs_copy(self, obj: KVObject) -> bool:
@@ -147,8 +155,10 @@ class KVStore:
             return
         obj.reserved = 0
         keep = self._pages_for(obj.length)
+        dropped = len(obj.pages) - keep
         self.pool.decref(obj.pages[keep:])
         del obj.pages[keep:]
+        self.on_resize(oid, -dropped)
 
     # ------------------------------------------------------------ reading
 

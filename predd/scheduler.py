@@ -4,9 +4,15 @@ Pure bookkeeping — no tensors, no sockets. A call has tokens `computed` and to
 `total`; every step lets `computed` catch up by at most the step's token budget
 (prefill, chunked prefill and decode are the same thing). Rules:
 * Calls on one KV object run one at a time, in arrival order.
-* A step takes at most `max_batch` calls and `token_budget` tokens. Short calls
-  (decodes) go first, then longer ones; ties rotate across sessions, so when over
-  budget every session gets its turn (round robin).
+* A step takes at most `max_batch` calls and `token_budget` tokens, in a fair order:
+  round robin across uids first, then across the sessions of each uid (a uid with 100
+  sessions gets one share, not 100); within a uid short calls (decodes) go before
+  longer ones. The rotation moves every step, so over budget everyone gets a turn.
+* Latency bound: when more than one uid has work (queued, or a call finished in the
+  last `active_steps` steps), a step may take at most `latency_factor` times as long
+  as the smallest of those uids' work would alone, predicted from measured step times
+  (`StepCost`). A flood of long prompts from one uid then slows another uid's decode
+  by at most that factor, at the cost of the flooder's throughput.
 * Adaptive launch: after a step, the objects whose calls finished in it are *expected*
   to send their next call. The next step waits for them, but no longer than
   `wait_factor * last step time` (capped at `max_wait_s`); with nothing expected, or a
@@ -26,6 +32,8 @@ class SchedulerConfig:
     max_batch: int = 64
     wait_factor: float = 0.3
     max_wait_s: float = 0.02
+    latency_factor: float = 2.0   # 0: no latency bound across uids
+    active_steps: int = 4         # a uid stays "waiting" this many steps after a call ends
 
 
 @dataclass
@@ -39,6 +47,7 @@ class Call:
     cid: int = 0
     arrival: float = 0.0
     admitted: bool = False
+    uid: int = 0
 
     @property
     def remaining(self) -> int:
@@ -66,16 +75,87 @@ class Plan:
         return sum(item.count for item in self.items)
 
 
+class StepCost:
+    """How long a step of n tokens takes, learned from the steps run: per power-of-two
+    size class an average of tokens and seconds (exponentially weighted), read as a
+    non-decreasing piecewise-linear curve, extrapolated past the ends."""
+
+    def __init__(self, weight: float = 0.25) -> None:
+        self.weight = weight
+        self._classes: dict[int, list[float]] = {}   # n.bit_length() -> [tokens, seconds]
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or seconds <= 0:
+            return
+        point = self._classes.get(tokens.bit_length())
+        if point is None:
+            self._classes[tokens.bit_length()] = [float(tokens), seconds]
+        else:
+            point[0] += self.weight * (tokens - point[0])
+            point[1] += self.weight * (seconds - point[1])
+
+    def _curve(self) -> list[tuple[float, float]]:
+        curve, top = [], 0.0
+        for k in sorted(self._classes):
+            tokens, seconds = self._classes[k]
+            top = max(top, seconds)
+            curve.append((tokens, top))
+        return curve
+
+    def predict(self, tokens: int) -> float | None:
+        """Seconds for a step of `tokens`; None until two size classes were seen."""
+        curve = self._curve()
+        if len(curve) < 2:
+            return None
+        i = 1
+        while i < len(curve) - 1 and curve[i][0] < tokens:
+            i += 1
+        (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+        slope = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+        return max(y0 + slope * (tokens - x0), 0.0)
+
+    def tokens_within(self, seconds: float, most: int) -> int:
+        """The largest step (1..most tokens) predicted to take at most `seconds`."""
+        lo, hi = 1, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if (self.predict(mid) or 0.0) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def _rotated(keys: list[int], turn: int) -> list[int]:
+    k = turn % len(keys) if keys else 0
+    return keys[k:] + keys[:k]
+
+
+def _interleave(lists: list[list[Call]]) -> list[Call]:
+    """The first of each list, then the second of each, ..."""
+    out: list[Call] = []
+    for i in range(max((len(x) for x in lists), default=0)):
+        out.extend(x[i] for x in lists if i < len(x))
+    return out
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._queues: dict[int, list[Call]] = {}   # oid -> calls in arrival order
         self._ids = itertools.count(1)
         self._rotation = 0
+        self._pending = 0
+        self._of_session: dict[int, int] = {}      # queued calls per session and uid
+        self._of_uid: dict[int, int] = {}
         self.expected: set[int] = set()            # oids whose next call we wait for
         self.last_step_end = 0.0
         self.last_step_time = 0.0
         self.waited_s = 0.0                        # total adaptive-launch waiting
+        self.cost = StepCost()
+        self.steps = 0
+        self._active: dict[int, tuple[int, int]] = {}   # uid -> (step, tokens) of its last call
+        self.capped_steps = 0                      # steps the latency bound made smaller
 
     # ------------------------------------------------------------ queue
 
@@ -84,18 +164,35 @@ class Scheduler:
         call.arrival = now
         self._queues.setdefault(call.oid, []).append(call)
         self.expected.discard(call.oid)
+        self._count(call, 1)
         return call
+
+    def _count(self, call: Call, n: int) -> None:
+        self._pending += n
+        for table, key in ((self._of_session, call.session), (self._of_uid, call.uid)):
+            left = table.get(key, 0) + n
+            if left:
+                table[key] = left
+            else:
+                del table[key]
 
     def busy(self, oid: int) -> bool:
         return oid in self._queues
 
     def pending(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return self._pending
+
+    def queued(self, session: int | None = None, uid: int | None = None) -> int:
+        """Calls queued for a session or a uid (O(1))."""
+        if session is not None:
+            return self._of_session.get(session, 0)
+        return self._of_uid.get(uid, 0)
 
     def remove(self, call: Call) -> None:
         queue = self._queues.get(call.oid, [])
         if call in queue:
             queue.remove(call)
+            self._count(call, -1)
         if not queue:
             self._queues.pop(call.oid, None)
 
@@ -112,15 +209,44 @@ class Scheduler:
 
     # ------------------------------------------------------------ planning
 
+    def _heads(self) -> list[Call]:
+        return [q[0] for q in self._queues.values() if q[0].remaining > 0]
+
     def _eligible(self) -> list[Call]:
-        heads = [q[0] for q in self._queues.values() if q[0].remaining > 0]
-        sessions = sorted({c.session for c in heads})
-        rank = {s: (i - self._rotation) % len(sessions) for i, s in enumerate(sessions)}
-        return sorted(heads, key=lambda c: (c.remaining > 1, rank[c.session], c.cid))
+        """Runnable calls in fair order: uids in rotation, each uid's calls
+        interleaved across its sessions (also in rotation), decodes first."""
+        by_uid: dict[int, dict[int, list[Call]]] = {}
+        for call in sorted(self._heads(), key=lambda c: (c.remaining > 1, c.cid)):
+            by_uid.setdefault(call.uid, {}).setdefault(call.session, []).append(call)
+        per_uid = []
+        for uid in _rotated(sorted(by_uid), self._rotation):
+            sessions = by_uid[uid]
+            order = _rotated(sorted(sessions), self._rotation)
+            short = _interleave([[c for c in sessions[s] if c.remaining == 1] for s in order])
+            long = _interleave([[c for c in sessions[s] if c.remaining > 1] for s in order])
+            per_uid.append(short + long)
+        return _interleave(per_uid)
+
+    def latency_cap(self, heads: list[Call]) -> int:
+        """The most tokens the next step may take under the latency bound."""
+        budget = self.config.token_budget
+        if not self.config.latency_factor:
+            return budget
+        demand: dict[int, int] = {}
+        for call in heads:
+            demand[call.uid] = demand.get(call.uid, 0) + call.remaining
+        for uid, (_, tokens) in self._active.items():
+            demand.setdefault(uid, tokens)
+        if len(demand) < 2:
+            return budget
+        smallest = self.cost.predict(min(min(demand.values()), budget))
+        if smallest is None:
+            return budget
+        return self.cost.tokens_within(self.config.latency_factor * smallest, budget)
 
     def wait_time(self, now: float) -> float | None:
         """Seconds to hold the next launch; None when there is nothing to run."""
-        heads = self._eligible()
+        heads = self._heads()
         if not heads:
             return None
         if not self.expected:
@@ -133,38 +259,76 @@ class Scheduler:
 
     def schedule(self, admit: Callable[[Call], bool] = lambda call: True) -> Plan:
         """The next step's batch. `admit` is asked once per call before its first chunk
-        (the engine reserves memory there); a call it refuses leaves the queue."""
-        plan = Plan()
-        budget = self.config.token_budget
-        for call in self._eligible():
-            if len(plan.items) == self.config.max_batch or budget == 0:
-                break
-            if not call.admitted:
-                if not admit(call):
-                    self.remove(call)
+        (the engine reserves memory there); a call it refuses leaves the queue.
+
+        Two passes over the fair order: first every uid may take up to an equal share
+        of the budget, then what is left goes to whoever can use it."""
+        eligible = self._eligible()
+        budget = self.latency_cap(eligible)
+        if budget < self.config.token_budget and \
+                sum(c.remaining for c in eligible) > budget:
+            self.capped_steps += 1
+        share = max(budget // max(len({c.uid for c in eligible}), 1), 1)
+        counts: dict[int, int] = {}          # cid -> tokens this step
+        taken: dict[int, int] = {}           # uid -> tokens this step
+        refused: set[int] = set()
+        for fair in (True, False):
+            for call in eligible:
+                if budget == 0:
+                    break
+                have = counts.get(call.cid, 0)
+                room = share - taken.get(call.uid, 0) if fair else budget
+                count = min(call.remaining - have, room, budget)
+                if count <= 0 or call.cid in refused or (
+                        not have and len(counts) == self.config.max_batch):
                     continue
-                call.admitted = True
-            count = min(call.remaining, budget)
-            plan.items.append(PlanItem(call, call.computed, count))
-            budget -= count
+                if not call.admitted:
+                    if not admit(call):
+                        self.remove(call)
+                        refused.add(call.cid)
+                        continue
+                    call.admitted = True
+                counts[call.cid] = have + count
+                taken[call.uid] = taken.get(call.uid, 0) + count
+                budget -= count
         self._rotation += 1
-        return plan
+        return Plan([PlanItem(c, c.computed, counts[c.cid]) for c in eligible
+                     if c.cid in counts])
 
     def update(self, plan: Plan, finished: set[int], now: float, step_time: float) -> None:
         """Record a step's outcome. The engine has already grown the `total` of generate
         calls that go on; `finished` holds the cids that are complete."""
         self.last_step_end = now
         self.last_step_time = step_time
+        self.cost.observe(plan.num_tokens, step_time)
+        self.steps += 1
         self.expected = set()
         for item in plan.items:
             call = item.call
             call.computed = item.start + item.count
             if call.cid in finished:
                 self.remove(call)
+                self._active[call.uid] = (self.steps, 1 if call.generating else call.total)
                 if not call.generating:
                     self.expected.add(call.oid)
+        horizon = self.steps - self.config.active_steps
+        for uid in [u for u, (step, _) in self._active.items() if step <= horizon]:
+            del self._active[uid]
         # An object with a queued call is not waited for.
         self.expected -= set(self._queues)
 
     def note_wait(self, seconds: float) -> None:
         self.waited_s += seconds
+
+    def check(self) -> list[str]:
+        """Problems found recounting the queued-call counters."""
+        of_session: dict[int, int] = {}
+        of_uid: dict[int, int] = {}
+        calls = [c for q in self._queues.values() for c in q]
+        for call in calls:
+            of_session[call.session] = of_session.get(call.session, 0) + 1
+            of_uid[call.uid] = of_uid.get(call.uid, 0) + 1
+        if (len(calls), of_session, of_uid) != (self._pending, self._of_session, self._of_uid):
+            return [f"scheduler counts {self._pending} calls {self._of_session} per session, "
+                    f"{self._of_uid} per uid; queues hold {len(calls)}, {of_session}, {of_uid}"]
+        return []
