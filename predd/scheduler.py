@@ -16,7 +16,8 @@ Pure bookkeeping — no tensors, no sockets. A call has tokens `computed` and to
 * Adaptive launch: after a step, the objects whose calls finished in it are *expected*
   to send their next call. The next step waits for them, but no longer than
   `wait_factor * last step time` (capped at `max_wait_s`); with nothing expected, or a
-  full batch already waiting, it launches at once.
+  full batch already waiting, it launches at once — unless an expected object belongs
+  to a uid with nothing queued: a pred loop is not left behind another uid's flood.
 """
 from __future__ import annotations
 
@@ -77,11 +78,14 @@ class Plan:
 
 class StepCost:
     """How long a step of n tokens takes, learned from the steps run: per power-of-two
-    size class an average of tokens and seconds (exponentially weighted), read as a
-    non-decreasing piecewise-linear curve, extrapolated past the ends."""
+    size class a mean size and a time, read as a non-decreasing piecewise-linear curve,
+    extrapolated past the ends. The time follows a faster step at once and a slower one
+    only by `rise` of the difference: noise on a shared host (other processes, page
+    faults) only ever slows a step, so the curve tracks the uncontended cost, and the
+    bound compares like with like."""
 
-    def __init__(self, weight: float = 0.25) -> None:
-        self.weight = weight
+    def __init__(self, rise: float = 0.05) -> None:
+        self.rise = rise
         self._classes: dict[int, list[float]] = {}   # n.bit_length() -> [tokens, seconds]
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -90,9 +94,9 @@ class StepCost:
         point = self._classes.get(tokens.bit_length())
         if point is None:
             self._classes[tokens.bit_length()] = [float(tokens), seconds]
-        else:
-            point[0] += self.weight * (tokens - point[0])
-            point[1] += self.weight * (seconds - point[1])
+            return
+        point[0] += 0.25 * (tokens - point[0])
+        point[1] = seconds if seconds < point[1] else point[1] + self.rise * (seconds - point[1])
 
     def _curve(self) -> list[tuple[float, float]]:
         curve, top = [], 0.0
@@ -149,6 +153,7 @@ class Scheduler:
         self._of_session: dict[int, int] = {}      # queued calls per session and uid
         self._of_uid: dict[int, int] = {}
         self.expected: set[int] = set()            # oids whose next call we wait for
+        self._expected_uid: dict[int, int] = {}    # their uids
         self.last_step_end = 0.0
         self.last_step_time = 0.0
         self.waited_s = 0.0                        # total adaptive-launch waiting
@@ -239,10 +244,12 @@ class Scheduler:
             demand.setdefault(uid, tokens)
         if len(demand) < 2:
             return budget
-        smallest = self.cost.predict(min(min(demand.values()), budget))
-        if smallest is None:
+        least = min(min(demand.values()), budget)
+        alone = self.cost.predict(least)
+        if alone is None:
             return budget
-        return self.cost.tokens_within(self.config.latency_factor * smallest, budget)
+        cap = self.cost.tokens_within(self.config.latency_factor * alone, budget)
+        return min(max(cap, len(demand) * least), budget)   # room for each uid's least
 
     def wait_time(self, now: float) -> float | None:
         """Seconds to hold the next launch; None when there is nothing to run."""
@@ -251,8 +258,9 @@ class Scheduler:
             return None
         if not self.expected:
             return 0.0
-        if (len(heads) >= self.config.max_batch
-                or sum(c.remaining for c in heads) >= self.config.token_budget):
+        full = (len(heads) >= self.config.max_batch
+                or sum(c.remaining for c in heads) >= self.config.token_budget)
+        if full and {self._expected_uid.get(o) for o in self.expected} <= {c.uid for c in heads}:
             return 0.0
         hold = min(self.config.wait_factor * self.last_step_time, self.config.max_wait_s)
         return max(0.0, self.last_step_end + hold - now)
@@ -303,6 +311,7 @@ class Scheduler:
         self.cost.observe(plan.num_tokens, step_time)
         self.steps += 1
         self.expected = set()
+        self._expected_uid = {}
         for item in plan.items:
             call = item.call
             call.computed = item.start + item.count
@@ -311,6 +320,7 @@ class Scheduler:
                 self._active[call.uid] = (self.steps, 1 if call.generating else call.total)
                 if not call.generating:
                     self.expected.add(call.oid)
+                    self._expected_uid[call.oid] = call.uid
         horizon = self.steps - self.config.active_steps
         for uid in [u for u, (step, _) in self._active.items() if step <= horizon]:
             del self._active[uid]

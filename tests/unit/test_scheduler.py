@@ -473,7 +473,7 @@ def test_queued_counts_per_session_and_uid():
 # ---------------------------------------------------------------- latency bound
 
 def test_step_cost_is_a_non_decreasing_curve_through_size_classes():
-    cost = StepCost(weight=0.5)
+    cost = StepCost(rise=0.5)
     assert cost.predict(1) is None
     cost.observe(1, 0.010)
     assert cost.predict(1) is None            # one size class: no slope yet
@@ -481,10 +481,13 @@ def test_step_cost_is_a_non_decreasing_curve_through_size_classes():
     assert cost.predict(1) == pytest.approx(0.010)
     assert cost.predict(51) == pytest.approx(0.035)
     assert cost.predict(201) == pytest.approx(0.110)    # extrapolated
-    cost.observe(1, 0.020)                    # same class: averaged (weight 0.5)
-    assert cost.predict(1) == pytest.approx(0.015)
+    cost.observe(1, 0.030)                    # slower: follows by `rise` of the way
+    assert cost.predict(1) == pytest.approx(0.020)
+    cost.observe(1, 0.012)                    # faster: at once
+    assert cost.predict(1) == pytest.approx(0.012)
     cost.observe(40, 0.001)                   # noise below a smaller step's time
-    assert cost.predict(40) == pytest.approx(0.015)     # the curve never goes down
+    assert cost.predict(40) == pytest.approx(0.012)     # the curve never goes down
+    cost.observe(1, 0.010)
     assert cost.tokens_within(0.060, 2048) == 101
     assert cost.tokens_within(0.0, 2048) == 1
     assert cost.tokens_within(10.0, 512) == 512
@@ -559,3 +562,42 @@ def test_latency_bound_keeps_every_token_exactly_once():
             assert start == seen[cid]
             seen[cid] += count
     assert seen == want
+
+
+def test_a_full_budget_still_waits_for_another_uids_pred_loop():
+    s = make(token_budget=8, wait_factor=0.5, max_wait_s=0.25)
+    submit(s, 1, 10, 1, uid=1000)                 # the victim's pred
+    s.update(s.schedule(), {1}, now=1.0, step_time=0.25)
+    submit(s, 2, 20, 100, uid=65534)              # a flood fills the budget
+    assert s.wait_time(1.0) == 0.125              # the victim may join the next step
+    submit(s, 1, 10, 1, now=1.0625, uid=1000)
+    assert s.wait_time(1.0625) == 0.0
+    s = make(token_budget=8, wait_factor=0.5, max_wait_s=0.25)
+    submit(s, 1, 10, 1, uid=65534)                # the same uid as the flood: no wait
+    s.update(s.schedule(), {1}, now=1.0, step_time=0.25)
+    submit(s, 2, 20, 100, uid=65534)
+    assert s.wait_time(1.0) == 0.0
+
+
+def test_flood_decodes_do_not_starve_another_uids_prompt_under_the_bound():
+    s = make(token_budget=512, latency_factor=2.0)
+    r = learned(s)
+    flood = [submit(s, 1, 100 + i, 1, generate=100, uid=65534) for i in range(40)]
+    prompt = submit(s, 2, 99, 300, uid=1000)
+    plan = r.step()
+    # the smallest demand is the flood's 40 decodes (50 ms alone): a step may take
+    # 100 ms, 90 tokens; each uid first gets 45, then the prompt takes what is left
+    assert sum(n for _, _, n in plan) == 90
+    assert dict((cid, n) for cid, _, n in plan)[prompt.cid] == 50
+    assert all(c.computed == 1 for c in flood)
+
+
+def test_the_bound_leaves_room_for_each_uids_least_demand():
+    s = make(token_budget=512, latency_factor=1.0)
+    s.cost.observe(1, 0.010)
+    s.cost.observe(2, 0.030)                  # steep: one more token triples the time
+    r = Runner(s, step_time=lambda n: 0.010 * n)
+    for uid in (1, 2, 3):
+        submit(s, uid, uid, 1, generate=2, uid=uid)
+    submit(s, 4, 4, 50, uid=4)
+    assert sorted(n for _, _, n in r.step()) == [1, 1, 1, 1]   # every uid gets its one
