@@ -125,7 +125,8 @@ def ask(proc: subprocess.Popen, line: str) -> dict:
 def measure(args, rundir: str, latency_factor: float, tokens: int, repeat: int) -> dict:
     from tests.conftest import start_predd
     daemon = start_predd(os.path.join(rundir, f"f{latency_factor:g}"), "--dtype", args.dtype,
-                         "--device", args.device, "--latency-factor", str(latency_factor))
+                         "--device", args.device, "--latency-factor", str(latency_factor),
+                         "--threads", str(args.threads))
     os.chmod(daemon.rundir, 0o755)
     victim_uid = VICTIM_UID if os.geteuid() == 0 else os.geteuid()
     flood_uid = NOBODY if os.geteuid() == 0 else os.geteuid()
@@ -183,6 +184,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="predd's torch CPU threads "
+                    "(0: torch's default; 1 is steadier on a busy host)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3, help="alone/loaded pairs")
     ap.add_argument("--baseline-tokens", type=int, default=8,
@@ -223,7 +226,8 @@ def main() -> int:
             "capped_steps": bounded["capped_steps"],
             "victim_uid": bounded["victim_uid"], "flooder_uid": bounded["flooder_uid"],
             "tokens": args.tokens, "flood": f"{args.flood_threads}x{args.flood_prompt}",
-            "model": info["model"], "dtype": info["dtype"], "hardware": hw}), flush=True)
+            "model": info["model"], "dtype": info["dtype"], "hardware": hw,
+            "load_average": os.getloadavg()[0]}), flush=True)
     return 0
 
 
