@@ -11,8 +11,11 @@ Pure bookkeeping — no tensors, no sockets. A call has tokens `computed` and to
 * Latency bound: when more than one uid has work (queued, or a call finished in the
   last `active_steps` steps), a step may take at most `latency_factor` times as long
   as the smallest of those uids' work would alone, predicted from measured step times
-  (`StepCost`). A flood of long prompts from one uid then slows another uid's decode
-  by at most that factor, at the cost of the flooder's throughput.
+  (`StepCost`). What the prediction misses (per-call and context costs, a busy host)
+  is corrected by feedback: a bounded step that took longer than its bound shrinks the
+  next bounds (x0.8), one within it lets them grow back (x1.1). A flood of long prompts
+  from one uid then slows another uid's decode by about that factor, at the cost of
+  the flooder's throughput.
 * Adaptive launch: after a step, the objects whose calls finished in it are *expected*
   to send their next call. The next step waits for them, but no longer than
   `wait_factor * last step time` (capped at `max_wait_s`); with nothing expected, or a
@@ -161,6 +164,8 @@ class Scheduler:
         self.steps = 0
         self._active: dict[int, tuple[int, int]] = {}   # uid -> (step, tokens) of its last call
         self.capped_steps = 0                      # steps the latency bound made smaller
+        self._scale = 1.0                          # feedback on the predicted bound
+        self._bound_s: float | None = None         # the bound of the step being planned
 
     # ------------------------------------------------------------ queue
 
@@ -242,13 +247,15 @@ class Scheduler:
             demand[call.uid] = demand.get(call.uid, 0) + call.remaining
         for uid, (_, tokens) in self._active.items():
             demand.setdefault(uid, tokens)
+        self._bound_s = None
         if len(demand) < 2:
             return budget
         least = min(min(demand.values()), budget)
         alone = self.cost.predict(least)
         if alone is None:
             return budget
-        cap = self.cost.tokens_within(self.config.latency_factor * alone, budget)
+        self._bound_s = self.config.latency_factor * alone
+        cap = int(self.cost.tokens_within(self._bound_s, budget) * self._scale)
         return min(max(cap, len(demand) * least), budget)   # room for each uid's least
 
     def wait_time(self, now: float) -> float | None:
@@ -309,6 +316,11 @@ class Scheduler:
         self.last_step_end = now
         self.last_step_time = step_time
         self.cost.observe(plan.num_tokens, step_time)
+        if self._bound_s is not None and plan.items:
+            if step_time > 1.05 * self._bound_s:
+                self._scale = max(self._scale * 0.8, 1 / 1024)
+            else:
+                self._scale = min(self._scale * 1.1, 1.0)
         self.steps += 1
         self.expected = set()
         self._expected_uid = {}

@@ -601,3 +601,23 @@ def test_the_bound_leaves_room_for_each_uids_least_demand():
         submit(s, uid, uid, 1, generate=2, uid=uid)
     submit(s, 4, 4, 50, uid=4)
     assert sorted(n for _, _, n in r.step()) == [1, 1, 1, 1]   # every uid gets its one
+
+
+def test_feedback_shrinks_the_bound_when_steps_cost_more_than_predicted():
+    """The curve knows 10 ms + 1 ms a token; real steps also pay 30 ms per call (say
+    attention over a long context). Bounded steps overrun, so the bound shrinks until
+    the flood gets its least; steps within the bound let it grow back."""
+    s = make(token_budget=512, latency_factor=3.0)
+    learned(s)
+    r = Runner(s, step_time=lambda n: 0.010 + 0.001 * n + 0.030 * (n > 1))
+    submit(s, 2, 99, 1, generate=40, uid=1000)
+    submit(s, 1, 10, 5000, uid=65534)
+    sizes = [sum(n for _, _, n in r.step()) for _ in range(16)]
+    # bound 33 ms: 23 tokens predicted, but such a step takes 63 ms: the curve learns
+    # that size, the scale shrinks; down to each uid's least (one token each)
+    assert sizes == [23, 8, 3] + [2] * 13
+    assert s.capped_steps == 16 and s._scale < 0.1
+    s.cancel(lambda call: call.uid == 65534)
+    for _ in range(30):                                        # the victim alone: within
+        r.step()
+    assert s._scale < 0.1                                      # unbounded steps: no change
