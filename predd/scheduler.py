@@ -9,7 +9,7 @@ Pure bookkeeping — no tensors, no sockets. A call has tokens `computed` and to
   sessions gets one share, not 100); within a uid short calls (decodes) go before
   longer ones. The rotation moves every step, so over budget everyone gets a turn.
 * Latency bound: when more than one uid has work (queued, or a call finished in the
-  last `active_steps` steps), a step may take at most `latency_factor` times as long
+  last `active_s` seconds), a step may take at most `latency_factor` times as long
   as the smallest of those uids' work would alone, predicted from measured step times
   (`StepCost`). What the prediction misses (per-call and context costs, a busy host)
   is corrected by feedback: a bounded step that took longer than its bound shrinks the
@@ -37,7 +37,7 @@ class SchedulerConfig:
     wait_factor: float = 0.3
     max_wait_s: float = 0.02
     latency_factor: float = 2.0   # 0: no latency bound across uids
-    active_steps: int = 4         # a uid stays "waiting" this many steps after a call ends
+    active_s: float = 0.5         # a uid counts as waiting this long after a call came or ended
 
 
 @dataclass
@@ -162,7 +162,7 @@ class Scheduler:
         self.waited_s = 0.0                        # total adaptive-launch waiting
         self.cost = StepCost()
         self.steps = 0
-        self._active: dict[int, tuple[int, int]] = {}   # uid -> (step, tokens) of its last call
+        self._active: dict[int, tuple[float, int]] = {}   # uid -> (time, tokens) of its last call
         self.capped_steps = 0                      # steps the latency bound made smaller
         self._scale = 1.0                          # feedback on the predicted bound
         self._bound_s: float | None = None         # the bound of the step being planned
@@ -175,6 +175,7 @@ class Scheduler:
         self._queues.setdefault(call.oid, []).append(call)
         self.expected.discard(call.oid)
         self._count(call, 1)
+        self._active[call.uid] = (now, min(call.total, self.config.token_budget))
         return call
 
     def _count(self, call: Call, n: int) -> None:
@@ -329,12 +330,13 @@ class Scheduler:
             call.computed = item.start + item.count
             if call.cid in finished:
                 self.remove(call)
-                self._active[call.uid] = (self.steps, 1 if call.generating else call.total)
+                self._active[call.uid] = (now, 1 if call.generating else
+                                          min(call.total, self.config.token_budget))
                 if not call.generating:
                     self.expected.add(call.oid)
                     self._expected_uid[call.oid] = call.uid
-        horizon = self.steps - self.config.active_steps
-        for uid in [u for u, (step, _) in self._active.items() if step <= horizon]:
+        horizon = now - self.config.active_s
+        for uid in [u for u, (seen, _) in self._active.items() if seen < horizon]:
             del self._active[uid]
         # An object with a queued call is not waited for.
         self.expected -= set(self._queues)

@@ -11,11 +11,11 @@ from predd.scheduler import Call, Plan, PlanItem, Scheduler, SchedulerConfig, St
 
 
 def make(token_budget=512, max_batch=64, wait_factor=0.5, max_wait_s=0.25,
-         latency_factor=0.0, active_steps=4) -> Scheduler:
+         latency_factor=0.0, active_s=0.5) -> Scheduler:
     return Scheduler(SchedulerConfig(token_budget=token_budget, max_batch=max_batch,
                                      wait_factor=wait_factor, max_wait_s=max_wait_s,
                                      latency_factor=latency_factor,
-                                     active_steps=active_steps))
+                                     active_s=active_s))
 
 
 class Runner:
@@ -539,15 +539,15 @@ def test_the_bound_waits_for_cost_measurements():
 
 def test_a_uid_that_just_finished_a_call_still_counts_for_a_few_steps():
     """A pred loop: between its calls the victim has nothing queued, yet the flood
-    stays bounded for `active_steps` steps after its last call ended."""
-    s = make(token_budget=512, latency_factor=2.0, active_steps=2)
+    stays bounded for `active_s` seconds after its last call ended."""
+    s = make(token_budget=512, latency_factor=2.0, active_s=0.05)
     r = learned(s)
     submit(s, 2, 99, 1, uid=1000)             # the victim's pred of one token
     submit(s, 1, 10, 2000, uid=65534)
-    r.step()                                  # victim + 11 flood tokens; victim done
-    assert [count for _, _, count in r.step()] == [12]     # still bounded
-    assert [count for _, _, count in r.step()] == [12]
-    assert [count for _, _, count in r.step()] == [512]    # two steps on: not
+    r.step()                                  # ends at 22 ms: the victim's call is done
+    steps = [[count for _, _, count in r.step()] for _ in range(4)]
+    # steps ending at 44, 66 and 88 ms are planned within 50 ms of it: bounded
+    assert steps == [[12], [12], [12], [512]]
 
 
 def test_latency_bound_keeps_every_token_exactly_once():
