@@ -6,6 +6,7 @@ Lifetime rules:
 * An object lives while at least one capability refers to it; revoking the last one
   frees the object (POSIX: the last close of an unlinked file).
 * Ending a session revokes its capabilities; persistent ones are revoked only by name.
+  Capabilities are indexed by session, so ending one costs O(its capabilities).
 * Capability strings are secrets: never log them (use `short`).
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Capabilities:
     def __init__(self, free_object: Callable[[int], None]) -> None:
         self._caps: dict[str, Capability] = {}
         self._per_object: dict[int, int] = {}
+        self._per_session: dict[int, dict[str, None]] = {}   # insertion-ordered sets
         self._free_object = free_object
 
     def __len__(self) -> int:
@@ -47,6 +49,8 @@ class Capabilities:
         cap = Capability(secrets.token_hex(CAP_HEX_LEN // 2), oid, rights, session)
         self._caps[cap.token] = cap
         self._per_object[oid] = self._per_object.get(oid, 0) + 1
+        if session is not None:
+            self._per_session.setdefault(session, {})[cap.token] = None
         return cap
 
     def lookup(self, token: str, write: bool = False) -> Capability:
@@ -59,6 +63,11 @@ class Capabilities:
 
     def revoke(self, token: str) -> None:
         cap = self._caps.pop(token)
+        if cap.session is not None:
+            mine = self._per_session[cap.session]
+            del mine[token]
+            if not mine:
+                del self._per_session[cap.session]
         left = self._per_object[cap.oid] - 1
         if left:
             self._per_object[cap.oid] = left
@@ -68,13 +77,35 @@ class Capabilities:
 
     def revoke_session(self, session: int) -> int:
         """Revoke every capability of a session; how many there were."""
-        tokens = [t for t, c in self._caps.items() if c.session == session]
+        tokens = list(self._per_session.get(session, ()))
         for token in tokens:
-            self.revoke(token)
+            if token in self._caps:   # a free callback may have revoked it already
+                self.revoke(token)
         return len(tokens)
 
     def of_session(self, session: int) -> list[Capability]:
-        return [c for c in self._caps.values() if c.session == session]
+        return [self._caps[t] for t in self._per_session.get(session, ())]
+
+    def count(self, session: int) -> int:
+        """How many capabilities a session holds."""
+        return len(self._per_session.get(session, ()))
+
+    def check(self) -> list[str]:
+        """Problems found comparing the indexes with the capability table."""
+        problems = []
+        per_object: dict[int, int] = {}
+        for cap in self._caps.values():
+            per_object[cap.oid] = per_object.get(cap.oid, 0) + 1
+            if cap.session is not None and cap.token not in self._per_session.get(
+                    cap.session, ()):
+                problems.append(f"capability of object {cap.oid} missing from the index "
+                                f"of session {cap.session}")
+        if per_object != self._per_object:
+            problems.append("capability counts per object do not match the table")
+        indexed = sum(len(t) for t in self._per_session.values())
+        if indexed != sum(1 for c in self._caps.values() if c.session is not None):
+            problems.append("session index holds revoked capabilities")
+        return problems
 
     def objects(self) -> set[int]:
         return set(self._per_object)
