@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = lambda msg: print(f"predd: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     rundir = args.rundir or default_rundir()
-    # Its own rundir, never the system predd's that clients fall back to.
-    addr = args.addr or os.environ.get("PREDD_ADDR") or default_addr(rundir)
+    # --addr, else --rundir's socket, else $PREDD_ADDR, else its own rundir's socket
+    # (never the system predd's, which clients fall back to).
+    addr = args.addr or (None if args.rundir else os.environ.get("PREDD_ADDR")) \
+        or default_addr(rundir)
     try:   # refuse an unsafe endpoint before spending seconds on the model
         keys = AuthKeys.load(args.auth_keys) if args.auth_keys else None
         check_endpoint(addr, keys)
