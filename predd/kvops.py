@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from liblip import protocol as p
 from liblip.protocol import ProtocolError
+from predd.caps import Capability
 from predd.identity import MAX_UID
 from predd.quota import check_limit
 from predd.sessions import Session
@@ -42,8 +43,9 @@ class KVOps:
                                 f"to uid {owner}")
         return owner
 
-    def _issue(self, oid: int, rights: str, s: Session, persist: bool) -> dict:
-        cap = self.caps.issue(oid, p.check_rights(rights), None if persist else s.sid)
+    def _issue(self, oid: int, rights: str, s: Session, persist: bool,
+               parent: Capability | None = None) -> dict:
+        cap = self.caps.issue(oid, p.check_rights(rights), None if persist else s.sid, parent)
         return {"cap": cap.token, "rights": cap.rights, **self._stat(oid)}
 
     def _new_object(self, oid: int, s: Session, persist: bool, uid: int,
@@ -83,7 +85,7 @@ class KVOps:
         src = self._cap(r.cap)
         if p.check_rights(r.rights) == "rw" and not src.writable:
             raise ProtocolError("EACCES", "cannot grant rw from a read-only capability")
-        return self._issue(src.oid, r.rights, s, r.persist)
+        return self._issue(src.oid, r.rights, s, r.persist, parent=src)
 
     def op_kv_free(self, s, r: p.KvFree, extra, now) -> dict:
         self._cap(r.cap)

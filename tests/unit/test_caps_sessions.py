@@ -224,3 +224,38 @@ def test_count_and_the_index_follow_issue_and_revoke(caps):
     caps.revoke_session(1)
     assert caps.count(1) == 0 and caps.check() == []
     assert len(caps) == 1
+
+
+def test_a_grant_from_a_per_open_grant_dies_with_it(caps):
+    """kvfsd's per-open grant (from the file's persistent name) ends at release; a
+    program that re-granted it must not keep the object (rights follow chmod/rm)."""
+    name = caps.issue(7, "rw", None)                     # the file's name: persistent
+    per_open = caps.issue(7, "rw", 1, parent=name)       # kvfsd's session: a root grant
+    assert per_open.parent is None
+    mine = caps.issue(7, "rw", 2, parent=per_open)       # a user re-grants it
+    again = caps.issue(7, "r", 3, parent=mine)
+    assert (mine.parent, again.parent) == (per_open.token, mine.token)
+    caps.revoke(per_open.token)                          # the open is released
+    for token in (per_open.token, mine.token, again.token):
+        with pytest.raises(ProtocolError) as err:
+            caps.lookup(token)
+        assert err.value.code == "EBADF"
+    assert caps.lookup(name.token).oid == 7 and caps.objects() == {7}
+    assert caps.check() == [] and caps.count(2) == 0 and caps.count(3) == 0
+
+
+def test_a_derived_grant_revoked_alone_leaves_its_parent(caps):
+    parent = caps.issue(3, "rw", 1)
+    child = caps.issue(3, "r", 2, parent=parent)
+    caps.revoke(child.token)
+    assert caps.lookup(parent.token).oid == 3 and caps.check() == []
+    caps.revoke(parent.token)                             # the last one frees the object
+    assert caps.freed == [3] and caps.check() == []
+
+
+def test_persistent_grants_are_never_derived(caps):
+    session_cap = caps.issue(5, "rw", 1)
+    named = caps.issue(5, "rw", None, parent=session_cap)
+    assert named.parent is None
+    caps.revoke(session_cap.token)
+    assert caps.lookup(named.token).oid == 5 and caps.check() == []
