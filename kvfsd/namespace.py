@@ -11,6 +11,11 @@ Lifetime rules (POSIX):
   (`lookups == 0`, `collectable`); until then `getattr` on it still answers.
 * `lookups` and `opens` are runtime state: they are never persisted. Only linked nodes
   (reachable from the root) are written to the state directory.
+
+Bounds (what one local user can make kvfsd hold): every name is charged to the uid
+owning the node it names (a file with three links costs three); a uid other than 0
+holding `names_per_uid` names gets EDQUOT. The only settable xattrs are `user.kv.pin`
+and `user.kv.ttl` (short values, files only), so a node's state is bounded too.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import base64
 import errno
 import stat
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -26,11 +32,14 @@ NAME_MAX = 255
 ROOT_MODE = stat.S_IFDIR | 0o1777
 FORMAT = 1
 
-# Read-only xattrs computed from predd's kv_stat (files only), and settable policy ones.
+# Read-only xattrs computed from predd's kv_stat (files only), the settable policy ones
+# (files only), and names kept for later policies (refused for now).
 COMPUTED_XATTRS = (b"user.kv.tokens", b"user.kv.bytes", b"user.kv.pages",
                    b"user.kv.model", b"user.kv.tier")
 POLICY_XATTRS = (b"user.kv.pin", b"user.kv.ttl")
-XATTR_SIZE_MAX = 64 * 1024
+RESERVED_XATTRS = (b"user.kv.evict",)
+XATTR_VALUE_MAX = 32
+NAMES_PER_UID = 4096           # default bound on the names one uid may own (0: none)
 
 
 def now_ns() -> int:
@@ -89,12 +98,15 @@ class Node:
 
 
 class Namespace:
-    def __init__(self, root_uid: int = 0, root_gid: int = 0) -> None:
+    def __init__(self, root_uid: int = 0, root_gid: int = 0,
+                 names_per_uid: int = NAMES_PER_UID) -> None:
         t = now_ns()
         root = Node(ROOT, ROOT_MODE, root_uid, root_gid, t, t, t, nlink=2,
                     entries={}, order={}, parent=ROOT)
         self.nodes: dict[int, Node] = {ROOT: root}
         self.next_ino = ROOT + 1
+        self.names_per_uid = names_per_uid
+        self.names_of_uid: Counter[int] = Counter()   # names charged to each uid
 
     # ------------------------------------------------------------ lookups
 
@@ -150,8 +162,13 @@ class Namespace:
         if not names:
             return "?"
         parent, name = names[0]
-        head = "" if parent == ROOT else self.path_of(parent)
-        return f"{head}/{_show(name)}"
+        parts = [_show(name)]
+        while parent != ROOT:            # directories have one name and know their parent
+            d = self.nodes[parent]
+            up = self.nodes[d.parent]
+            parts.append(next((_show(n) for n, i in up.entries.items() if i == parent), "?"))
+            parent = up.ino
+        return "/" + "/".join(reversed(parts))
 
     # ------------------------------------------------------------ creating
 
@@ -163,8 +180,22 @@ class Namespace:
         if name in d.entries:
             raise _err(errno.EEXIST, _show(name))
 
-    def check_new(self, parent: int, name: bytes) -> None:
+    def check_new(self, parent: int, name: bytes, uid: int | None = None) -> None:
+        """EINVAL/ENAMETOOLONG/EEXIST for a bad name, EDQUOT when `uid` may not own one
+        more name: what `add` would refuse, checked before predd is asked for a cache."""
         self._check_new(self.dir(parent), name)
+        if uid is not None:
+            self._check_quota(uid)
+
+    def _check_quota(self, uid: int) -> None:
+        limit = self.names_per_uid
+        if limit and uid != 0 and self.names_of_uid[uid] >= limit:
+            raise _err(errno.EDQUOT, f"uid {uid} owns {limit} names already")
+
+    def _charge(self, node: Node, n: int) -> None:
+        self.names_of_uid[node.uid] += n
+        if self.names_of_uid[node.uid] <= 0:
+            del self.names_of_uid[node.uid]
 
     def _insert(self, d: Node, name: bytes, node: Node) -> None:
         d.entries[name] = node.ino
@@ -177,6 +208,7 @@ class Namespace:
         """A new file, directory or symlink `name` in `parent` (mode includes the type)."""
         d = self.dir(parent)
         self._check_new(d, name)
+        self._check_quota(uid)
         kind = stat.S_IFMT(mode)
         if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
             raise _err(errno.EPERM, "only files, directories and symlinks")
@@ -193,6 +225,7 @@ class Namespace:
             d.nlink += 1
         self.nodes[node.ino] = node
         self._insert(d, name, node)
+        self._charge(node, 1)
         return node
 
     def link(self, ino: int, parent: int, name: bytes) -> Node:
@@ -203,8 +236,10 @@ class Namespace:
             raise _err(errno.ENOENT, "file was removed")
         d = self.dir(parent)
         self._check_new(d, name)
+        self._check_quota(node.uid)
         self._insert(d, name, node)
         node.nlink += 1
+        self._charge(node, 1)
         node.touch(mtime=False)
         return node
 
@@ -219,6 +254,7 @@ class Namespace:
             d.nlink -= 1
         else:
             node.nlink -= 1
+        self._charge(node, -1)
         node.touch(mtime=False)
         return node
 
@@ -338,11 +374,22 @@ class Namespace:
         node.touch(mtime=False)
 
     def chown(self, node: Node, uid: int | None, gid: int | None) -> None:
-        if uid is not None:
+        """(The kernel lets only root give a file away; root may exceed a uid's bound.)"""
+        if uid is not None and uid != node.uid:
+            names = self._names(node)
+            self._charge(node, -names)
             node.uid = uid
+            self._charge(node, names)
         if gid is not None:
             node.gid = gid
         node.touch(mtime=False)
+
+    @staticmethod
+    def _names(node: Node) -> int:
+        """How many names `node` has (a directory has at most one)."""
+        if node.is_dir:
+            return 1 if node.nlink > 0 and node.ino != ROOT else 0
+        return node.nlink
 
     # ------------------------------------------------------------ xattrs
 
@@ -354,6 +401,8 @@ class Namespace:
 
     def setxattr(self, node: Node, name: bytes, value: bytes) -> None:
         check_xattr(name, value)
+        if not node.is_file:
+            raise _err(errno.EOPNOTSUPP, f"{_show(name)}: cache files only")
         node.xattrs[name] = bytes(value)
         node.touch(mtime=False)
 
@@ -385,10 +434,10 @@ class Namespace:
         return seen
 
     @classmethod
-    def from_dict(cls, doc: dict) -> Namespace:
+    def from_dict(cls, doc: dict, names_per_uid: int = NAMES_PER_UID) -> Namespace:
         if doc.get("format") != FORMAT:
             raise ValueError(f"unknown namespace format {doc.get('format')!r}")
-        ns = cls()
+        ns = cls(names_per_uid=names_per_uid)
         ns.nodes = {}
         for raw in doc["nodes"]:
             node = _node_from_dict(raw)
@@ -417,24 +466,34 @@ class Namespace:
                     d.nlink += 1
                 else:
                     child.nlink += 1
+        for node in ns.nodes.values():
+            ns._charge(node, ns._names(node))
         return ns
 
 
 def check_xattr(name: bytes, value: bytes) -> None:
-    """Whether `name` may be set to `value` on a cache file (OSError if not)."""
-    if not name.startswith(b"user."):
-        raise _err(errno.EOPNOTSUPP, "only user.* attributes")
+    """Whether `name` may be set to `value` (OSError if not): only the policy names, with
+    short, well-formed values. Checked before anything is stored."""
     if name in COMPUTED_XATTRS:
         raise _err(errno.EPERM, f"{_show(name)} is read-only")
-    if len(value) > XATTR_SIZE_MAX:
-        raise _err(errno.E2BIG)
-    if name == b"user.kv.pin" and value.strip() not in (b"0", b"1"):
+    if name not in POLICY_XATTRS:
+        what = "reserved" if name in RESERVED_XATTRS else "not a kvfs attribute"
+        raise _err(errno.EOPNOTSUPP, f"{_show(name[:64])}: {what}")
+    if len(value) > XATTR_VALUE_MAX:
+        raise _err(errno.E2BIG, f"{_show(name)}: over {XATTR_VALUE_MAX} bytes")
+    text = value.strip()
+    if name == b"user.kv.pin" and text not in (b"0", b"1"):
         raise _err(errno.EINVAL, "user.kv.pin is 0 or 1")
-    if name == b"user.kv.ttl":
-        text = value.strip()
-        if not text.isdigit():
-            raise _err(errno.EINVAL, "user.kv.ttl is a whole number of seconds")
+    if name == b"user.kv.ttl" and not (text.isdigit() and text.isascii()):
+        raise _err(errno.EINVAL, "user.kv.ttl is a whole number of seconds")
 
+
+def _valid_xattr(name: bytes, value: bytes) -> bool:
+    try:
+        check_xattr(name, value)
+    except OSError:
+        return False
+    return True
 
 def _show(name: bytes) -> str:
     return name.decode("utf-8", "backslashreplace")
@@ -463,8 +522,10 @@ def _node_to_dict(n: Node) -> dict:
 def _node_from_dict(raw: dict) -> Node:
     node = Node(int(raw["ino"]), int(raw["mode"]), int(raw["uid"]), int(raw["gid"]),
                 int(raw["atime_ns"]), int(raw["mtime_ns"]), int(raw["ctime_ns"]))
-    node.xattrs = {base64.b64decode(k): base64.b64decode(v)
-                   for k, v in raw.get("xattrs", {}).items()}
+    xattrs = {base64.b64decode(k): base64.b64decode(v)
+              for k, v in raw.get("xattrs", {}).items()}
+    # A state written before xattrs were restricted may hold others: they are dropped.
+    node.xattrs = {k: v for k, v in xattrs.items() if _valid_xattr(k, v)}
     if node.is_dir:
         node.entries = {base64.b64decode(name): int(ino) for name, ino in raw["entries"]}
         node.order = {}

@@ -5,9 +5,10 @@
     STATE/snapshots/N.kvx    the kv_export bytes of inode N at its last fsync
     STATE/lock               held (flock) by the kvfsd using this directory
 
-Every write is atomic (temporary file, then rename), so a crash leaves the previous
-version or the new one, never half of either. The directory is 0700 and every file
-0600: capabilities must not leak to other users.
+Every write is atomic and durable (temporary file, fsync, rename, fsync of the
+directory), so a crash — of kvfsd or of the machine — leaves the previous version or
+the new one, never half of either. The directory is 0700 and every file 0600:
+capabilities must not leak to other users.
 """
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ class StateDir:
         except FileNotFoundError:
             return None
 
-    def save(self, doc: dict, durable: bool = False) -> None:
+    def save(self, doc: dict) -> None:
         data = json.dumps(doc, separators=(",", ":")).encode()
-        self._write(os.path.join(self.path, NAMESPACE), data, durable)
+        self._write(os.path.join(self.path, NAMESPACE), data)
 
     # ------------------------------------------------------------ snapshots
 
@@ -68,7 +69,7 @@ class StateDir:
     def write_snapshot(self, ino: int, blob: bytes) -> str:
         """Store a cache export durably; the name to record in the namespace."""
         name = f"{ino}.kvx"
-        self._write(self.snapshot_path(name), blob, durable=True)
+        self._write(self.snapshot_path(name), blob)
         return name
 
     def read_snapshot(self, name: str) -> bytes:
@@ -88,21 +89,22 @@ class StateDir:
     # ------------------------------------------------------------ atomic write
 
     @staticmethod
-    def _write(path: str, data: bytes, durable: bool) -> None:
+    def _write(path: str, data: bytes) -> None:
         tmp = f"{path}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            if durable:
-                os.fsync(fd)
-        finally:
+            os.fsync(fd)
+        except BaseException:
             os.close(fd)
+            os.unlink(tmp)           # a full disk must not leave a half file behind
+            raise
+        os.close(fd)
         os.replace(tmp, path)
-        if durable:
-            dfd = os.open(os.path.dirname(path), os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)

@@ -1,4 +1,5 @@
-"""kvfsd.state: atomic, private writes; one kvfsd per state directory."""
+"""kvfsd.state: atomic, durable, private writes; one kvfsd per state directory."""
+import errno
 import os
 import stat
 
@@ -15,7 +16,7 @@ def test_namespace_and_snapshots_are_private_and_atomic(tmp_path):
     state = StateDir(str(tmp_path / "s"))
     assert state.load() is None
     state.save({"format": 1, "x": [1, 2]})
-    state.save({"format": 1, "x": [3]}, durable=True)
+    state.save({"format": 1, "x": [3]})
     assert state.load() == {"format": 1, "x": [3]}
     name = state.write_snapshot(7, b"blob")
     assert name == "7.kvx" and state.read_snapshot(name) == b"blob"
@@ -37,3 +38,26 @@ def test_a_second_kvfsd_cannot_share_a_state_dir(tmp_path):
         StateDir(str(tmp_path / "s"))
     first.close()
     StateDir(str(tmp_path / "s")).close()
+
+
+def test_every_write_is_fsynced_and_a_failed_one_leaves_the_previous_version(
+        tmp_path, monkeypatch):
+    state = StateDir(str(tmp_path / "s"))
+    state.save({"format": 1, "x": [1]})
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    state.save({"format": 1, "x": [2]})
+    state.write_snapshot(3, b"blob")
+    assert len(synced) == 4                      # each file, then its directory
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError) as e:
+        state.save({"format": 1, "x": [3]})
+    assert e.value.errno == errno.ENOSPC
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert state.load() == {"format": 1, "x": [2]}
+    assert sorted(os.listdir(state.path)) == ["lock", "namespace.json", "snapshots"]
+    state.close()
