@@ -149,7 +149,7 @@ def test_writes_past_the_descriptor_limit_are_refused_before_any_work():
     assert e.value.errno == errno.EINVAL
 
     h = Handle(2, node, os.O_WRONLY)
-    h.accept(0, b"kvfs")
+    h.accept(0, b"kvfs 1")
     h.accept(descriptor.MAX_LEN - 1, b"k")      # ends exactly at the limit: fine so far
     assert len(h.written) == descriptor.MAX_LEN
     with pytest.raises(pyfuse3.FUSEError) as e:
