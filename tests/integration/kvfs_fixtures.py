@@ -6,6 +6,7 @@ that a second uid can reach them and a "Permission denied" comes from the file's
 """
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import signal
@@ -208,3 +209,58 @@ def tiled_export(blob: bytes, times: int) -> bytes:
                 positions=list(range(n)))
     head = msgpack.packb(meta)
     return magic + struct.pack("<I", len(head)) + head + tiled.tobytes()
+
+
+# ---------------------------------------------------------------- another uid
+
+NOBODY = 65534
+FD = "<fd>"          # in a syscall step: the descriptor the last "open" returned
+
+
+def syscalls(*steps, uid: int = NOBODY, gid: int = NOBODY, cwd: str | None = None) -> list:
+    """Run os calls as `uid` in a forked child of the test process and return, per step,
+    its result (repr-able: ints, bytes, lists) or `-errno`. A step is `(name, *args)`
+    naming a function of `os`; `FD` stands for the last opened descriptor, whose "open"
+    step returns "fd". After setresuid the child only makes these calls (no imports: the
+    venv's interpreter is not readable by other uids), then _exit()s."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                            # the child: syscalls only
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            if cwd is not None:
+                os.chdir(cwd)
+            fd, out = -1, []
+            for name, *args in steps:
+                args = [fd if a == FD else a for a in args]
+                try:
+                    value = getattr(os, name)(*args)
+                except OSError as exc:
+                    out.append(-(exc.errno or 0))
+                    continue
+                if name == "open":
+                    fd, value = value, "fd"
+                out.append(value)
+            os.write(w, repr(out).encode())
+        except BaseException as exc:
+            os.write(w, repr(f"child failed: {type(exc).__name__}: {exc}").encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 1 << 16):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    result = ast.literal_eval(b"".join(chunks).decode())
+    assert isinstance(result, list), result
+    return result
+
+
+def err(code: int) -> int:
+    """What `syscalls` reports for a step that failed with `code`."""
+    return -code
+
