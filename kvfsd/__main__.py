@@ -13,6 +13,7 @@ import argparse
 import errno
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 
@@ -58,10 +59,12 @@ def clear_dead_mount(mountpoint: str) -> None:
 
 
 def load_namespace(state: StateDir, names_per_uid: int) -> tuple[Namespace, list[str]]:
+    """The namespace, and the caches to free (a kvfsd died before it could)."""
     doc = state.load()
     if doc is None:
         return Namespace(os.getuid(), os.getgid(), names_per_uid), []
-    return Namespace.from_dict(doc, names_per_uid), list(doc.get("pending_free", []))
+    ns = Namespace.from_dict(doc, names_per_uid)
+    return ns, list(doc.get("pending_free", [])) + ns.lost_caps
 
 
 async def serve(fs: KvFs, mountpoint: str) -> None:
@@ -98,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     addr = args.predd or default_addr()
     try:
         state = StateDir(args.state or default_state_dir())
-    except (StateDirBusy, OSError) as exc:
+    except (StateDirBusy, OSError, sqlite3.Error) as exc:
         log(str(exc))
         return 2
     try:
         ns, pending = load_namespace(state, max(0, args.names_per_uid))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, sqlite3.Error) as exc:
         log(f"{state.path}: unreadable namespace ({exc}); not mounting")
         return 2
     backend = Backend(addr, log)

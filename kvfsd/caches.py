@@ -31,7 +31,7 @@ import trio
 
 from kvfsd.backend import Backend, PreddError
 from kvfsd.handles import Handle
-from kvfsd.namespace import Namespace, Node
+from kvfsd.namespace import FORMAT, Changes, Namespace, Node
 from kvfsd.state import StateDir
 from liblip import descriptor
 
@@ -59,6 +59,7 @@ class Caches:
         self.handles: dict[int, Handle] = {}      # live opens, by fh (kept by KvFs)
         self._revoked: OrderedDict[str, int] = OrderedDict()   # grant -> inode
         self._backups: set[str] = set()           # old caches held by O_TRUNC opens
+        self._orphans: dict[int, str] = {}        # caches of removed files still open
         self._changes = 0                         # namespace changes made ...
         self._written = 0                         # ... and recorded in the state dir
         self._writing = trio.Lock()
@@ -69,41 +70,52 @@ class Caches:
 
     # ------------------------------------------------------------ persistence
 
-    def _doc(self) -> dict:
-        doc = self.ns.to_dict()
+    def _meta(self) -> dict:
         # Caches of removed-but-open files are freed at release, and old caches kept by
         # O_TRUNC opens at theirs; should kvfsd die first, the next one frees them.
-        orphans = [n.cap for n in self.ns.nodes.values()
-                   if n.is_file and n.nlink == 0 and n.cap is not None]
-        doc["pending_free"] = self.pending_free + orphans + sorted(self._backups)
-        return doc
+        return {"format": FORMAT, "next_ino": self.ns.next_ino,
+                "pending_free": self.pending_free + sorted(self._orphans.values())
+                + sorted(self._backups)}
 
-    def save(self) -> None:
-        """Note a change that need not be on disk before the reply (figures, times): it
-        is written with the next commit, or by the monitor within `probe_s`."""
-        self._changes += 1
+    def _take_changes(self) -> Changes:
+        changes = self.ns.take_changes()
+        for ino in changes.inos:
+            node = self.ns.nodes.get(ino)
+            if node is not None and node.is_file and node.nlink == 0 and node.cap is not None:
+                self._orphans[ino] = node.cap
+            else:
+                self._orphans.pop(ino, None)
+        return changes
 
     async def commit(self) -> None:
-        """Write the namespace (atomically, fsync'd) so that it includes every change
-        made before this call. Concurrent commits share one write (group commit); the
-        JSON encoding and the write run off the event loop."""
+        """Write every change made before this call to the state directory (durably, in
+        one transaction of the rows that changed). Concurrent commits share one write
+        (group commit); the write runs off the event loop."""
         self._changes += 1
         wanted = self._changes
         async with self._writing:
             if self._written >= wanted:
                 return                     # a write started after our change covered it
-            upto, doc = self._changes, self._doc()
-            await trio.to_thread.run_sync(self.state.save, doc)
+            upto, changes, meta = self._changes, self._take_changes(), self._meta()
+            try:
+                await trio.to_thread.run_sync(self.state.apply, changes.rows, changes.gone,
+                                              changes.entries, meta)
+            except BaseException:
+                self.ns.untake(changes)    # written with the next commit
+                raise
             self._written = upto
 
     def save_now(self) -> None:
         """The final write, outside trio (at unmount)."""
-        self.state.save(self._doc())
+        changes = self._take_changes()
+        self.state.apply(changes.rows, changes.gone, changes.entries, self._meta())
         self._written = self._changes
 
     @property
     def unsaved(self) -> bool:
-        return self._changes > self._written
+        """Changes not written yet: figures and times (`seen`) need not be on disk before
+        a reply; the monitor commits them within `probe_s`."""
+        return bool(self.ns.dirty or self.ns.dirty_entries)
 
     def remove_unused_snapshots(self) -> None:
         """Snapshots no inode refers to (a kvfsd that died mid-way left them)."""
@@ -121,7 +133,6 @@ class Caches:
         if tokens != node.tokens:
             node.tokens = tokens
             node.touch()
-            self.save()
 
     async def refresh(self, node: Node, strict: bool = False) -> None:
         """Update a cache's figures, waiting at most `stat_s`: predd answers a kv_stat

@@ -12,6 +12,12 @@ Lifetime rules (POSIX):
 * `lookups` and `opens` are runtime state: they are never persisted. Only linked nodes
   (reachable from the root) are written to the state directory.
 
+Changes are journaled for incremental persistence: assigning any persisted field of a
+node marks it dirty (`Node.__setattr__`), and every change to a directory's entries
+marks that (directory, name) dirty; `take_changes` hands both over, so the state
+directory is written in O(changes), never O(namespace). In-place changes to `xattrs`
+and `entries` are always followed by `touch()`, which marks the node too.
+
 Bounds (what one local user can make kvfsd hold): every name is charged to the uid
 owning the node it names (a file with three links costs three); a uid other than 0
 holding `names_per_uid` names gets EDQUOT. The only settable xattrs are `user.kv.pin`
@@ -40,6 +46,26 @@ POLICY_XATTRS = (b"user.kv.pin", b"user.kv.ttl")
 RESERVED_XATTRS = (b"user.kv.evict",)
 XATTR_VALUE_MAX = 32
 NAMES_PER_UID = 4096           # default bound on the names one uid may own (0: none)
+
+
+# Fields that are runtime state or derived on load: changing them is not a change to save.
+_UNSET = object()
+UNJOURNALED = frozenset({"lookups", "opens", "journal", "order", "next_pos", "parent"})
+
+
+@dataclass
+class Changes:
+    """What changed since the last `take_changes`: node rows to write (`rows`, JSON-able,
+    without entries), inodes no longer linked (`gone`), directory entries as
+    (directory, name, inode or None when removed, readdir position), and every inode
+    touched (`inos`)."""
+    rows: list[dict]
+    gone: list[int]
+    entries: list[tuple[int, bytes, int | None, int | None]]
+    inos: set[int]
+
+    def __bool__(self) -> bool:
+        return bool(self.inos or self.entries)
 
 
 def now_ns() -> int:
@@ -77,6 +103,14 @@ class Node:
     # runtime only
     lookups: int = 0
     opens: int = 0
+    journal: set[int] | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        journal = self.__dict__.get("journal")
+        if journal is not None and name not in UNJOURNALED \
+                and self.__dict__.get(name, _UNSET) != value:
+            journal.add(self.__dict__["ino"])       # a change, not a mere re-assignment
+        object.__setattr__(self, name, value)
 
     @property
     def is_dir(self) -> bool:
@@ -103,10 +137,19 @@ class Namespace:
         t = now_ns()
         root = Node(ROOT, ROOT_MODE, root_uid, root_gid, t, t, t, nlink=2,
                     entries={}, order={}, parent=ROOT)
-        self.nodes: dict[int, Node] = {ROOT: root}
+        self.nodes: dict[int, Node] = {}
         self.next_ino = ROOT + 1
         self.names_per_uid = names_per_uid
         self.names_of_uid: Counter[int] = Counter()   # names charged to each uid
+        self.dirty: set[int] = set()                        # journal: inodes ...
+        self.dirty_entries: set[tuple[int, bytes]] = set()  # ... and directory entries
+        self.lost_caps: list[str] = []    # caches of unreachable nodes dropped at load
+        self._adopt(root)
+
+    def _adopt(self, node: Node) -> None:
+        self.nodes[node.ino] = node
+        node.journal = self.dirty
+        self.dirty.add(node.ino)
 
     # ------------------------------------------------------------ lookups
 
@@ -201,6 +244,7 @@ class Namespace:
         d.entries[name] = node.ino
         d.order[name] = d.next_pos
         d.next_pos += 1
+        self.dirty_entries.add((d.ino, name))
         d.touch()
 
     def add(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
@@ -223,7 +267,7 @@ class Namespace:
         if kind == stat.S_IFDIR:
             node.nlink, node.entries, node.order, node.parent = 2, {}, {}, d.ino
             d.nlink += 1
-        self.nodes[node.ino] = node
+        self._adopt(node)
         self._insert(d, name, node)
         self._charge(node, 1)
         return node
@@ -248,6 +292,7 @@ class Namespace:
     def _detach(self, d: Node, name: bytes) -> Node:
         node = self.nodes[d.entries.pop(name)]
         del d.order[name]
+        self.dirty_entries.add((d.ino, name))
         d.touch()
         if node.is_dir:
             node.nlink = 0
@@ -298,6 +343,7 @@ class Namespace:
             if other.is_dir and self._is_within(src_dir.ino, other.ino):
                 raise _err(errno.EINVAL, "a directory cannot move into itself")
             src_dir.entries[old_name], dst_dir.entries[new_name] = other.ino, node.ino
+            self.dirty_entries |= {(src_dir.ino, old_name), (dst_dir.ino, new_name)}
             for n, d in ((node, dst_dir), (other, src_dir)):
                 if n.is_dir and n.parent != d.ino:
                     self.nodes[n.parent].nlink -= 1
@@ -320,6 +366,7 @@ class Namespace:
                 raise _err(errno.ENOTEMPTY)
             self._detach(dst_dir, new_name)
         del src_dir.entries[old_name], src_dir.order[old_name]
+        self.dirty_entries.add((src_dir.ino, old_name))
         self._insert(dst_dir, new_name, node)
         if node.is_dir and src_dir is not dst_dir:
             src_dir.nlink -= 1
@@ -364,6 +411,7 @@ class Namespace:
         if node.ino != ROOT and node.nlink == 0 and node.opens == 0 and node.lookups == 0 \
                 and node.cap is None:
             self.nodes.pop(node.ino, None)
+            self.dirty.add(node.ino)
             return True
         return False
 
@@ -404,6 +452,7 @@ class Namespace:
         if not node.is_file:
             raise _err(errno.EOPNOTSUPP, f"{_show(name)}: cache files only")
         node.xattrs[name] = bytes(value)
+        self.dirty.add(node.ino)              # changed in place: journal it explicitly
         node.touch(mtime=False)
 
     def removexattr(self, node: Node, name: bytes) -> None:
@@ -412,9 +461,40 @@ class Namespace:
         if name not in node.xattrs:
             raise _err(errno.ENODATA, _show(name))
         del node.xattrs[name]
+        self.dirty.add(node.ino)
         node.touch(mtime=False)
 
     # ------------------------------------------------------------ persistence
+
+    def linked(self, node: Node) -> bool:
+        """Reachable from the root (a removed directory is empty, so nlink tells)."""
+        return node.ino == ROOT or node.nlink > 0
+
+    def take_changes(self) -> Changes:
+        """The journal since the last call (then cleared), as rows to write."""
+        inos, names = set(self.dirty), set(self.dirty_entries)
+        self.dirty.clear()              # in place: every node holds this set
+        self.dirty_entries.clear()
+        rows, gone = [], []
+        for ino in sorted(inos):
+            node = self.nodes.get(ino)
+            if node is not None and self.linked(node):
+                rows.append(_node_row(node))
+            else:
+                gone.append(ino)
+        entries = []
+        for d_ino, name in sorted(names):
+            d = self.nodes.get(d_ino)
+            ino = pos = None
+            if d is not None and d.is_dir and self.linked(d) and name in d.entries:
+                ino, pos = d.entries[name], d.order[name]
+            entries.append((d_ino, name, ino, pos))
+        return Changes(rows, gone, entries, inos)
+
+    def untake(self, changes: Changes) -> None:
+        """A write of `changes` failed: journal them again, to be written next time."""
+        self.dirty |= changes.inos
+        self.dirty_entries |= {(d, name) for d, name, _, _ in changes.entries}
 
     def to_dict(self) -> dict:
         """The linked part of the namespace as JSON-able data (capabilities included:
@@ -435,6 +515,8 @@ class Namespace:
 
     @classmethod
     def from_dict(cls, doc: dict, names_per_uid: int = NAMES_PER_UID) -> Namespace:
+        """The namespace `to_dict` (or the state directory) wrote. Only what the root
+        reaches is kept; nlink, readdir order and parents are derived, not trusted."""
         if doc.get("format") != FORMAT:
             raise ValueError(f"unknown namespace format {doc.get('format')!r}")
         ns = cls(names_per_uid=names_per_uid)
@@ -442,32 +524,47 @@ class Namespace:
         for raw in doc["nodes"]:
             node = _node_from_dict(raw)
             ns.nodes[node.ino] = node
-        if ROOT not in ns.nodes:
+        if ROOT not in ns.nodes or not ns.nodes[ROOT].is_dir:
             raise ValueError("namespace has no root")
         ns.next_ino = max(int(doc["next_ino"]), max(ns.nodes) + 1)
-        # nlink and readdir order are derived, not trusted from the file.
-        for node in ns.nodes.values():
-            if not node.is_dir:
-                node.nlink = 0
-        for d in ns.nodes.values():
-            if d.is_dir:
-                d.nlink = 2
-                d.order = {name: pos for pos, name in enumerate(d.entries, start=3)}
-                d.next_pos = len(d.entries) + 3
-        for d in list(ns.nodes.values()):
-            if not d.is_dir:
-                continue
+        # Walk from the root. An entry naming nothing, the root, or a directory already
+        # named elsewhere (a state cut short by a crash) is dropped.
+        dropped: set[tuple[int, bytes]] = set()
+        reached, todo = {ROOT}, [ROOT]
+        while todo:
+            d = ns.nodes[todo.pop()]
             for name, ino in list(d.entries.items()):
                 child = ns.nodes.get(ino)
-                if child is None:
-                    del d.entries[name], d.order[name]
-                elif child.is_dir:
+                if child is None or (child.is_dir and ino in reached):
+                    del d.entries[name]
+                    dropped.add((d.ino, name))
+                    continue
+                if child.is_dir:
                     child.parent = d.ino
-                    d.nlink += 1
-                else:
-                    child.nlink += 1
+                    todo.append(ino)
+                reached.add(ino)
+        for ino in set(ns.nodes) - reached:       # unreachable: its cache is to be freed
+            node = ns.nodes.pop(ino)
+            if node.cap is not None:
+                ns.lost_caps.append(node.cap)
         for node in ns.nodes.values():
+            node.nlink = 2 if node.is_dir else 0
+        for d in ns.nodes.values():
+            if d.is_dir:
+                d.order = {name: pos for pos, name in enumerate(d.entries, start=3)}
+                d.next_pos = len(d.entries) + 3
+                for ino in d.entries.values():
+                    child = ns.nodes[ino]
+                    if child.is_dir:
+                        d.nlink += 1
+                    else:
+                        child.nlink += 1
+        for node in ns.nodes.values():
+            node.journal = ns.dirty
             ns._charge(node, ns._names(node))
+        ns.dirty.clear()                          # what was read is what is stored ...
+        ns.dirty |= {int(raw["ino"]) for raw in doc["nodes"]} - set(ns.nodes)
+        ns.dirty_entries |= dropped               # ... but for what was dropped
         return ns
 
 
@@ -504,14 +601,20 @@ def _b64(data: bytes) -> str:
 
 
 def _node_to_dict(n: Node) -> dict:
+    out = _node_row(n)
+    if n.is_dir:
+        out["entries"] = [[_b64(name), ino] for name, ino in
+                          sorted(n.entries.items(), key=lambda kv: n.order[kv[0]])]
+    return out
+
+
+def _node_row(n: Node) -> dict:
+    """A node without its directory entries (those are rows of their own)."""
     out = {"ino": n.ino, "mode": n.mode, "uid": n.uid, "gid": n.gid,
            "atime_ns": n.atime_ns, "mtime_ns": n.mtime_ns, "ctime_ns": n.ctime_ns}
     if n.xattrs:
         out["xattrs"] = {_b64(k): _b64(v) for k, v in n.xattrs.items()}
-    if n.is_dir:
-        out["entries"] = [[_b64(name), ino] for name, ino in
-                          sorted(n.entries.items(), key=lambda kv: n.order[kv[0]])]
-    elif n.is_symlink:
+    if n.is_symlink:
         out["target"] = _b64(n.target)
     else:
         out.update(cap=n.cap, tokens=n.tokens, pages=n.pages, bytes=n.bytes,
@@ -527,7 +630,7 @@ def _node_from_dict(raw: dict) -> Node:
     # A state written before xattrs were restricted may hold others: they are dropped.
     node.xattrs = {k: v for k, v in xattrs.items() if _valid_xattr(k, v)}
     if node.is_dir:
-        node.entries = {base64.b64decode(name): int(ino) for name, ino in raw["entries"]}
+        node.entries = {base64.b64decode(name): int(ino) for name, ino in raw.get("entries", [])}
         node.order = {}
     elif node.is_symlink:
         node.target = base64.b64decode(raw.get("target", ""))

@@ -7,9 +7,11 @@ that a second uid can reach them and a "Permission denied" comes from the file's
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import signal
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -165,6 +167,20 @@ def sh(cmd: str, cwd: str | None = None, user: str | None = None,
     if user:
         argv = ["runuser", "-u", user, "--", *argv]
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def saved_state(state: str) -> dict:
+    """What kvfsd has committed to its state directory: {"nodes": {ino: row},
+    "entries": {(dir, name): ino}, "meta": {...}}, read beside the running kvfsd."""
+    db = sqlite3.connect(f"file:{os.path.join(state, 'namespace.db')}?mode=ro", uri=True)
+    try:
+        return {"nodes": {ino: json.loads(doc)
+                          for ino, doc in db.execute("SELECT ino, doc FROM node")},
+                "entries": {(d, bytes(name)): ino for d, name, ino in
+                            db.execute("SELECT dir, name, ino FROM entry")},
+                "meta": {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}}
+    finally:
+        db.close()
 
 
 def xattr_int(path: str, name: str) -> int:

@@ -1,7 +1,6 @@
 """kvfsd on a real mount over the shared predd, driven with real coreutils: every row of
 the shell table in DESIGN.md §3, with exact token and page counts and exact errnos."""
 import errno
-import json
 import os
 import stat
 import time
@@ -9,8 +8,8 @@ import time
 import pytest
 
 from liblip import descriptor
-from tests.integration.kvfs_fixtures import (eventually, fill, kvfs, sh,  # noqa: F401
-                                             tiled_export, xattr_int)
+from tests.integration.kvfs_fixtures import (eventually, fill, kvfs, saved_state,  # noqa: F401
+                                             sh, tiled_export, xattr_int)
 
 TEXT = "The KV cache file system shows predd's caches as ordinary files. " * 6
 
@@ -283,7 +282,7 @@ def test_another_uid_cannot_read_a_private_cache(kvfs, lip):
     assert r.returncode == 0 and r.stdout.strip() == "nobody"
     # The state directory, which holds the persistent capabilities, is root's alone.
     assert stat.S_IMODE(os.stat(kvfs.state).st_mode) == 0o700
-    ns_file = os.path.join(kvfs.state, "namespace.json")
+    ns_file = os.path.join(kvfs.state, "namespace.db")
     assert stat.S_IMODE(os.stat(ns_file).st_mode) == 0o600
     r = sh(f"cat {ns_file}", user="nobody")
     assert r.returncode == 1 and "Permission denied" in r.stderr
@@ -367,8 +366,9 @@ def test_xattrs(kvfs, lip):
     names = os.listxattr(f"{m}/a.kv")
     assert set(names) == {"user.kv.tokens", "user.kv.pages", "user.kv.bytes", "user.kv.model",
                           "user.kv.tier", "user.kv.pin", "user.kv.ttl"}
-    saved = json.load(open(os.path.join(kvfs.state, "namespace.json")))
-    assert any("xattrs" in n for n in saved["nodes"])           # recorded in the state
+    ino = os.stat(f"{m}/a.kv").st_ino
+    saved = saved_state(kvfs.state)["nodes"][ino]                 # recorded in the state
+    assert saved["xattrs"] == {"dXNlci5rdi5waW4=": "MQ==", "dXNlci5rdi50dGw=": "MzYwMA=="}
 
 
 def test_fsync_writes_a_snapshot_into_the_state_dir(kvfs, lip):
@@ -381,7 +381,6 @@ def test_fsync_writes_a_snapshot_into_the_state_dir(kvfs, lip):
     snap = os.path.join(kvfs.state, "snapshots", f"{ino}.kvx")
     assert os.path.getsize(snap) > 20 * lip.info()["bytes_per_page"] // 16
     assert stat.S_IMODE(os.stat(snap).st_mode) == 0o600
-    saved = json.load(open(os.path.join(kvfs.state, "namespace.json")))
-    assert [n["snapshot"] for n in saved["nodes"] if n["ino"] == ino] == [f"{ino}.kvx"]
+    assert saved_state(kvfs.state)["nodes"][ino]["snapshot"] == f"{ino}.kvx"
     assert sh("rm a.kv", cwd=m).returncode == 0
     assert eventually(lambda: not os.path.exists(snap))

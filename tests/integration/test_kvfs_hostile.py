@@ -14,8 +14,8 @@ import pytest
 from liblip import descriptor
 from tests.conftest import start_predd
 from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fill, finish,  # noqa: F401
-                                             is_mounted, kvfs, sh, start_kvfsd, syscalls,
-                                             xattr_int)
+                                             is_mounted, kvfs, saved_state, sh, start_kvfsd,
+                                             syscalls, xattr_int)
 
 TEXT = "Hostile users share this machine; each one's caches must stay their own. " * 4
 E = errno
@@ -226,10 +226,11 @@ def test_owners_and_modes_are_changed_only_as_posix_allows(kvfs, lip, victim):
 
 def test_xattrs_are_the_known_few_with_short_values(kvfs, lip, victim):
     own = nobody_file(kvfs, lip, "own.kv")
-    state = os.path.join(kvfs.state, "namespace.json")
     assert syscalls(("setxattr", own, "user.kv.pin", b"1"),
                     ("setxattr", own, "user.kv.ttl", b"86400")) == [None, None]
-    assert eventually(lambda: b"dXNlci5rdi50dGw" in open(state, "rb").read())  # persisted
+    ino = os.stat(own).st_ino                                    # committed before the reply
+    assert saved_state(kvfs.state)["nodes"][ino]["xattrs"] == \
+        {"dXNlci5rdi5waW4=": "MQ==", "dXNlci5rdi50dGw=": "ODY0MDA="}
     assert syscalls(("setxattr", own, "user.note", b"x"),
                     ("setxattr", own, "user.kv.evict", b"1"),
                     ("setxattr", own, "user.kv.tokens", b"5"),
@@ -249,14 +250,15 @@ def test_xattrs_are_the_known_few_with_short_values(kvfs, lip, victim):
          -E.EINVAL, -E.EPERM, -E.EPERM, -E.EOPNOTSUPP, -E.EPERM, None, -E.EOPNOTSUPP,
          b"1", -E.ENODATA]
     # 1000 new names: each refused, and not one byte of state written for them.
-    before = open(state, "rb").read()
+    wal = os.path.join(kvfs.state, "namespace.db-wal")
+    before = saved_state(kvfs.state), os.stat(wal).st_mtime_ns
     steps = [("setxattr", own, f"user.flood{i}", b"v" * 1000) for i in range(1000)]
     assert syscalls(*steps) == [-E.EOPNOTSUPP] * 1000
     assert sorted(os.listxattr(own)) == sorted(
         ["user.kv.tokens", "user.kv.pages", "user.kv.bytes", "user.kv.model", "user.kv.tier",
          "user.kv.pin", "user.kv.ttl"])
     time.sleep(1.0)      # not a timed assert: give a (wrong) delayed write the chance to land
-    assert open(state, "rb").read() == before
+    assert (saved_state(kvfs.state), os.stat(wal).st_mtime_ns) == before
     still_serving(kvfs, lip, victim)
 
 
