@@ -233,11 +233,16 @@ NOBODY = 65534
 FD = "<fd>"          # in a syscall step: the descriptor the last "open" returned
 
 
+def fd(i: int) -> str:
+    """In a syscall step: the descriptor the i-th "open" step (from 0) returned."""
+    return f"<fd{i}>"
+
+
 def syscalls(*steps, uid: int = NOBODY, gid: int = NOBODY, cwd: str | None = None) -> list:
     """Run os calls as `uid` in a forked child of the test process and return, per step,
     its result (repr-able: ints, bytes, lists) or `-errno`. A step is `(name, *args)`
-    naming a function of `os`; `FD` stands for the last opened descriptor, whose "open"
-    step returns "fd". After setresuid the child only makes these calls (no imports: the
+    naming a function of `os`; `FD` stands for the last opened descriptor and `fd(i)` for
+    the i-th; an "open" step returns "fd". After setresuid the child only makes these calls (no imports: the
     venv's interpreter is not readable by other uids), then _exit()s."""
     r, w = os.pipe()
     pid = os.fork()
@@ -249,16 +254,22 @@ def syscalls(*steps, uid: int = NOBODY, gid: int = NOBODY, cwd: str | None = Non
             os.setresuid(uid, uid, uid)
             if cwd is not None:
                 os.chdir(cwd)
-            fd, out = -1, []
+            fds, out = {FD: -1}, []
             for name, *args in steps:
-                args = [fd if a == FD else a for a in args]
+                args = [fds.get(a, -1) if isinstance(a, str) and a.startswith("<fd")
+                        else a for a in args]
                 try:
                     value = getattr(os, name)(*args)
                 except OSError as exc:
                     out.append(-(exc.errno or 0))
-                    continue
+                    value = -1
+                    if name != "open":
+                        continue
                 if name == "open":
-                    fd, value = value, "fd"
+                    fds[f"<fd{len(fds) - 1}>"] = fds[FD] = value
+                    if value < 0:
+                        continue
+                    value = "fd"
                 out.append(value)
             os.write(w, repr(out).encode())
         except BaseException as exc:

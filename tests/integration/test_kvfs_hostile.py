@@ -13,7 +13,8 @@ import pytest
 
 from liblip import descriptor
 from tests.conftest import start_predd
-from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fill, finish,  # noqa: F401
+from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fd, fill,  # noqa: F401
+                                             finish,
                                              is_mounted, kvfs, saved_state, sh, start_kvfsd,
                                              syscalls, xattr_int)
 
@@ -207,6 +208,37 @@ def test_new_files_are_private_and_grants_follow_the_mode(kvfs, lip, victim):
     assert syscalls(("open", path, os.O_RDWR), ("open", path, os.O_WRONLY | os.O_TRUNC),
                     ("truncate", path, 0), ("setxattr", path, "user.kv.pin", b"1")) == \
         [-E.EACCES, -E.EACCES, -E.EACCES, -E.EACCES]
+    still_serving(kvfs, lip, victim)
+
+
+def test_a_revoked_grant_counts_only_for_a_writer_holding_its_own_open(kvfs, lip, victim):
+    """cp's copy_file_range may splice another open's descriptor out of the shared page
+    cache; that open may be released before cp closes the copy. kvfsd then forks from
+    the writer's *own* open of the same file, and only if the writer has one."""
+    m = kvfs.mount
+    shared = kvfs.path("shared.kv")
+    tokens = lip.tokenize(TEXT)[:23]
+    sh("touch shared.kv && chmod 644 shared.kv", cwd=m)
+    fill(lip, shared, tokens)
+    mine = nobody_file(kvfs, lip, "mine.kv")
+    with lip.kv_open(shared) as root_open:           # root's open, released at once
+        released = descriptor.Descriptor(root_open.cap, "r").encode()
+    assert eventually(lambda: _revoked(lip, root_open.cap))
+    wt = os.O_WRONLY | os.O_TRUNC
+    # Without an open of shared.kv of its own: a revoked capability, refused.
+    assert syscalls(("open", mine, wt), ("write", FD, released), ("close", FD)) == \
+        ["fd", len(released), -E.EINVAL]
+    # Another uid's open does not count either.
+    with lip.kv_open(shared):
+        assert syscalls(("open", mine, wt), ("write", FD, released), ("close", FD)) == \
+            ["fd", len(released), -E.EINVAL]
+    assert tokens_of(lip, mine) == []
+    # Holding a readable open of shared.kv itself (as cp does): the fork is made.
+    assert syscalls(("open", shared, os.O_RDONLY), ("open", mine, wt),
+                    ("write", fd(1), released), ("close", fd(1)), ("close", fd(0))) == \
+        ["fd", "fd", len(released), None, None]
+    assert tokens_of(lip, mine) == tokens
+    assert os.stat(mine).st_uid == NOBODY
     still_serving(kvfs, lip, victim)
 
 
