@@ -6,8 +6,8 @@ What the calls mean (see docs/kvfs.md):
   different one).
 * Writing a descriptor into a file and closing it (`cp`, `lip.kv_save`) makes the file's
   cache a copy-on-write fork of the descriptor's, at `flush`, so an error reaches
-  close(2). Anything else gets EINVAL and the file is left as it was. `O_TRUNC`
-  without a descriptor, or truncate(2) to 0, empties it.
+  close(2). Anything else gets EINVAL (EFBIG past 4096 bytes) and the file is left as
+  it was. `O_TRUNC` without a descriptor, or truncate(2) to 0, empties it.
 * `fsync` writes a snapshot into the state directory.
 Namespace-only calls (mkdir, rename, chmod, xattrs...) never wait for predd.
 
