@@ -20,8 +20,10 @@ and `entries` are always followed by `touch()`, which marks the node too.
 
 Bounds (what one local user can make kvfsd hold): every name is charged to the uid
 owning the node it names (a file with three links costs three); a uid other than 0
-holding `names_per_uid` names gets EDQUOT. The only settable xattrs are `user.kv.pin`
-and `user.kv.ttl` (short values, files only), so a node's state is bounded too.
+holding `names_per_uid` names gets EDQUOT. In `user.kv.*` only `pin` and `ttl` may be
+set (files only); a node may also carry `APP_XATTRS` application attributes of its own
+(`user.*`, short names and values, as mount_examples/rag_cache.py keeps its counts).
+So a node's state is bounded, and with it a uid's.
 """
 from __future__ import annotations
 
@@ -39,12 +41,16 @@ ROOT_MODE = stat.S_IFDIR | 0o1777
 FORMAT = 1
 
 # Read-only xattrs computed from predd's kv_stat (files only), the settable policy ones
-# (files only), and names kept for later policies (refused for now).
+# (files only), and names kept for later policies (refused for now). Any other name in
+# user.kv.* is refused; other user.* names are the application's, within bounds.
+KV_XATTRS = b"user.kv."
 COMPUTED_XATTRS = (b"user.kv.tokens", b"user.kv.bytes", b"user.kv.pages",
                    b"user.kv.model", b"user.kv.tier")
 POLICY_XATTRS = (b"user.kv.pin", b"user.kv.ttl")
 RESERVED_XATTRS = (b"user.kv.evict",)
-XATTR_VALUE_MAX = 32
+XATTR_NAME_MAX = 64            # bytes, "user." included
+XATTR_VALUE_MAX = 64           # bytes
+APP_XATTRS = 8                 # application attributes per file or directory
 NAMES_PER_UID = 4096           # default bound on the names one uid may own (0: none)
 
 
@@ -449,8 +455,11 @@ class Namespace:
 
     def setxattr(self, node: Node, name: bytes, value: bytes) -> None:
         check_xattr(name, value)
-        if not node.is_file:
+        if name in POLICY_XATTRS and not node.is_file:
             raise _err(errno.EOPNOTSUPP, f"{_show(name)}: cache files only")
+        if not name.startswith(KV_XATTRS) and name not in node.xattrs \
+                and sum(not n.startswith(KV_XATTRS) for n in node.xattrs) >= APP_XATTRS:
+            raise _err(errno.ENOSPC, f"at most {APP_XATTRS} application attributes")
         node.xattrs[name] = bytes(value)
         self.dirty.add(node.ino)              # changed in place: journal it explicitly
         node.touch(mtime=False)
@@ -569,15 +578,18 @@ class Namespace:
 
 
 def check_xattr(name: bytes, value: bytes) -> None:
-    """Whether `name` may be set to `value` (OSError if not): only the policy names, with
-    short, well-formed values. Checked before anything is stored."""
+    """Whether `name` may be set to `value` (OSError if not): in user.kv.* only the policy
+    names, with well-formed values; elsewhere in user.* short names and values. Checked
+    before anything is stored (the count per node is `Namespace.setxattr`'s)."""
     if name in COMPUTED_XATTRS:
         raise _err(errno.EPERM, f"{_show(name)} is read-only")
-    if name not in POLICY_XATTRS:
-        what = "reserved" if name in RESERVED_XATTRS else "not a kvfs attribute"
+    if not name.startswith(b"user.") or (name.startswith(KV_XATTRS)
+                                         and name not in POLICY_XATTRS):
+        what = "reserved" if name in RESERVED_XATTRS else "not supported"
         raise _err(errno.EOPNOTSUPP, f"{_show(name[:64])}: {what}")
-    if len(value) > XATTR_VALUE_MAX:
-        raise _err(errno.E2BIG, f"{_show(name)}: over {XATTR_VALUE_MAX} bytes")
+    if len(name) > XATTR_NAME_MAX or len(value) > XATTR_VALUE_MAX:
+        raise _err(errno.E2BIG, f"{_show(name[:64])}: name or value over "
+                   f"{XATTR_NAME_MAX}/{XATTR_VALUE_MAX} bytes")
     text = value.strip()
     if name == b"user.kv.pin" and text not in (b"0", b"1"):
         raise _err(errno.EINVAL, "user.kv.pin is 0 or 1")
@@ -627,8 +639,12 @@ def _node_from_dict(raw: dict) -> Node:
                 int(raw["atime_ns"]), int(raw["mtime_ns"]), int(raw["ctime_ns"]))
     xattrs = {base64.b64decode(k): base64.b64decode(v)
               for k, v in raw.get("xattrs", {}).items()}
-    # A state written before xattrs were restricted may hold others: they are dropped.
-    node.xattrs = {k: v for k, v in xattrs.items() if _valid_xattr(k, v)}
+    # A state written before xattrs were bounded may hold more: the excess is dropped.
+    valid = [(k, v) for k, v in xattrs.items() if _valid_xattr(k, v)]
+    policy = [(k, v) for k, v in valid if k.startswith(KV_XATTRS)
+              and (k not in POLICY_XATTRS or node.is_file)]
+    app = [(k, v) for k, v in valid if not k.startswith(KV_XATTRS)][:APP_XATTRS]
+    node.xattrs = dict(policy + app)
     if node.is_dir:
         node.entries = {base64.b64decode(name): int(ino) for name, ino in raw.get("entries", [])}
         node.order = {}

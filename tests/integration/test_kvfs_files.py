@@ -358,17 +358,20 @@ def test_xattrs(kvfs, lip):
               cwd=m).returncode == 0
     assert os.getxattr(f"{m}/a.kv", "user.kv.pin") == b"1"
     assert os.getxattr(f"{m}/a.kv", "user.kv.ttl") == b"3600"
-    r = sh("setfattr -n user.note -v hello a.kv", cwd=m)
+    assert sh("setfattr -n user.note -v hello a.kv", cwd=m).returncode == 0   # the app's
+    assert os.getxattr(f"{m}/a.kv", "user.note") == b"hello"
+    r = sh("setfattr -n user.kv.note -v hello a.kv", cwd=m)
     assert r.returncode == 1 and "Operation not supported" in r.stderr
     r = sh("setfattr -n user.kv.pin -v maybe a.kv", cwd=m)
     assert r.returncode == 1 and "Invalid argument" in r.stderr
     assert errno_of(os.getxattr, f"{m}/a.kv", "user.absent") == errno.ENODATA
     names = os.listxattr(f"{m}/a.kv")
     assert set(names) == {"user.kv.tokens", "user.kv.pages", "user.kv.bytes", "user.kv.model",
-                          "user.kv.tier", "user.kv.pin", "user.kv.ttl"}
+                          "user.kv.tier", "user.kv.pin", "user.kv.ttl", "user.note"}
     ino = os.stat(f"{m}/a.kv").st_ino
     saved = saved_state(kvfs.state)["nodes"][ino]                 # recorded in the state
-    assert saved["xattrs"] == {"dXNlci5rdi5waW4=": "MQ==", "dXNlci5rdi50dGw=": "MzYwMA=="}
+    assert saved["xattrs"] == {"dXNlci5rdi5waW4=": "MQ==", "dXNlci5rdi50dGw=": "MzYwMA==",
+                               "dXNlci5ub3Rl": "aGVsbG8="}
 
 
 def test_fsync_writes_a_snapshot_into_the_state_dir(kvfs, lip):

@@ -5,6 +5,7 @@ Attacks a local user could make run as `nobody`, as raw syscalls in a forked chi
 serving, another user's cache is unchanged (same tokens), and predd's fsck is clean.
 Every refusal has an exact errno."""
 import errno
+import json
 import os
 import stat
 import time
@@ -256,39 +257,46 @@ def test_owners_and_modes_are_changed_only_as_posix_allows(kvfs, lip, victim):
     still_serving(kvfs, lip, victim)
 
 
-def test_xattrs_are_the_known_few_with_short_values(kvfs, lip, victim):
+def test_xattrs_are_few_and_short(kvfs, lip, victim):
     own = nobody_file(kvfs, lip, "own.kv")
     assert syscalls(("setxattr", own, "user.kv.pin", b"1"),
                     ("setxattr", own, "user.kv.ttl", b"86400")) == [None, None]
     ino = os.stat(own).st_ino                                    # committed before the reply
     assert saved_state(kvfs.state)["nodes"][ino]["xattrs"] == \
         {"dXNlci5rdi5waW4=": "MQ==", "dXNlci5rdi50dGw=": "ODY0MDA="}
-    assert syscalls(("setxattr", own, "user.note", b"x"),
-                    ("setxattr", own, "user.kv.evict", b"1"),
+    assert syscalls(("setxattr", own, "user.kv.evict", b"1"),
+                    ("setxattr", own, "user.kv.note", b"1"),
                     ("setxattr", own, "user.kv.tokens", b"5"),
                     ("removexattr", own, "user.kv.model"),
-                    ("setxattr", own, "user.kv.ttl", b"9" * 33),
+                    ("setxattr", own, "user.kv.ttl", b"9" * 65),
                     ("setxattr", own, "user.kv.pin", b"1" * 65536),
                     ("setxattr", own, "user.kv.pin", b"1" * 65537),
                     ("setxattr", own, "user.kv.pin", b"yes"),
-                    ("setxattr", own, "trusted.x", b"1"),
+                    ("setxattr", own, "user.app." + "n" * 60, b"1"),
+                    ("setxattr", own, "user.app", b"v" * 65),
+                    ("setxattr", own, "trusted.x", b"1"),       # the kernel's EPERM
                     ("setxattr", own, "security.x", b"1"),      # the kernel's EPERM
-                    ("setxattr", own, "user." + "n" * 250, b"1"),
                     ("setxattr", kvfs.mount, "user.kv.pin", b"1"),   # the kernel's: sticky
                     ("mkdir", kvfs.path("mine")),
                     ("setxattr", kvfs.path("mine"), "user.kv.pin", b"1"),  # files only
                     ("getxattr", own, "user.kv.pin"), ("getxattr", own, "user.note")) == \
         [-E.EOPNOTSUPP, -E.EOPNOTSUPP, -E.EPERM, -E.EPERM, -E.E2BIG, -E.E2BIG, -E.E2BIG,
-         -E.EINVAL, -E.EPERM, -E.EPERM, -E.EOPNOTSUPP, -E.EPERM, None, -E.EOPNOTSUPP,
+         -E.EINVAL, -E.E2BIG, -E.E2BIG, -E.EPERM, -E.EPERM, -E.EPERM, None, -E.EOPNOTSUPP,
          b"1", -E.ENODATA]
-    # 1000 new names: each refused, and not one byte of state written for them.
-    wal = os.path.join(kvfs.state, "namespace.db-wal")
-    before = saved_state(kvfs.state), os.stat(wal).st_mtime_ns
-    steps = [("setxattr", own, f"user.flood{i}", b"v" * 1000) for i in range(1000)]
-    assert syscalls(*steps) == [-E.EOPNOTSUPP] * 1000
+    # 10,000 application attributes: the first 8 are kept, the rest get ENOSPC, and the
+    # state holds exactly those 8 (each at most 64 + 64 bytes).
+    steps = [("setxattr", own, f"user.flood{i}", b"v" * 64) for i in range(10_000)]
+    assert syscalls(*steps) == [None] * 8 + [-E.ENOSPC] * (10_000 - 8)
+    flood = sorted(f"user.flood{i}" for i in range(8))
     assert sorted(os.listxattr(own)) == sorted(
         ["user.kv.tokens", "user.kv.pages", "user.kv.bytes", "user.kv.model", "user.kv.tier",
-         "user.kv.pin", "user.kv.ttl"])
+         "user.kv.pin", "user.kv.ttl"] + flood)
+    row = saved_state(kvfs.state)["nodes"][ino]
+    assert len(row["xattrs"]) == 10 and len(json.dumps(row)) < 2048
+    # Refused requests write nothing.
+    wal = os.path.join(kvfs.state, "namespace.db-wal")
+    before = saved_state(kvfs.state), os.stat(wal).st_mtime_ns
+    assert syscalls(*steps[8:1008]) == [-E.ENOSPC] * 1000
     time.sleep(1.0)      # not a timed assert: give a (wrong) delayed write the chance to land
     assert (saved_state(kvfs.state), os.stat(wal).st_mtime_ns) == before
     still_serving(kvfs, lip, victim)

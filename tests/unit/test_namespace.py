@@ -6,7 +6,8 @@ import stat
 
 import pytest
 
-from kvfsd.namespace import ROOT, XATTR_VALUE_MAX, Namespace, check_xattr
+from kvfsd.namespace import (APP_XATTRS, ROOT, XATTR_NAME_MAX, XATTR_VALUE_MAX, Namespace,
+                             check_xattr)
 
 FILE = stat.S_IFREG | 0o644
 DIR = stat.S_IFDIR | 0o755
@@ -156,28 +157,47 @@ def test_xattr_rules(ns):
     assert err(ns.setxattr, a, b"user.kv.pin", b"yes") == errno.EINVAL
     assert err(ns.setxattr, a, b"user.kv.ttl", b"-1") == errno.EINVAL
     assert err(ns.setxattr, a, b"user.kv.ttl", "\u0663".encode()) == errno.EINVAL
-    # Only the known names: anything else is not supported, whatever its size.
-    assert err(ns.setxattr, a, b"user.note", b"hello") == errno.EOPNOTSUPP
+    # In user.kv.* only the known names; outside user.* nothing.
     assert err(ns.setxattr, a, b"user.kv.evict", b"1") == errno.EOPNOTSUPP   # reserved
+    assert err(ns.setxattr, a, b"user.kv.other", b"1") == errno.EOPNOTSUPP
     assert err(ns.setxattr, a, b"trusted.x", b"1") == errno.EOPNOTSUPP
     assert err(ns.setxattr, a, b"security.x", b"1") == errno.EOPNOTSUPP
     assert err(ns.setxattr, d, b"user.kv.pin", b"1") == errno.EOPNOTSUPP     # files only
-    # Values are short: the bound is checked before the value is looked at.
+    # Names and values are short: checked before the value is looked at.
     assert err(ns.setxattr, a, b"user.kv.ttl", b"1" * (XATTR_VALUE_MAX + 1)) == errno.E2BIG
     assert err(ns.setxattr, a, b"user.kv.pin", b"x" * 65536) == errno.E2BIG
-    assert a.xattrs == {b"user.kv.pin": b"1", b"user.kv.ttl": b" " * 30 + b"60"}
+    assert err(ns.setxattr, a, b"user." + b"n" * XATTR_NAME_MAX, b"1") == errno.E2BIG
+    assert a.xattrs == {b"user.kv.pin": b"1", b"user.kv.ttl": b" " * 62 + b"60"}
     assert err(ns.getxattr, a, b"user.absent") == errno.ENODATA
     ns.removexattr(a, b"user.kv.ttl")
     assert err(ns.removexattr, a, b"user.kv.ttl") == errno.ENODATA
     check_xattr(b"user.kv.ttl", b"0")
 
 
+def test_application_xattrs_are_bounded_per_node(ns):
+    for node in (ns.add(ROOT, b"a.kv", FILE, 0, 0), ns.add(ROOT, b"d", DIR, 0, 0)):
+        ns.setxattr(node, b"user.kv.pin", b"1") if node.is_file else None
+        for i in range(APP_XATTRS):
+            ns.setxattr(node, f"user.app.n{i}".encode(), b"\x00binary\xff")
+        assert err(ns.setxattr, node, b"user.app.more", b"v") == errno.ENOSPC
+        ns.setxattr(node, b"user.app.n0", b"replaced")           # replacing is fine
+        ns.removexattr(node, b"user.app.n1")
+        ns.setxattr(node, b"user.app.more", b"v")                 # a slot came free
+        assert ns.getxattr(node, b"user.app.n0") == b"replaced"
+        assert len([n for n in node.xattrs if n.startswith(b"user.app.")]) == APP_XATTRS
+
+
 def test_xattrs_of_an_older_state_are_filtered_on_load(ns):
     a = ns.add(ROOT, b"a.kv", FILE, 0, 0)
-    a.xattrs = {b"user.kv.pin": b"1", b"user.note": b"x", b"user.kv.ttl": b"forever"}
+    d = ns.add(ROOT, b"d", DIR, 0, 0)
+    a.xattrs = {b"user.kv.pin": b"1", b"user.kv.ttl": b"forever", b"user.kv.x": b"1",
+                b"trusted.t": b"1", b"user.big": b"v" * 1000}
     a.xattrs.update({f"user.n{i}".encode(): b"v" for i in range(1000)})
+    d.xattrs = {b"user.kv.pin": b"1", b"user.note": b"hi"}
     back = Namespace.from_dict(json.loads(json.dumps(ns.to_dict())))
-    assert back.lookup(ROOT, b"a.kv").xattrs == {b"user.kv.pin": b"1"}
+    assert back.lookup(ROOT, b"a.kv").xattrs == \
+        {b"user.kv.pin": b"1", **{f"user.n{i}".encode(): b"v" for i in range(APP_XATTRS)}}
+    assert back.lookup(ROOT, b"d").xattrs == {b"user.note": b"hi"}
 
 
 def test_names_per_uid_are_bounded():
