@@ -31,7 +31,8 @@ import trio
 
 from kvfsd.backend import Backend, PreddError
 from kvfsd.handles import Handle
-from kvfsd.namespace import FORMAT, Changes, Namespace, Node
+from kvfsd.namespace import FORMAT, Changes, Namespace
+from kvfsd.node import Node
 from kvfsd.state import StateDir
 from liblip import descriptor
 

@@ -31,7 +31,9 @@ import trio
 from kvfsd.backend import PreddError
 from kvfsd.caches import Caches, fuse_error
 from kvfsd.handles import Handle
-from kvfsd.namespace import COMPUTED_XATTRS, Namespace, Node
+from kvfsd import xattrs
+from kvfsd.namespace import Namespace
+from kvfsd.node import Node
 from liblip import descriptor
 
 ENTRY_TIMEOUT = 1.0
@@ -361,7 +363,7 @@ class KvFs(pyfuse3.Operations):
     @errno_boundary
     async def getxattr(self, inode, name, ctx):
         node = self._node(inode)
-        if node.is_file and name in COMPUTED_XATTRS:
+        if node.is_file and name in xattrs.COMPUTED:
             await self.caches.refresh(node, strict=True)
             info = self.predd.info
             value = {b"user.kv.tokens": node.tokens, b"user.kv.bytes": node.bytes,
@@ -373,7 +375,7 @@ class KvFs(pyfuse3.Operations):
     @errno_boundary
     async def listxattr(self, inode, ctx):
         node = self._node(inode)
-        return (list(COMPUTED_XATTRS) if node.is_file else []) + list(node.xattrs)
+        return (list(xattrs.COMPUTED) if node.is_file else []) + list(node.xattrs)
 
     @errno_boundary
     async def setxattr(self, inode, name, value, ctx):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pyfuse3
 
-from kvfsd.namespace import Node
+from kvfsd.node import Node
 from liblip import descriptor
 
 MAGIC = descriptor.MAGIC.encode()

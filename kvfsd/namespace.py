@@ -21,42 +21,25 @@ and `entries` are always followed by `touch()`, which marks the node too.
 Bounds (what one local user can make kvfsd hold): every name is charged to the uid
 owning the node it names (a file with three links costs three); a uid other than 0
 holding `names_per_uid` names gets EDQUOT. In `user.kv.*` only `pin` and `ttl` may be
-set (files only); a node may also carry `APP_XATTRS` application attributes of its own
-(`user.*`, short names and values, as mount_examples/rag_cache.py keeps its counts).
-So a node's state is bounded, and with it a uid's.
+set (files only); a node may also carry a few short application attributes of its own
+(see kvfsd/xattrs.py). So a node's state is bounded, and with it a uid's.
 """
 from __future__ import annotations
 
-import base64
 import errno
 import stat
-import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-ROOT = 1
+from kvfsd import xattrs
+from kvfsd.node import ROOT, Node, node_from_dict, node_row, node_to_dict, now_ns, show
+
 NAME_MAX = 255
 ROOT_MODE = stat.S_IFDIR | 0o1777
 FORMAT = 1
 
-# Read-only xattrs computed from predd's kv_stat (files only), the settable policy ones
-# (files only), and names kept for later policies (refused for now). Any other name in
-# user.kv.* is refused; other user.* names are the application's, within bounds.
-KV_XATTRS = b"user.kv."
-COMPUTED_XATTRS = (b"user.kv.tokens", b"user.kv.bytes", b"user.kv.pages",
-                   b"user.kv.model", b"user.kv.tier")
-POLICY_XATTRS = (b"user.kv.pin", b"user.kv.ttl")
-RESERVED_XATTRS = (b"user.kv.evict",)
-XATTR_NAME_MAX = 64            # bytes, "user." included
-XATTR_VALUE_MAX = 64           # bytes
-APP_XATTRS = 8                 # application attributes per file or directory
 NAMES_PER_UID = 4096           # default bound on the names one uid may own (0: none)
-
-
-# Fields that are runtime state or derived on load: changing them is not a change to save.
-_UNSET = object()
-UNJOURNALED = frozenset({"lookups", "opens", "journal", "order", "next_pos", "parent"})
 
 
 @dataclass
@@ -74,67 +57,8 @@ class Changes:
         return bool(self.inos or self.entries)
 
 
-def now_ns() -> int:
-    return time.time_ns()
-
-
 def _err(code: int, what: str = "") -> OSError:
     return OSError(code, f"{errno.errorcode[code]}{': ' if what else ''}{what}")
-
-
-@dataclass
-class Node:
-    ino: int
-    mode: int                  # st_mode, type bits included
-    uid: int
-    gid: int
-    atime_ns: int
-    mtime_ns: int
-    ctime_ns: int
-    nlink: int = 0
-    xattrs: dict[bytes, bytes] = field(default_factory=dict)
-    # directories
-    entries: dict[bytes, int] | None = None     # name -> inode
-    order: dict[bytes, int] | None = None       # name -> readdir position (stable)
-    next_pos: int = 3                           # 1 and 2 are "." and ".."
-    parent: int = ROOT
-    # symbolic links
-    target: bytes = b""
-    # cache files: predd's view, as last seen
-    cap: str | None = None     # persistent capability; a secret, never logged
-    tokens: int = 0
-    pages: int = 0
-    bytes: int = 0
-    snapshot: str | None = None   # file name of the last fsync'd snapshot in the state dir
-    # runtime only
-    lookups: int = 0
-    opens: int = 0
-    journal: set[int] | None = field(default=None, repr=False, compare=False)
-
-    def __setattr__(self, name: str, value) -> None:
-        journal = self.__dict__.get("journal")
-        if journal is not None and name not in UNJOURNALED \
-                and self.__dict__.get(name, _UNSET) != value:
-            journal.add(self.__dict__["ino"])       # a change, not a mere re-assignment
-        object.__setattr__(self, name, value)
-
-    @property
-    def is_dir(self) -> bool:
-        return stat.S_ISDIR(self.mode)
-
-    @property
-    def is_file(self) -> bool:
-        return stat.S_ISREG(self.mode)
-
-    @property
-    def is_symlink(self) -> bool:
-        return stat.S_ISLNK(self.mode)
-
-    def touch(self, *, mtime: bool = True) -> None:
-        t = now_ns()
-        self.ctime_ns = t
-        if mtime:
-            self.mtime_ns = t
 
 
 class Namespace:
@@ -182,7 +106,7 @@ class Namespace:
             return self.get(d.parent)
         ino = d.entries.get(name)
         if ino is None:
-            raise _err(errno.ENOENT, _show(name))
+            raise _err(errno.ENOENT, show(name))
         return self.nodes[ino]
 
     def listdir(self, ino: int, after: int = 0) -> list[tuple[int, bytes, Node]]:
@@ -211,11 +135,11 @@ class Namespace:
         if not names:
             return "?"
         parent, name = names[0]
-        parts = [_show(name)]
+        parts = [show(name)]
         while parent != ROOT:            # directories have one name and know their parent
             d = self.nodes[parent]
             up = self.nodes[d.parent]
-            parts.append(next((_show(n) for n, i in up.entries.items() if i == parent), "?"))
+            parts.append(next((show(n) for n, i in up.entries.items() if i == parent), "?"))
             parent = up.ino
         return "/" + "/".join(reversed(parts))
 
@@ -227,7 +151,7 @@ class Namespace:
         if len(name) > NAME_MAX:
             raise _err(errno.ENAMETOOLONG)
         if name in d.entries:
-            raise _err(errno.EEXIST, _show(name))
+            raise _err(errno.EEXIST, show(name))
 
     def check_new(self, parent: int, name: bytes, uid: int | None = None) -> None:
         """EINVAL/ENAMETOOLONG/EEXIST for a bad name, EDQUOT when `uid` may not own one
@@ -345,7 +269,7 @@ class Namespace:
         other = self.nodes[other_ino] if other_ino is not None else None
         if exchange:
             if other is None:
-                raise _err(errno.ENOENT, _show(new_name))
+                raise _err(errno.ENOENT, show(new_name))
             if other.is_dir and self._is_within(src_dir.ino, other.ino):
                 raise _err(errno.EINVAL, "a directory cannot move into itself")
             src_dir.entries[old_name], dst_dir.entries[new_name] = other.ino, node.ino
@@ -363,7 +287,7 @@ class Namespace:
             if other.ino == node.ino:
                 return None          # two links to one file: POSIX says do nothing
             if noreplace:
-                raise _err(errno.EEXIST, _show(new_name))
+                raise _err(errno.EEXIST, show(new_name))
             if node.is_dir and not other.is_dir:
                 raise _err(errno.ENOTDIR)
             if not node.is_dir and other.is_dir:
@@ -450,25 +374,21 @@ class Namespace:
     def getxattr(self, node: Node, name: bytes) -> bytes:
         value = node.xattrs.get(name)
         if value is None:
-            raise _err(errno.ENODATA, _show(name))
+            raise _err(errno.ENODATA, show(name))
         return value
 
     def setxattr(self, node: Node, name: bytes, value: bytes) -> None:
-        check_xattr(name, value)
-        if name in POLICY_XATTRS and not node.is_file:
-            raise _err(errno.EOPNOTSUPP, f"{_show(name)}: cache files only")
-        if not name.startswith(KV_XATTRS) and name not in node.xattrs \
-                and sum(not n.startswith(KV_XATTRS) for n in node.xattrs) >= APP_XATTRS:
-            raise _err(errno.ENOSPC, f"at most {APP_XATTRS} application attributes")
+        xattrs.check(name, value)
+        xattrs.check_room(node.xattrs, name, node.is_file)
         node.xattrs[name] = bytes(value)
         self.dirty.add(node.ino)              # changed in place: journal it explicitly
         node.touch(mtime=False)
 
     def removexattr(self, node: Node, name: bytes) -> None:
-        if name in COMPUTED_XATTRS:
-            raise _err(errno.EPERM, f"{_show(name)} is read-only")
+        if name in xattrs.COMPUTED:
+            raise _err(errno.EPERM, f"{show(name)} is read-only")
         if name not in node.xattrs:
-            raise _err(errno.ENODATA, _show(name))
+            raise _err(errno.ENODATA, show(name))
         del node.xattrs[name]
         self.dirty.add(node.ino)
         node.touch(mtime=False)
@@ -488,7 +408,7 @@ class Namespace:
         for ino in sorted(inos):
             node = self.nodes.get(ino)
             if node is not None and self.linked(node):
-                rows.append(_node_row(node))
+                rows.append(node_row(node))
             else:
                 gone.append(ino)
         entries = []
@@ -510,7 +430,7 @@ class Namespace:
         the caller writes it where only root can read)."""
         reachable = self._reachable()
         return {"format": FORMAT, "next_ino": self.next_ino,
-                "nodes": [_node_to_dict(self.nodes[i]) for i in sorted(reachable)]}
+                "nodes": [node_to_dict(self.nodes[i]) for i in sorted(reachable)]}
 
     def _reachable(self) -> set[int]:
         seen, todo = {ROOT}, [ROOT]
@@ -531,7 +451,7 @@ class Namespace:
         ns = cls(names_per_uid=names_per_uid)
         ns.nodes = {}
         for raw in doc["nodes"]:
-            node = _node_from_dict(raw)
+            node = node_from_dict(raw)
             ns.nodes[node.ino] = node
         if ROOT not in ns.nodes or not ns.nodes[ROOT].is_dir:
             raise ValueError("namespace has no root")
@@ -575,85 +495,3 @@ class Namespace:
         ns.dirty |= {int(raw["ino"]) for raw in doc["nodes"]} - set(ns.nodes)
         ns.dirty_entries |= dropped               # ... but for what was dropped
         return ns
-
-
-def check_xattr(name: bytes, value: bytes) -> None:
-    """Whether `name` may be set to `value` (OSError if not): in user.kv.* only the policy
-    names, with well-formed values; elsewhere in user.* short names and values. Checked
-    before anything is stored (the count per node is `Namespace.setxattr`'s)."""
-    if name in COMPUTED_XATTRS:
-        raise _err(errno.EPERM, f"{_show(name)} is read-only")
-    if not name.startswith(b"user.") or (name.startswith(KV_XATTRS)
-                                         and name not in POLICY_XATTRS):
-        what = "reserved" if name in RESERVED_XATTRS else "not supported"
-        raise _err(errno.EOPNOTSUPP, f"{_show(name[:64])}: {what}")
-    if len(name) > XATTR_NAME_MAX or len(value) > XATTR_VALUE_MAX:
-        raise _err(errno.E2BIG, f"{_show(name[:64])}: name or value over "
-                   f"{XATTR_NAME_MAX}/{XATTR_VALUE_MAX} bytes")
-    text = value.strip()
-    if name == b"user.kv.pin" and text not in (b"0", b"1"):
-        raise _err(errno.EINVAL, "user.kv.pin is 0 or 1")
-    if name == b"user.kv.ttl" and not (text.isdigit() and text.isascii()):
-        raise _err(errno.EINVAL, "user.kv.ttl is a whole number of seconds")
-
-
-def _valid_xattr(name: bytes, value: bytes) -> bool:
-    try:
-        check_xattr(name, value)
-    except OSError:
-        return False
-    return True
-
-def _show(name: bytes) -> str:
-    return name.decode("utf-8", "backslashreplace")
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _node_to_dict(n: Node) -> dict:
-    out = _node_row(n)
-    if n.is_dir:
-        out["entries"] = [[_b64(name), ino] for name, ino in
-                          sorted(n.entries.items(), key=lambda kv: n.order[kv[0]])]
-    return out
-
-
-def _node_row(n: Node) -> dict:
-    """A node without its directory entries (those are rows of their own)."""
-    out = {"ino": n.ino, "mode": n.mode, "uid": n.uid, "gid": n.gid,
-           "atime_ns": n.atime_ns, "mtime_ns": n.mtime_ns, "ctime_ns": n.ctime_ns}
-    if n.xattrs:
-        out["xattrs"] = {_b64(k): _b64(v) for k, v in n.xattrs.items()}
-    if n.is_symlink:
-        out["target"] = _b64(n.target)
-    else:
-        out.update(cap=n.cap, tokens=n.tokens, pages=n.pages, bytes=n.bytes,
-                   snapshot=n.snapshot)
-    return out
-
-
-def _node_from_dict(raw: dict) -> Node:
-    node = Node(int(raw["ino"]), int(raw["mode"]), int(raw["uid"]), int(raw["gid"]),
-                int(raw["atime_ns"]), int(raw["mtime_ns"]), int(raw["ctime_ns"]))
-    xattrs = {base64.b64decode(k): base64.b64decode(v)
-              for k, v in raw.get("xattrs", {}).items()}
-    # A state written before xattrs were bounded may hold more: the excess is dropped.
-    valid = [(k, v) for k, v in xattrs.items() if _valid_xattr(k, v)]
-    policy = [(k, v) for k, v in valid if k.startswith(KV_XATTRS)
-              and (k not in POLICY_XATTRS or node.is_file)]
-    app = [(k, v) for k, v in valid if not k.startswith(KV_XATTRS)][:APP_XATTRS]
-    node.xattrs = dict(policy + app)
-    if node.is_dir:
-        node.entries = {base64.b64decode(name): int(ino) for name, ino in raw.get("entries", [])}
-        node.order = {}
-    elif node.is_symlink:
-        node.target = base64.b64decode(raw.get("target", ""))
-    else:
-        node.cap = raw.get("cap")
-        node.tokens = int(raw.get("tokens", 0))
-        node.pages = int(raw.get("pages", 0))
-        node.bytes = int(raw.get("bytes", 0))
-        node.snapshot = raw.get("snapshot")
-    return node

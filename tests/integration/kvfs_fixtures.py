@@ -242,8 +242,9 @@ def syscalls(*steps, uid: int = NOBODY, gid: int = NOBODY, cwd: str | None = Non
     """Run os calls as `uid` in a forked child of the test process and return, per step,
     its result (repr-able: ints, bytes, lists) or `-errno`. A step is `(name, *args)`
     naming a function of `os`; `FD` stands for the last opened descriptor and `fd(i)` for
-    the i-th; an "open" step returns "fd". After setresuid the child only makes these calls (no imports: the
-    venv's interpreter is not readable by other uids), then _exit()s."""
+    the i-th; an "open" step returns "fd". After setresuid the child only makes these
+    calls (no imports: the venv's interpreter is not readable by other uids), then
+    _exit()s."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:                                            # the child: syscalls only

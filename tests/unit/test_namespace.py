@@ -6,8 +6,11 @@ import stat
 
 import pytest
 
-from kvfsd.namespace import (APP_XATTRS, ROOT, XATTR_NAME_MAX, XATTR_VALUE_MAX, Namespace,
-                             check_xattr)
+from kvfsd.namespace import ROOT, Namespace
+from kvfsd.xattrs import APP_MAX as APP_XATTRS
+from kvfsd.xattrs import NAME_MAX as XATTR_NAME_MAX
+from kvfsd.xattrs import VALUE_MAX as XATTR_VALUE_MAX
+from kvfsd.xattrs import check as check_xattr
 
 FILE = stat.S_IFREG | 0o644
 DIR = stat.S_IFDIR | 0o755
