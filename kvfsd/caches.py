@@ -343,22 +343,27 @@ class Caches:
             await self.free(cap)
 
     async def release(self, handle: Handle) -> None:
+        """The open is gone: apply what it left pending, and whatever happens, revoke its
+        grant and free the cache it kept."""
         node = handle.node
         try:
             if handle.pending:
                 try:
                     await self.apply(handle)
-                except pyfuse3.FUSEError as exc:
-                    self.log(f"{self.ns.path_of(node.ino)}: write at release failed "
-                             f"({errno.errorcode.get(exc.errno, exc.errno)})")
-            await self.revoke(handle)
-            if handle.backup is not None:
-                self._backups.discard(handle.backup)
-                await self.free(handle.backup)
-                handle.backup = None
+                except Exception as exc:
+                    why = (errno.errorcode.get(exc.errno, exc.errno)
+                           if isinstance(exc, pyfuse3.FUSEError) else type(exc).__name__)
+                    self.log(f"{self.ns.path_of(node.ino)}: write at release failed ({why})")
         finally:
-            node.opens -= 1
-            await self.maybe_free(node)
+            try:
+                await self.revoke(handle)
+                if handle.backup is not None:
+                    self._backups.discard(handle.backup)
+                    await self.free(handle.backup)
+                    handle.backup = None
+            finally:
+                node.opens -= 1
+                await self.maybe_free(node)
 
     async def release_all(self, handles: list[Handle]) -> None:
         """At unmount: revoke every open's grant (the kernel sends no release then) and
