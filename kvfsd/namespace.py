@@ -109,14 +109,20 @@ class Namespace:
             raise _err(errno.ENOENT, show(name))
         return self.nodes[ino]
 
-    def listdir(self, ino: int, after: int = 0) -> list[tuple[int, bytes, Node]]:
+    def listdir(self, ino: int, after: int = 0) -> Iterator[tuple[int, bytes, Node]]:
         """(position, name, node) of the entries past `after`, in a stable order, with
-        "." and ".." at positions 1 and 2."""
+        "." and ".." at positions 1 and 2. Lazy, and without sorting: a directory's
+        `order` is kept in increasing position order (names are only ever appended),
+        so a readdir batch costs what it returns plus a skip, not a sort of the whole
+        directory. Do not change the directory while iterating."""
         d = self.dir(ino)
-        rows = [(1, b".", d), (2, b"..", self.get(d.parent))]
-        rows += sorted(((d.order[n], n, self.nodes[i]) for n, i in d.entries.items()),
-                       key=lambda row: row[0])
-        return [row for row in rows if row[0] > after]
+        if after < 1:
+            yield 1, b".", d
+        if after < 2:
+            yield 2, b"..", self.get(d.parent)
+        for name, pos in d.order.items():
+            if pos > after:
+                yield pos, name, self.nodes[d.entries[name]]
 
     def files(self) -> Iterator[Node]:
         """Linked cache files."""

@@ -131,12 +131,19 @@ def test_rename_exchange(ns):
 def test_listdir_positions_survive_changes(ns):
     for name in (b"a", b"b", b"c"):
         ns.add(ROOT, name, FILE, 0, 0)
-    rows = ns.listdir(ROOT)
+    rows = list(ns.listdir(ROOT))
     assert [r[1] for r in rows] == [b".", b"..", b"a", b"b", b"c"]
     after_a = rows[2][0]
     ns.unlink(ROOT, b"a")
     ns.add(ROOT, b"d", FILE, 0, 0)
-    assert [r[1] for r in ns.listdir(ROOT, after_a)] == [b"b", b"c", b"d"]
+    ns.rename(ROOT, b"b", ROOT, b"b2")                   # a rename moves a name to the end
+    ns.rename(ROOT, b"c", ROOT, b"d", exchange=True)     # an exchange keeps the places
+    rows = list(ns.listdir(ROOT, after_a))
+    assert [r[1] for r in rows] == [b"c", b"d", b"b2"]
+    assert [r[0] for r in rows] == sorted(r[0] for r in rows)
+    assert [r[1] for r in ns.listdir(ROOT, rows[0][0])] == [b"d", b"b2"]
+    back = Namespace.from_dict(json.loads(json.dumps(ns.to_dict())))
+    assert [r[1] for r in back.listdir(ROOT)] == [b".", b"..", b"c", b"d", b"b2"]
 
 
 def test_modes_owners_and_times(ns):
