@@ -102,6 +102,8 @@ def test_emptied_at_moves_only_when_the_socket_is_empty(server, monkeypatch):
     sock = dealer(server.addr)
     for i in range(7):
         sock.send(b"%d" % i)
+    server.sock.poll(1000, zmq.POLLIN)
+    time.sleep(0.05)                                  # let all seven arrive
     full = partial = 0
     while len(server.engine.seen) < 7:
         server.sock.poll(100, zmq.POLLIN)
