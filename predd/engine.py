@@ -30,7 +30,7 @@ from liblip.protocol import ProtocolError, error_reply, ok_reply
 from predd import sampling
 from predd.calls import CallState
 from predd.caps import Capabilities, Capability
-from predd.identity import NOBODY, AuthKeys, Peer
+from predd.identity import AuthKeys, Peer, identify
 from predd.kvops import KVOps
 from predd.kvstore import KVStore
 from predd.limits import MAX_POSITION, Limits
@@ -135,17 +135,8 @@ class Engine(KVOps):
                       now: float) -> Session:
         """A session for a routing identity's first request, bound to `peer`."""
         c = self.config
-        if peer.kernel:
-            uid, pid, via = peer.uid, peer.pid, "kernel"
-        elif c.auth is not None:
-            if not isinstance(request, p.Hello) or not request.token:
-                raise ProtocolError("EACCES", "this endpoint needs authentication: the "
-                                    "first request must be hello with a token")
-            uid, pid, via = c.auth.uid_of(request.token), 0, "token"
-            if uid is None:
-                raise ProtocolError("EACCES", "hello: unknown token")
-        else:
-            uid, pid, via = NOBODY, 0, "nobody"
+        token = request.token if isinstance(request, p.Hello) else None
+        uid, pid, via = identify(peer, token, c.auth)
         trusted = via == "kernel" and uid == c.trusted_uid
         if not trusted:
             check_limit(self.sessions.count(uid), c.quota.uid_sessions, "EAGAIN",

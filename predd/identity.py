@@ -19,6 +19,8 @@ import stat
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from liblip.protocol import ProtocolError
+
 NOBODY = 65534
 MAX_UID = 2**32 - 2          # (uid_t)-1 is "no uid" to the kernel
 MIN_TOKEN_LEN = 16
@@ -48,6 +50,23 @@ def peer_of(transport: str, address: str | None) -> Peer:
             uid, gid, pid = (int(p) for p in parts[1:])
             return Peer(address, uid, gid, pid)
     return Peer(address)     # no credentials: treated like an unauthenticated tcp peer
+
+
+def identify(peer: Peer, token: str | None, keys: AuthKeys | None) -> tuple[int, int, str]:
+    """(uid, pid, how the uid is known) for a new session of `peer` whose first request
+    is a hello with `token` (None: not a hello). EACCES on an unauthenticated request to
+    an endpoint with keys."""
+    if peer.kernel:
+        return peer.uid, peer.pid, "kernel"
+    if keys is None:
+        return NOBODY, 0, "nobody"
+    if not token:
+        raise ProtocolError("EACCES", "this endpoint needs authentication: the first "
+                            "request must be hello with a token")
+    uid = keys.uid_of(token)
+    if uid is None:
+        raise ProtocolError("EACCES", "hello: unknown token")
+    return uid, 0, "token"
 
 
 def transport_of(addr: str) -> str:

@@ -3,8 +3,9 @@
 Each turn drains waiting messages — at most DRAIN_MAX of them or DRAIN_S seconds'
 worth, so that a flood of requests cannot starve stepping — then either runs a step
 (the scheduler says launch), or sleeps on the socket until a message arrives or the
-adaptive-launch hold ends. Leases are checked twice a second. SIGTERM/SIGINT end the
-loop cleanly.
+adaptive-launch hold ends. Leases are checked twice a second, against the last moment
+the socket was seen empty: a ping still waiting in it (behind a long step or a flood)
+keeps its session alive. SIGTERM/SIGINT end the loop cleanly.
 
 Every message is handed to the engine with its sender's `Peer` (on ipc the kernel's
 uid/gid/pid, which libzmq attaches to each frame as `Peer-Address`). ZeroMQ limits:
@@ -51,6 +52,7 @@ class Server:
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.engine.max_message_bytes)
         self._bind(addr)
         self.running = True
+        self.emptied_at = 0.0   # every message that arrived before this has been handled
 
     def _bind(self, addr: str) -> None:
         if addr.startswith("ipc://"):
@@ -97,7 +99,7 @@ class Server:
             self._drain()
             now = time.monotonic()
             if now >= next_lease_check:
-                engine.expire_sessions(now)
+                engine.expire_sessions(self.emptied_at)
                 next_lease_check = now + LEASE_CHECK_S
             wait = sched.wait_time(now)
             if wait == 0.0:
@@ -115,6 +117,7 @@ class Server:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self.emptied_at = time.monotonic()
                 return
             try:
                 address = frames[-1].get("Peer-Address")

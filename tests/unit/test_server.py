@@ -92,3 +92,28 @@ def test_socket_limits_are_finite(server):
     assert server.sock.getsockopt(zmq.SNDHWM) == server_mod.HWM
     assert server.sock.getsockopt(zmq.RCVHWM) == server_mod.HWM
     assert server.sock.getsockopt(zmq.MAXMSGSIZE) == FakeEngine.max_message_bytes
+
+
+def test_emptied_at_moves_only_when_the_socket_is_empty(server, monkeypatch):
+    """Leases are judged at the last moment every waiting message had been handled,
+    so a ping stuck behind a bounded drain cannot let its session expire."""
+    monkeypatch.setattr(server_mod, "DRAIN_MAX", 3)
+    monkeypatch.setattr(server_mod, "DRAIN_S", 60.0)
+    sock = dealer(server.addr)
+    for i in range(7):
+        sock.send(b"%d" % i)
+    server.sock.poll(1000, zmq.POLLIN)
+    time.sleep(0.05)                                  # let all seven arrive
+    full = partial = 0
+    while len(server.engine.seen) < 7:
+        server.sock.poll(100, zmq.POLLIN)
+        before, mark = len(server.engine.seen), server.emptied_at
+        server._drain()
+        if len(server.engine.seen) - before == 3:     # stopped by the bound
+            assert server.emptied_at == mark
+            full += 1
+        else:                                         # found the socket empty
+            assert server.emptied_at > mark
+            partial += 1
+    assert full >= 1
+    sock.close()
