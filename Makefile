@@ -26,6 +26,7 @@ demo: setup
 
 bench: setup
 	$(PY) scripts/bench_completion.py
+	$(PY) scripts/bench_fairness.py
 
 # Caches and build output only; run/ is skipped since it may hold a live mount.
 clean:

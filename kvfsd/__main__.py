@@ -1,9 +1,10 @@
 """`kvfsd`: mount predd's KV caches as files.
 
     kvfsd [MOUNTPOINT] [--predd ADDR] [--state DIR] [--allow-other | --no-allow-other]
+          [--names-per-uid N]
 
-Mounts with default_permissions (the kernel enforces modes) and, by default,
-allow_other; prints `ready MOUNTPOINT` on stdout once mounted; logs go to stderr.
+Mounts with default_permissions (the kernel enforces modes), nosuid, nodev, noexec and,
+by default, allow_other; prints `ready MOUNTPOINT` on stdout once mounted; logs go to stderr.
 SIGTERM/SIGINT unmount cleanly.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import errno
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 
@@ -21,7 +23,7 @@ import trio
 from kvfsd.backend import Backend
 from kvfsd.caches import Caches
 from kvfsd.fs import KvFs
-from kvfsd.namespace import Namespace
+from kvfsd.namespace import NAMES_PER_UID, Namespace
 from kvfsd.state import StateDir, StateDirBusy, default_state_dir
 from liblip.protocol import default_addr, default_mount
 
@@ -40,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     f"(default {default_state_dir()})")
     ap.add_argument("--allow-other", action=argparse.BooleanOptionalAction, default=True,
                     help="let other users use the mount; modes still apply (default on)")
+    ap.add_argument("--names-per-uid", type=int, default=NAMES_PER_UID, metavar="N",
+                    help="names (files, directories, links) one uid other than root may "
+                    f"own; EDQUOT beyond (default {NAMES_PER_UID}, 0: no bound)")
     return ap.parse_args(argv)
 
 
@@ -53,11 +58,13 @@ def clear_dead_mount(mountpoint: str) -> None:
             subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False)
 
 
-def load_namespace(state: StateDir) -> tuple[Namespace, list[str]]:
+def load_namespace(state: StateDir, names_per_uid: int) -> tuple[Namespace, list[str]]:
+    """The namespace, and the caches to free (a kvfsd died before it could)."""
     doc = state.load()
     if doc is None:
-        return Namespace(os.getuid(), os.getgid()), []
-    return Namespace.from_dict(doc), list(doc.get("pending_free", []))
+        return Namespace(os.getuid(), os.getgid(), names_per_uid), []
+    ns = Namespace.from_dict(doc, names_per_uid)
+    return ns, list(doc.get("pending_free", [])) + ns.lost_caps
 
 
 async def serve(fs: KvFs, mountpoint: str) -> None:
@@ -85,7 +92,7 @@ async def prepare(caches: Caches) -> None:
 async def finish(fs: KvFs) -> None:
     with trio.move_on_after(10):
         await fs.release_all()
-    fs.caches.save(durable=True)
+    fs.caches.save_now()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     addr = args.predd or default_addr()
     try:
         state = StateDir(args.state or default_state_dir())
-    except (StateDirBusy, OSError) as exc:
+    except (StateDirBusy, OSError, sqlite3.Error) as exc:
         log(str(exc))
         return 2
     try:
-        ns, pending = load_namespace(state)
-    except (ValueError, KeyError, TypeError) as exc:
+        ns, pending = load_namespace(state, max(0, args.names_per_uid))
+    except (ValueError, KeyError, TypeError, sqlite3.Error) as exc:
         log(f"{state.path}: unreadable namespace ({exc}); not mounting")
         return 2
     backend = Backend(addr, log)
@@ -107,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     fs = KvFs(caches)
     trio.run(prepare, caches)
     clear_dead_mount(mountpoint)
-    options = {"fsname=kvfs", "subtype=kvfs", "default_permissions"}
+    # A cache file is never a program or a device.
+    options = {"fsname=kvfs", "subtype=kvfs", "default_permissions", "nosuid", "nodev",
+               "noexec"}
     if args.allow_other:
         options.add("allow_other")
     try:

@@ -3,13 +3,20 @@
 Lifetime rules:
 * A cache file's name holds one persistent, rw capability (`Node.cap`); it never leaves
   kvfsd. It is freed when the last name and the last open are gone (`maybe_free`).
-* Each readable open holds a session-bound grant, rendered as its descriptor. A
-  read-only grant is revoked when the file's *last* open is released, not its own:
-  `copy_file_range` (coreutils cp) splices through the inode's shared page cache, so a
-  concurrent open may have been served this open's descriptor. A rw grant is revoked
-  at its own release.
+* Every object kvfsd makes for a request is charged to that request's uid (`owner`):
+  a new file to its creator, a fork written into a file to the writer, a restored
+  snapshot to the file's owner. predd answers EDQUOT past the uid's quota.
+* Each readable open holds a session-bound (never persistent) grant, rendered as its
+  descriptor, and revoked at that open's release: after a chmod or rm, the rights of
+  earlier opens end with those opens. `copy_file_range` (coreutils cp) splices through
+  the inode's shared page cache, so a concurrent open may read another open's
+  descriptor and write it after that open was released: such a revoked grant is
+  honoured only for a writer that holds a readable open of the same file itself, by
+  forking from *its own* grant (`_revoked`).
 * Replacing a file's cache (a descriptor written into it) swaps `Node.cap` and frees
-  the old one; operations that swap or empty a cache hold the file's lock.
+  the old one. An O_TRUNC open swaps in a fresh empty cache at flush and keeps the old
+  one (`Handle.backup`) until release, so a descriptor refused afterwards puts the old
+  cache back untouched. Operations that swap or empty a cache hold the file's lock.
 * A capability predd does not know any more (predd restarted) sends every cache
   through `revalidate`: re-imported from its fsync'd snapshot, or dropped with a log line.
 * A free that predd did not confirm is retried (`pending_free`, persisted).
@@ -17,20 +24,22 @@ Lifetime rules:
 from __future__ import annotations
 
 import errno
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import pyfuse3
 import trio
 
 from kvfsd.backend import Backend, PreddError
 from kvfsd.handles import Handle
-from kvfsd.namespace import Namespace, Node
+from kvfsd.namespace import FORMAT, Changes, Namespace
+from kvfsd.node import Node
 from kvfsd.state import StateDir
 from liblip import descriptor
 
 # A descriptor naming a capability predd does not know (forged, revoked, expired) or
 # cannot fork from is "not a valid descriptor".
 BAD_DESCRIPTOR = ("EBADF", "ENOENT", "EINVAL", "EACCES")
+REVOKED_KEPT = 4096      # revoked grants remembered for the splice rule above
 
 
 def fuse_error(exc: Exception) -> pyfuse3.FUSEError:
@@ -48,7 +57,13 @@ class Caches:
         self.log = log
         self.pending_free: list[str] = list(pending_free or [])
         self.locks: defaultdict[int, trio.Lock] = defaultdict(trio.Lock)
-        self._lingering: defaultdict[int, list[str]] = defaultdict(list)
+        self.handles: dict[int, Handle] = {}      # live opens, by fh (kept by KvFs)
+        self._revoked: OrderedDict[str, int] = OrderedDict()   # grant -> inode
+        self._backups: set[str] = set()           # old caches held by O_TRUNC opens
+        self._orphans: dict[int, str] = {}        # caches of removed files still open
+        self._changes = 0                         # namespace changes made ...
+        self._written = 0                         # ... and recorded in the state dir
+        self._writing = trio.Lock()
         self._refreshing: dict[int, trio.Event] = {}     # kv_stat in flight, per inode
         self._revalidating = trio.Lock()
         self.generation = 0          # completed re-validations
@@ -56,14 +71,52 @@ class Caches:
 
     # ------------------------------------------------------------ persistence
 
-    def save(self, durable: bool = False) -> None:
-        doc = self.ns.to_dict()
-        # Caches of removed-but-open files are freed at release; should kvfsd die first,
-        # the next one frees them.
-        orphans = [n.cap for n in self.ns.nodes.values()
-                   if n.is_file and n.nlink == 0 and n.cap is not None]
-        doc["pending_free"] = self.pending_free + orphans
-        self.state.save(doc, durable)
+    def _meta(self) -> dict:
+        # Caches of removed-but-open files are freed at release, and old caches kept by
+        # O_TRUNC opens at theirs; should kvfsd die first, the next one frees them.
+        return {"format": FORMAT, "next_ino": self.ns.next_ino,
+                "pending_free": self.pending_free + sorted(self._orphans.values())
+                + sorted(self._backups)}
+
+    def _take_changes(self) -> Changes:
+        changes = self.ns.take_changes()
+        for ino in changes.inos:
+            node = self.ns.nodes.get(ino)
+            if node is not None and node.is_file and node.nlink == 0 and node.cap is not None:
+                self._orphans[ino] = node.cap
+            else:
+                self._orphans.pop(ino, None)
+        return changes
+
+    async def commit(self) -> None:
+        """Write every change made before this call to the state directory (durably, in
+        one transaction of the rows that changed). Concurrent commits share one write
+        (group commit); the write runs off the event loop."""
+        self._changes += 1
+        wanted = self._changes
+        async with self._writing:
+            if self._written >= wanted:
+                return                     # a write started after our change covered it
+            upto, changes, meta = self._changes, self._take_changes(), self._meta()
+            try:
+                await trio.to_thread.run_sync(self.state.apply, changes.rows, changes.gone,
+                                              changes.entries, meta)
+            except BaseException:
+                self.ns.untake(changes)    # written with the next commit
+                raise
+            self._written = upto
+
+    def save_now(self) -> None:
+        """The final write, outside trio (at unmount)."""
+        changes = self._take_changes()
+        self.state.apply(changes.rows, changes.gone, changes.entries, self._meta())
+        self._written = self._changes
+
+    @property
+    def unsaved(self) -> bool:
+        """Changes not written yet: figures and times (`seen`) need not be on disk before
+        a reply; the monitor commits them within `probe_s`."""
+        return bool(self.ns.dirty or self.ns.dirty_entries)
 
     def remove_unused_snapshots(self) -> None:
         """Snapshots no inode refers to (a kvfsd that died mid-way left them)."""
@@ -81,7 +134,6 @@ class Caches:
         if tokens != node.tokens:
             node.tokens = tokens
             node.touch()
-            self.save()
 
     async def refresh(self, node: Node, strict: bool = False) -> None:
         """Update a cache's figures, waiting at most `stat_s`: predd answers a kv_stat
@@ -133,9 +185,10 @@ class Caches:
                 raise fuse_error(exc) from None
         raise pyfuse3.FUSEError(errno.ESTALE)
 
-    async def create(self) -> dict:
+    async def create(self, owner: int) -> dict:
+        """A new empty cache with a persistent capability, charged to uid `owner`."""
         try:
-            return await self.predd.call("kv_create", persist=True)
+            return await self.predd.call("kv_create", persist=True, owner=owner)
         except PreddError as exc:
             raise fuse_error(exc) from None
 
@@ -145,7 +198,7 @@ class Caches:
         except PreddError as exc:
             if exc.code != "EBADF":          # EBADF: gone with a restarted predd
                 self.pending_free.append(cap)
-                self.save()
+                await self.commit()
 
     async def maybe_free(self, node: Node) -> None:
         """Free the cache of a file with no name and no open; drop the node when the
@@ -162,7 +215,8 @@ class Caches:
     # ------------------------------------------------------------ opens
 
     async def grant(self, handle: Handle) -> None:
-        """A fresh capability for a readable open, and the descriptor it reads."""
+        """A fresh capability for a readable open, and the descriptor it reads. It is
+        bound to kvfsd's session (never persistent) and revoked at this open's release."""
         rights = "rw" if handle.writable else "r"
         header, _ = await self.on_cache(handle.node, "kv_grant", rights=rights, persist=False)
         handle.cap = header["cap"]
@@ -173,42 +227,80 @@ class Caches:
 
     async def apply(self, handle: Handle) -> None:
         """Make what was written through `handle` take effect: a descriptor forks its
-        cache into this file; O_TRUNC with nothing written empties the cache."""
+        cache into this file; O_TRUNC with nothing written empties it. A refused
+        descriptor puts back the cache an earlier flush of this open emptied."""
         node = handle.node
         async with self.locks[node.ino]:
             if handle.written:
-                await self._fork_into(node, handle.take_descriptor())
+                try:
+                    await self._fork_into(node, handle.take_descriptor(), handle)
+                except Exception:
+                    await self._restore_backup(handle)
+                    raise
             elif handle.truncate:
-                # Keep an O(1) fork of the cache until release, in case garbage follows.
-                if handle.backup is None:
-                    header, _ = await self.on_cache(node, "kv_fork", rights="rw", persist=True)
-                    handle.backup = header["cap"]
-                await self._empty(node)
                 handle.truncate = False
+                if handle.backup is None:
+                    await self._swap_in_empty(node, handle)
+                else:
+                    await self._empty(node)
 
-    async def _fork_into(self, node: Node, desc: descriptor.Descriptor) -> None:
+    async def _fork_into(self, node: Node, desc: descriptor.Descriptor,
+                         handle: Handle) -> None:
         model = self.predd.info.get("model")
         if desc.model and model and desc.model != model:
+            self.log(f"{self.ns.path_of(node.ino)}: descriptor refused: another model")
             raise pyfuse3.FUSEError(errno.EINVAL)
         try:
-            reply = await self.predd.call("kv_fork", cap=desc.cap, rights="rw", persist=True)
+            reply = await self.predd.call("kv_fork", cap=desc.cap, rights="rw",
+                                          persist=True, owner=handle.uid)
         except PreddError as exc:
-            if exc.code in BAD_DESCRIPTOR:
-                self.log(f"{self.ns.path_of(node.ino)}: descriptor refused: {exc}")
+            if exc.code not in BAD_DESCRIPTOR:
+                raise fuse_error(exc) from None
+            own = self._own_grant_for(desc.cap, handle.uid)
+            if own is None:
+                self.log(f"{self.ns.path_of(node.ino)}: descriptor refused: {exc.code}")
                 raise pyfuse3.FUSEError(errno.EINVAL) from None
-            raise fuse_error(exc) from None
+            try:
+                reply = await self.predd.call("kv_fork", cap=own, rights="rw",
+                                              persist=True, owner=handle.uid)
+            except PreddError as exc2:
+                raise fuse_error(exc2) from None
         old, node.cap = node.cap, reply["cap"]
         self.seen(node, reply)
         node.touch()
-        self.save()
+        await self.commit()
         if old is not None:
             await self.free(old)
+
+    def _own_grant_for(self, revoked: str, uid: int) -> str | None:
+        """The splice rule: `revoked` was an open's grant on file F, now revoked; the
+        live grant of a readable open of F held by `uid` itself, if there is one."""
+        ino = self._revoked.get(revoked)
+        if ino is None:
+            return None
+        for h in self.handles.values():
+            if h.node.ino == ino and h.uid == uid and h.cap is not None and h.readable:
+                return h.cap
+        return None
+
+    async def _swap_in_empty(self, node: Node, handle: Handle) -> None:
+        """O_TRUNC: the file names a fresh empty cache; the old one is kept, untouched,
+        until release."""
+        if node.cap is None:
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        reply = await self.create(owner=handle.uid)
+        handle.backup, node.cap = node.cap, reply["cap"]
+        handle.installed = reply["cap"]
+        self._backups.add(handle.backup)
+        self.seen(node, reply)
+        node.touch()
+        await self.commit()
 
     async def _empty(self, node: Node) -> None:
         header, _ = await self.on_cache(node, "kv_truncate", length=0)
         self.seen(node, header)
         node.touch()
-        self.save()
+        await self.commit()
 
     async def empty(self, node: Node) -> None:
         """truncate(2) to 0."""
@@ -218,51 +310,69 @@ class Caches:
     async def restore_backup(self, handle: Handle) -> None:
         """Garbage was written after a flush emptied the cache (a shell's `echo x > a.kv`
         closes a dup of the descriptor before it writes): put the cache back."""
+        if handle.backup is not None:
+            async with self.locks[handle.node.ino]:
+                await self._restore_backup(handle)
+
+    async def _restore_backup(self, handle: Handle) -> None:
         node, backup = handle.node, handle.backup
         if backup is None:
             return
         handle.backup = None
-        async with self.locks[node.ino]:
-            old, node.cap = node.cap, backup
-            try:
-                self.seen(node, await self.predd.call("kv_stat", cap=backup))
-            except PreddError:
-                pass
-            node.touch()
-            self.save()
-            if old is not None:
-                await self.free(old)
+        self._backups.discard(backup)
+        if node.cap != handle.installed:    # replaced since by another writer: theirs
+            await self.free(backup)
+            return
+        old, node.cap = node.cap, backup
+        try:
+            self.seen(node, await self.predd.call("kv_stat", cap=backup))
+        except PreddError:
+            pass
+        node.touch()
+        await self.commit()
+        if old is not None:
+            await self.free(old)
+
+    async def revoke(self, handle: Handle) -> None:
+        """End an open's grant; remember it for the splice rule."""
+        if handle.cap is not None:
+            cap, handle.cap = handle.cap, None
+            self._revoked[cap] = handle.node.ino
+            while len(self._revoked) > REVOKED_KEPT:
+                self._revoked.popitem(last=False)
+            await self.free(cap)
 
     async def release(self, handle: Handle) -> None:
+        """The open is gone: apply what it left pending, and whatever happens, revoke its
+        grant and free the cache it kept."""
         node = handle.node
         try:
             if handle.pending:
                 try:
                     await self.apply(handle)
-                except pyfuse3.FUSEError as exc:
-                    self.log(f"{self.ns.path_of(node.ino)}: write at release failed "
-                             f"({errno.errorcode.get(exc.errno, exc.errno)})")
-            if handle.cap is not None and not handle.writable and node.opens > 1:
-                self._lingering[node.ino].append(handle.cap)
-            elif handle.cap is not None:
-                await self.free(handle.cap)
-            if handle.backup is not None:
-                await self.free(handle.backup)
+                except Exception as exc:
+                    why = (errno.errorcode.get(exc.errno, exc.errno)
+                           if isinstance(exc, pyfuse3.FUSEError) else type(exc).__name__)
+                    self.log(f"{self.ns.path_of(node.ino)}: write at release failed ({why})")
         finally:
-            node.opens -= 1
-            if node.opens == 0:
-                for cap in self._lingering.pop(node.ino, []):
-                    await self.free(cap)
-            await self.maybe_free(node)
+            try:
+                await self.revoke(handle)
+                if handle.backup is not None:
+                    self._backups.discard(handle.backup)
+                    await self.free(handle.backup)
+                    handle.backup = None
+            finally:
+                node.opens -= 1
+                await self.maybe_free(node)
 
     async def release_all(self, handles: list[Handle]) -> None:
         """At unmount: revoke every open's grant (the kernel sends no release then) and
         free the caches of removed files that were still open."""
-        caps = [cap for caps in self._lingering.values() for cap in caps]
-        self._lingering.clear()
+        caps: list[str | None] = []
         for handle in handles:
             handle.node.opens -= 1
             caps += [handle.cap, handle.backup]
+            self._backups.discard(handle.backup)
         for cap in caps:
             if cap is not None:
                 try:
@@ -285,7 +395,7 @@ class Caches:
                 raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
             node.snapshot = name
             self.seen(node, header)
-            self.save(durable=True)
+            await self.commit()
 
     # ------------------------------------------------------------ predd restarts
 
@@ -293,13 +403,15 @@ class Caches:
         """Follow predd: liveness, restarts (re-validate), deferred frees."""
         next_poll = 0.0
         while True:
-            await self.predd.probe()
-            if trio.current_time() >= next_poll:
-                next_poll = trio.current_time() + self.predd.t.poll_s
-                try:
+            try:                           # never let the monitor die
+                await self.predd.probe()
+                if trio.current_time() >= next_poll:
+                    next_poll = trio.current_time() + self.predd.t.poll_s
                     await self.check_predd()
-                except Exception as exc:   # never let the monitor die
-                    self.log(f"monitor: {type(exc).__name__}: {exc}")
+                if self.unsaved:
+                    await self.commit()
+            except Exception as exc:
+                self.log(f"monitor: {type(exc).__name__}")
             await trio.sleep(self.predd.t.probe_s)
 
     async def check_predd(self) -> None:
@@ -338,7 +450,7 @@ class Caches:
             for cap in frees:
                 await self.free(cap)
             self.generation += 1
-            self.save(durable=True)
+            await self.commit()
             return True
 
     async def _restore(self, node: Node, stale: str | None) -> None:
@@ -347,7 +459,7 @@ class Caches:
             try:
                 blob = await trio.to_thread.run_sync(self.state.read_snapshot, node.snapshot)
                 reply = await self.predd.call("kv_import", frames=(blob,), persist=True,
-                                              timeout=self.predd.t.bulk_s)
+                                              owner=node.uid, timeout=self.predd.t.bulk_s)
             except (OSError, PreddError) as exc:
                 self.log(f"{path}: cannot restore its snapshot ({exc}); removing it")
             else:

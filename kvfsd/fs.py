@@ -6,30 +6,65 @@ What the calls mean (see docs/kvfs.md):
   different one).
 * Writing a descriptor into a file and closing it (`cp`, `lip.kv_save`) makes the file's
   cache a copy-on-write fork of the descriptor's, at `flush`, so an error reaches
-  close(2). Anything else gets EINVAL and the file is left as it was. `O_TRUNC`
-  without a descriptor, or truncate(2) to 0, empties it.
+  close(2). Anything else gets EINVAL (EFBIG past 4096 bytes) and the file is left as
+  it was. `O_TRUNC` without a descriptor, or truncate(2) to 0, empties it.
 * `fsync` writes a snapshot into the state directory.
 Namespace-only calls (mkdir, rename, chmod, xattrs...) never wait for predd.
+
+Every handler goes through `errno_boundary`: whatever one request raises becomes an
+errno for that request alone (unexpected exceptions: EIO and a log line), so no input
+can stop the daemon. New files and directories are private (`PRIVATE_MASK`) until
+their owner chmods them; objects made for a request are charged to its uid (`owner`).
 """
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import os
 import stat
+import traceback
 
 import pyfuse3
 import trio
 
+from kvfsd.backend import PreddError
 from kvfsd.caches import Caches, fuse_error
 from kvfsd.handles import Handle
-from kvfsd.namespace import COMPUTED_XATTRS, Namespace, Node
+from kvfsd import xattrs
+from kvfsd.namespace import Namespace
+from kvfsd.node import Node
 from liblip import descriptor
 
 ENTRY_TIMEOUT = 1.0
 DIR_ATTR_TIMEOUT = 1.0
 FILE_ATTR_TIMEOUT = 0.0      # st_blocks and mtime follow the cache as LIPs extend it
 BLOCK = 512
+PRIVATE_MASK = 0o077      # new files 0600, new directories 0700 (then chmod as wanted)
+
+
+def errno_boundary(fn):
+    """Wrap a FUSE handler: a FUSEError passes, OSError and predd errors become their
+    errno, anything else EIO with a log line (where, never the message: it could hold a
+    capability). Cancellation (BaseException) still propagates."""
+    @functools.wraps(fn)
+    async def handler(self, *args):
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except (OSError, PreddError) as exc:
+            raise fuse_error(exc) from None
+        except Exception as exc:
+            self.log(f"{fn.__name__}: {_where(exc)}; answered EIO")
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return handler
+
+
+def _where(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    return f"unexpected {type(exc).__name__}{at}"
 
 
 class KvFs(pyfuse3.Operations):
@@ -42,19 +77,20 @@ class KvFs(pyfuse3.Operations):
         self.ns: Namespace = caches.ns
         self.predd = caches.predd
         self.log = caches.log
-        self.handles: dict[int, Handle] = {}
+        self.handles: dict[int, Handle] = caches.handles
         self._fhs = itertools.count(1)
 
-    def save(self) -> None:
-        self.caches.save()
+    async def commit(self) -> None:
+        """Record the namespace change just made in the state directory."""
+        await self.caches.commit()
 
     # ------------------------------------------------------------ attributes
 
     def _size(self, node: Node) -> int:
         if node.is_file:
-            model = self.predd.info.get("model", "")
-            return len(descriptor.Descriptor("0" * 32, "r", node.tokens, node.pages,
-                                             model).encode())
+            model = str(self.predd.info.get("model", ""))
+            return len(descriptor.render("0" * 32, "r", node.tokens, node.pages,
+                                         model).encode())
         if node.is_symlink:
             return len(node.target)
         return 4096
@@ -79,10 +115,7 @@ class KvFs(pyfuse3.Operations):
         return a
 
     def _node(self, ino: int) -> Node:
-        try:
-            return self.ns.get(ino)
-        except OSError as exc:
-            raise fuse_error(exc) from None
+        return self.ns.get(ino)
 
     def _handle(self, fh: int) -> Handle:
         handle = self.handles.get(fh)
@@ -92,28 +125,29 @@ class KvFs(pyfuse3.Operations):
 
     # ------------------------------------------------------------ lookups and attributes
 
+    @errno_boundary
     async def lookup(self, parent_inode, name, ctx):
-        try:
-            node = self.ns.lookup(parent_inode, name)
-        except OSError as exc:
-            raise fuse_error(exc) from None
+        node = self.ns.lookup(parent_inode, name)
         node.lookups += 1
         return self._attr(node)
 
     async def forget(self, inode_list):
+        # No reply to send: nothing may escape, whatever happens.
         for ino, n in inode_list:
-            node = self.ns.forget(ino, n)
-            if node is not None and node.lookups == 0:
-                try:
+            try:
+                node = self.ns.forget(ino, n)
+                if node is not None and node.lookups == 0:
                     await self.caches.maybe_free(node)
-                except Exception as exc:   # forget must not raise
-                    self.log(f"forget {ino}: {exc}")
+            except Exception as exc:
+                self.log(f"forget {ino}: {_where(exc)}")
 
+    @errno_boundary
     async def getattr(self, inode, ctx):
         node = self._node(inode)
         await self.caches.refresh(node)
         return self._attr(node)
 
+    @errno_boundary
     async def setattr(self, inode, attr, fields, fh, ctx):
         node = self._node(inode)
         if fields.update_size:
@@ -125,33 +159,32 @@ class KvFs(pyfuse3.Operations):
                     self.handles[fh].truncate = False
             elif attr.st_size != self._size(node):
                 raise pyfuse3.FUSEError(errno.EINVAL)   # only emptying has a meaning
-        try:
-            if fields.update_mode:
-                self.ns.chmod(node, attr.st_mode)
-            if fields.update_uid or fields.update_gid:
-                self.ns.chown(node, attr.st_uid if fields.update_uid else None,
-                              attr.st_gid if fields.update_gid else None)
-        except OSError as exc:
-            raise fuse_error(exc) from None
+        if fields.update_mode:
+            self.ns.chmod(node, attr.st_mode)
+        if fields.update_uid or fields.update_gid:
+            self.ns.chown(node, attr.st_uid if fields.update_uid else None,
+                          attr.st_gid if fields.update_gid else None)
         if fields.update_atime:
             node.atime_ns = attr.st_atime_ns
         if fields.update_mtime:
             node.mtime_ns = attr.st_mtime_ns
         node.touch(mtime=False)
-        self.save()
+        await self.commit()
         return self._attr(node)
 
+    @errno_boundary
     async def readlink(self, inode, ctx):
         node = self._node(inode)
         if not node.is_symlink:
             raise pyfuse3.FUSEError(errno.EINVAL)
         return node.target
 
+    @errno_boundary
     async def statfs(self, ctx):
         if self.predd.up:
             try:
                 self.predd.stats = await self.predd.call("stats", timeout=2.0)
-            except Exception:
+            except PreddError:
                 pass                       # the last figures seen
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = int(self.predd.info.get("bytes_per_page", 0)) or 4096
@@ -164,131 +197,121 @@ class KvFs(pyfuse3.Operations):
 
     # ------------------------------------------------------------ directories
 
+    @errno_boundary
     async def opendir(self, inode, ctx):
-        try:
-            self.ns.dir(inode)
-        except OSError as exc:
-            raise fuse_error(exc) from None
+        self.ns.dir(inode)
         return inode
 
+    @errno_boundary
     async def readdir(self, fh, start_id, token):
-        try:
-            rows = self.ns.listdir(fh, start_id)
-        except OSError:
-            return
-        for pos, name, node in rows:
+        for pos, name, node in self.ns.listdir(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, self._attr(node), pos):
                 return
             if name not in (b".", b".."):
                 node.lookups += 1
 
+    @errno_boundary
     async def releasedir(self, fh):
         pass
 
+    @errno_boundary
     async def fsyncdir(self, fh, datasync):
-        self.caches.save(durable=True)
+        await self.commit()
 
     def _new_node(self, parent, name, mode, ctx, target=b"") -> Node:
-        try:
-            node = self.ns.add(parent, name, mode, ctx.uid, ctx.gid, target)
-        except OSError as exc:
-            raise fuse_error(exc) from None
+        node = self.ns.add(parent, name, mode, ctx.uid, ctx.gid, target)
         node.lookups += 1
         return node
 
+    @errno_boundary
     async def mkdir(self, parent_inode, name, mode, ctx):
-        node = self._new_node(parent_inode, name,
-                              stat.S_IFDIR | (mode & ~ctx.umask & 0o7777), ctx)
-        self.save()
+        node = self._new_node(parent_inode, name, stat.S_IFDIR | _new_mode(mode, ctx), ctx)
+        await self.commit()
         return self._attr(node)
 
+    @errno_boundary
     async def symlink(self, parent_inode, name, target, ctx):
         node = self._new_node(parent_inode, name, stat.S_IFLNK | 0o777, ctx, target)
-        self.save()
+        await self.commit()
         return self._attr(node)
 
+    @errno_boundary
     async def rmdir(self, parent_inode, name, ctx):
-        try:
-            node = self.ns.rmdir(parent_inode, name)
-        except OSError as exc:
-            raise fuse_error(exc) from None
-        self.save()
+        node = self.ns.rmdir(parent_inode, name)
+        await self.commit()
         self.ns.collect(node)
 
+    @errno_boundary
     async def unlink(self, parent_inode, name, ctx):
-        try:
-            node = self.ns.unlink(parent_inode, name)
-        except OSError as exc:
-            raise fuse_error(exc) from None
-        self.save()
+        node = self.ns.unlink(parent_inode, name)
+        await self.commit()
         await self.caches.maybe_free(node)
 
+    @errno_boundary
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        try:
-            displaced = self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new,
-                                       noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE),
-                                       exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))
-        except OSError as exc:
-            raise fuse_error(exc) from None
-        self.save()
+        displaced = self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new,
+                                   noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE),
+                                   exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))
+        await self.commit()
         if displaced is not None:
             await self.caches.maybe_free(displaced)
 
+    @errno_boundary
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        try:
-            node = self.ns.link(inode, new_parent_inode, new_name)
-        except OSError as exc:
-            raise fuse_error(exc) from None
+        node = self.ns.link(inode, new_parent_inode, new_name)
         node.lookups += 1
-        self.save()
+        await self.commit()
         return self._attr(node)
 
     # ------------------------------------------------------------ cache files
 
     async def _create_node(self, parent, name, mode, ctx) -> Node:
+        self.ns.check_new(parent, name, ctx.uid)          # before predd makes anything
+        reply = await self.caches.create(owner=ctx.uid)
         try:
-            self.ns.check_new(parent, name)
-        except OSError as exc:
-            raise fuse_error(exc) from None
-        reply = await self.caches.create()
-        try:
-            node = self._new_node(parent, name, stat.S_IFREG | (mode & ~ctx.umask & 0o7777),
-                                  ctx)
-        except pyfuse3.FUSEError:
+            node = self._new_node(parent, name, stat.S_IFREG | _new_mode(mode, ctx), ctx)
+        except OSError:
             await self.caches.free(reply["cap"])     # lost a race for the name
             raise
         node.cap = reply["cap"]
         self.caches.seen(node, reply)
-        self.save()
+        await self.commit()
         return node
 
+    @errno_boundary
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
         if not stat.S_ISREG(mode):
             raise pyfuse3.FUSEError(errno.EPERM)
         return self._attr(await self._create_node(parent_inode, name, mode, ctx))
 
+    @errno_boundary
     async def create(self, parent_inode, name, mode, flags, ctx):
         node = await self._create_node(parent_inode, name, mode, ctx)
-        return await self._open(node, flags), self._attr(node)
+        return await self._open(node, flags, ctx), self._attr(node)
 
+    @errno_boundary
     async def open(self, inode, flags, ctx):
         node = self._node(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
-        return await self._open(node, flags)
+        return await self._open(node, flags, ctx)
 
-    async def _open(self, node: Node, flags: int) -> pyfuse3.FileInfo:
-        handle = Handle(next(self._fhs), node, flags)
+    async def _open(self, node: Node, flags: int, ctx) -> pyfuse3.FileInfo:
+        if not node.is_file:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        handle = Handle(next(self._fhs), node, flags, uid=ctx.uid)
         if handle.readable:
             await self.caches.grant(handle)
         if handle.writable and flags & os.O_TRUNC:
             if not self.predd.up:   # fail here, where the shell reports it
+                await self.caches.revoke(handle)
                 raise pyfuse3.FUSEError(errno.EIO)
             handle.truncate = True
         self.handles[handle.fh] = handle
         node.opens += 1
         return pyfuse3.FileInfo(fh=handle.fh, direct_io=True, keep_cache=False)
 
+    @errno_boundary
     async def read(self, fh, off, size):
         handle = self._handle(fh)
         if handle.node.opens > 1:
@@ -303,23 +326,27 @@ class KvFs(pyfuse3.Operations):
         except Exception:   # the kernel may have forgotten the inode: nothing to drop
             pass
 
+    @errno_boundary
     async def write(self, fh, off, buf):
         handle = self._handle(fh)
         try:
-            handle.accept(off, bytes(buf))
+            handle.accept(off, buf)
         except pyfuse3.FUSEError:
             await self.caches.restore_backup(handle)
             raise
         return len(buf)
 
+    @errno_boundary
     async def flush(self, fh):
         await self.caches.apply(self._handle(fh))
 
+    @errno_boundary
     async def release(self, fh):
         handle = self.handles.pop(fh, None)
         if handle is not None:
             await self.caches.release(handle)
 
+    @errno_boundary
     async def fsync(self, fh, datasync):
         handle = self._handle(fh)
         if handle.pending:
@@ -327,41 +354,40 @@ class KvFs(pyfuse3.Operations):
         await self.caches.snapshot(handle.node)
 
     async def release_all(self) -> None:
-        handles, self.handles = list(self.handles.values()), {}
+        handles = list(self.handles.values())
+        self.handles.clear()
         await self.caches.release_all(handles)
 
     # ------------------------------------------------------------ xattrs
 
+    @errno_boundary
     async def getxattr(self, inode, name, ctx):
         node = self._node(inode)
-        if node.is_file and name in COMPUTED_XATTRS:
+        if node.is_file and name in xattrs.COMPUTED:
             await self.caches.refresh(node, strict=True)
             info = self.predd.info
             value = {b"user.kv.tokens": node.tokens, b"user.kv.bytes": node.bytes,
                      b"user.kv.pages": node.pages, b"user.kv.model": info.get("model", ""),
                      b"user.kv.tier": info.get("device", "")}[name]
             return str(value).encode()
-        try:
-            return self.ns.getxattr(node, name)
-        except OSError as exc:
-            raise fuse_error(exc) from None
+        return self.ns.getxattr(node, name)
 
+    @errno_boundary
     async def listxattr(self, inode, ctx):
         node = self._node(inode)
-        return (list(COMPUTED_XATTRS) if node.is_file else []) + list(node.xattrs)
+        return (list(xattrs.COMPUTED) if node.is_file else []) + list(node.xattrs)
 
+    @errno_boundary
     async def setxattr(self, inode, name, value, ctx):
-        node = self._node(inode)
-        try:
-            self.ns.setxattr(node, name, value)
-        except OSError as exc:
-            raise fuse_error(exc) from None
-        self.save()
+        self.ns.setxattr(self._node(inode), name, value)
+        await self.commit()
 
+    @errno_boundary
     async def removexattr(self, inode, name, ctx):
-        node = self._node(inode)
-        try:
-            self.ns.removexattr(node, name)
-        except OSError as exc:
-            raise fuse_error(exc) from None
-        self.save()
+        self.ns.removexattr(self._node(inode), name)
+        await self.commit()
+
+
+def _new_mode(mode: int, ctx) -> int:
+    """Permission bits of a new file or directory: the creator's umask, and private."""
+    return mode & ~ctx.umask & ~PRIVATE_MASK & 0o7777

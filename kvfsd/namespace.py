@@ -11,90 +11,75 @@ Lifetime rules (POSIX):
   (`lookups == 0`, `collectable`); until then `getattr` on it still answers.
 * `lookups` and `opens` are runtime state: they are never persisted. Only linked nodes
   (reachable from the root) are written to the state directory.
+
+Changes are journaled for incremental persistence: assigning any persisted field of a
+node marks it dirty (`Node.__setattr__`), and every change to a directory's entries
+marks that (directory, name) dirty; `take_changes` hands both over, so the state
+directory is written in O(changes), never O(namespace). In-place changes to `xattrs`
+and `entries` are always followed by `touch()`, which marks the node too.
+
+Bounds (what one local user can make kvfsd hold): every name is charged to the uid
+owning the node it names (a file with three links costs three); a uid other than 0
+holding `names_per_uid` names gets EDQUOT. In `user.kv.*` only `pin` and `ttl` may be
+set (files only); a node may also carry a few short application attributes of its own
+(see kvfsd/xattrs.py). So a node's state is bounded, and with it a uid's.
 """
 from __future__ import annotations
 
-import base64
 import errno
 import stat
-import time
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-ROOT = 1
+from kvfsd import xattrs
+from kvfsd.node import ROOT, Node, node_from_dict, node_row, node_to_dict, now_ns, show
+
 NAME_MAX = 255
 ROOT_MODE = stat.S_IFDIR | 0o1777
 FORMAT = 1
 
-# Read-only xattrs computed from predd's kv_stat (files only), and settable policy ones.
-COMPUTED_XATTRS = (b"user.kv.tokens", b"user.kv.bytes", b"user.kv.pages",
-                   b"user.kv.model", b"user.kv.tier")
-POLICY_XATTRS = (b"user.kv.pin", b"user.kv.ttl")
-XATTR_SIZE_MAX = 64 * 1024
+NAMES_PER_UID = 4096           # default bound on the names one uid may own (0: none)
 
 
-def now_ns() -> int:
-    return time.time_ns()
+@dataclass
+class Changes:
+    """What changed since the last `take_changes`: node rows to write (`rows`, JSON-able,
+    without entries), inodes no longer linked (`gone`), directory entries as
+    (directory, name, inode or None when removed, readdir position), and every inode
+    touched (`inos`)."""
+    rows: list[dict]
+    gone: list[int]
+    entries: list[tuple[int, bytes, int | None, int | None]]
+    inos: set[int]
+
+    def __bool__(self) -> bool:
+        return bool(self.inos or self.entries)
 
 
 def _err(code: int, what: str = "") -> OSError:
     return OSError(code, f"{errno.errorcode[code]}{': ' if what else ''}{what}")
 
 
-@dataclass
-class Node:
-    ino: int
-    mode: int                  # st_mode, type bits included
-    uid: int
-    gid: int
-    atime_ns: int
-    mtime_ns: int
-    ctime_ns: int
-    nlink: int = 0
-    xattrs: dict[bytes, bytes] = field(default_factory=dict)
-    # directories
-    entries: dict[bytes, int] | None = None     # name -> inode
-    order: dict[bytes, int] | None = None       # name -> readdir position (stable)
-    next_pos: int = 3                           # 1 and 2 are "." and ".."
-    parent: int = ROOT
-    # symbolic links
-    target: bytes = b""
-    # cache files: predd's view, as last seen
-    cap: str | None = None     # persistent capability; a secret, never logged
-    tokens: int = 0
-    pages: int = 0
-    bytes: int = 0
-    snapshot: str | None = None   # file name of the last fsync'd snapshot in the state dir
-    # runtime only
-    lookups: int = 0
-    opens: int = 0
-
-    @property
-    def is_dir(self) -> bool:
-        return stat.S_ISDIR(self.mode)
-
-    @property
-    def is_file(self) -> bool:
-        return stat.S_ISREG(self.mode)
-
-    @property
-    def is_symlink(self) -> bool:
-        return stat.S_ISLNK(self.mode)
-
-    def touch(self, *, mtime: bool = True) -> None:
-        t = now_ns()
-        self.ctime_ns = t
-        if mtime:
-            self.mtime_ns = t
-
-
 class Namespace:
-    def __init__(self, root_uid: int = 0, root_gid: int = 0) -> None:
+    def __init__(self, root_uid: int = 0, root_gid: int = 0,
+                 names_per_uid: int = NAMES_PER_UID) -> None:
         t = now_ns()
         root = Node(ROOT, ROOT_MODE, root_uid, root_gid, t, t, t, nlink=2,
                     entries={}, order={}, parent=ROOT)
-        self.nodes: dict[int, Node] = {ROOT: root}
+        self.nodes: dict[int, Node] = {}
         self.next_ino = ROOT + 1
+        self.names_per_uid = names_per_uid
+        self.names_of_uid: Counter[int] = Counter()   # names charged to each uid
+        self.dirty: set[int] = set()                        # journal: inodes ...
+        self.dirty_entries: set[tuple[int, bytes]] = set()  # ... and directory entries
+        self.lost_caps: list[str] = []    # caches of unreachable nodes dropped at load
+        self._adopt(root)
+
+    def _adopt(self, node: Node) -> None:
+        self.nodes[node.ino] = node
+        node.journal = self.dirty
+        self.dirty.add(node.ino)
 
     # ------------------------------------------------------------ lookups
 
@@ -121,17 +106,23 @@ class Namespace:
             return self.get(d.parent)
         ino = d.entries.get(name)
         if ino is None:
-            raise _err(errno.ENOENT, _show(name))
+            raise _err(errno.ENOENT, show(name))
         return self.nodes[ino]
 
-    def listdir(self, ino: int, after: int = 0) -> list[tuple[int, bytes, Node]]:
+    def listdir(self, ino: int, after: int = 0) -> Iterator[tuple[int, bytes, Node]]:
         """(position, name, node) of the entries past `after`, in a stable order, with
-        "." and ".." at positions 1 and 2."""
+        "." and ".." at positions 1 and 2. Lazy, and without sorting: a directory's
+        `order` is kept in increasing position order (names are only ever appended),
+        so a readdir batch costs what it returns plus a skip, not a sort of the whole
+        directory. Do not change the directory while iterating."""
         d = self.dir(ino)
-        rows = [(1, b".", d), (2, b"..", self.get(d.parent))]
-        rows += sorted(((d.order[n], n, self.nodes[i]) for n, i in d.entries.items()),
-                       key=lambda row: row[0])
-        return [row for row in rows if row[0] > after]
+        if after < 1:
+            yield 1, b".", d
+        if after < 2:
+            yield 2, b"..", self.get(d.parent)
+        for name, pos in d.order.items():
+            if pos > after:
+                yield pos, name, self.nodes[d.entries[name]]
 
     def files(self) -> Iterator[Node]:
         """Linked cache files."""
@@ -150,8 +141,13 @@ class Namespace:
         if not names:
             return "?"
         parent, name = names[0]
-        head = "" if parent == ROOT else self.path_of(parent)
-        return f"{head}/{_show(name)}"
+        parts = [show(name)]
+        while parent != ROOT:            # directories have one name and know their parent
+            d = self.nodes[parent]
+            up = self.nodes[d.parent]
+            parts.append(next((show(n) for n, i in up.entries.items() if i == parent), "?"))
+            parent = up.ino
+        return "/" + "/".join(reversed(parts))
 
     # ------------------------------------------------------------ creating
 
@@ -161,15 +157,30 @@ class Namespace:
         if len(name) > NAME_MAX:
             raise _err(errno.ENAMETOOLONG)
         if name in d.entries:
-            raise _err(errno.EEXIST, _show(name))
+            raise _err(errno.EEXIST, show(name))
 
-    def check_new(self, parent: int, name: bytes) -> None:
+    def check_new(self, parent: int, name: bytes, uid: int | None = None) -> None:
+        """EINVAL/ENAMETOOLONG/EEXIST for a bad name, EDQUOT when `uid` may not own one
+        more name: what `add` would refuse, checked before predd is asked for a cache."""
         self._check_new(self.dir(parent), name)
+        if uid is not None:
+            self._check_quota(uid)
+
+    def _check_quota(self, uid: int) -> None:
+        limit = self.names_per_uid
+        if limit and uid != 0 and self.names_of_uid[uid] >= limit:
+            raise _err(errno.EDQUOT, f"uid {uid} owns {limit} names already")
+
+    def _charge(self, node: Node, n: int) -> None:
+        self.names_of_uid[node.uid] += n
+        if self.names_of_uid[node.uid] <= 0:
+            del self.names_of_uid[node.uid]
 
     def _insert(self, d: Node, name: bytes, node: Node) -> None:
         d.entries[name] = node.ino
         d.order[name] = d.next_pos
         d.next_pos += 1
+        self.dirty_entries.add((d.ino, name))
         d.touch()
 
     def add(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
@@ -177,6 +188,7 @@ class Namespace:
         """A new file, directory or symlink `name` in `parent` (mode includes the type)."""
         d = self.dir(parent)
         self._check_new(d, name)
+        self._check_quota(uid)
         kind = stat.S_IFMT(mode)
         if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
             raise _err(errno.EPERM, "only files, directories and symlinks")
@@ -191,8 +203,9 @@ class Namespace:
         if kind == stat.S_IFDIR:
             node.nlink, node.entries, node.order, node.parent = 2, {}, {}, d.ino
             d.nlink += 1
-        self.nodes[node.ino] = node
+        self._adopt(node)
         self._insert(d, name, node)
+        self._charge(node, 1)
         return node
 
     def link(self, ino: int, parent: int, name: bytes) -> Node:
@@ -203,8 +216,10 @@ class Namespace:
             raise _err(errno.ENOENT, "file was removed")
         d = self.dir(parent)
         self._check_new(d, name)
+        self._check_quota(node.uid)
         self._insert(d, name, node)
         node.nlink += 1
+        self._charge(node, 1)
         node.touch(mtime=False)
         return node
 
@@ -213,12 +228,14 @@ class Namespace:
     def _detach(self, d: Node, name: bytes) -> Node:
         node = self.nodes[d.entries.pop(name)]
         del d.order[name]
+        self.dirty_entries.add((d.ino, name))
         d.touch()
         if node.is_dir:
             node.nlink = 0
             d.nlink -= 1
         else:
             node.nlink -= 1
+        self._charge(node, -1)
         node.touch(mtime=False)
         return node
 
@@ -258,10 +275,11 @@ class Namespace:
         other = self.nodes[other_ino] if other_ino is not None else None
         if exchange:
             if other is None:
-                raise _err(errno.ENOENT, _show(new_name))
+                raise _err(errno.ENOENT, show(new_name))
             if other.is_dir and self._is_within(src_dir.ino, other.ino):
                 raise _err(errno.EINVAL, "a directory cannot move into itself")
             src_dir.entries[old_name], dst_dir.entries[new_name] = other.ino, node.ino
+            self.dirty_entries |= {(src_dir.ino, old_name), (dst_dir.ino, new_name)}
             for n, d in ((node, dst_dir), (other, src_dir)):
                 if n.is_dir and n.parent != d.ino:
                     self.nodes[n.parent].nlink -= 1
@@ -275,7 +293,7 @@ class Namespace:
             if other.ino == node.ino:
                 return None          # two links to one file: POSIX says do nothing
             if noreplace:
-                raise _err(errno.EEXIST, _show(new_name))
+                raise _err(errno.EEXIST, show(new_name))
             if node.is_dir and not other.is_dir:
                 raise _err(errno.ENOTDIR)
             if not node.is_dir and other.is_dir:
@@ -284,6 +302,7 @@ class Namespace:
                 raise _err(errno.ENOTEMPTY)
             self._detach(dst_dir, new_name)
         del src_dir.entries[old_name], src_dir.order[old_name]
+        self.dirty_entries.add((src_dir.ino, old_name))
         self._insert(dst_dir, new_name, node)
         if node.is_dir and src_dir is not dst_dir:
             src_dir.nlink -= 1
@@ -328,6 +347,7 @@ class Namespace:
         if node.ino != ROOT and node.nlink == 0 and node.opens == 0 and node.lookups == 0 \
                 and node.cap is None:
             self.nodes.pop(node.ino, None)
+            self.dirty.add(node.ino)
             return True
         return False
 
@@ -338,41 +358,85 @@ class Namespace:
         node.touch(mtime=False)
 
     def chown(self, node: Node, uid: int | None, gid: int | None) -> None:
-        if uid is not None:
+        """(The kernel lets only root give a file away; root may exceed a uid's bound.)"""
+        if uid is not None and uid != node.uid:
+            names = self._names(node)
+            self._charge(node, -names)
             node.uid = uid
+            self._charge(node, names)
         if gid is not None:
             node.gid = gid
         node.touch(mtime=False)
+
+    @staticmethod
+    def _names(node: Node) -> int:
+        """How many names `node` has (a directory has at most one)."""
+        if node.is_dir:
+            return 1 if node.nlink > 0 and node.ino != ROOT else 0
+        return node.nlink
 
     # ------------------------------------------------------------ xattrs
 
     def getxattr(self, node: Node, name: bytes) -> bytes:
         value = node.xattrs.get(name)
         if value is None:
-            raise _err(errno.ENODATA, _show(name))
+            raise _err(errno.ENODATA, show(name))
         return value
 
     def setxattr(self, node: Node, name: bytes, value: bytes) -> None:
-        check_xattr(name, value)
+        xattrs.check(name, value)
+        xattrs.check_room(node.xattrs, name, node.is_file)
         node.xattrs[name] = bytes(value)
+        self.dirty.add(node.ino)              # changed in place: journal it explicitly
         node.touch(mtime=False)
 
     def removexattr(self, node: Node, name: bytes) -> None:
-        if name in COMPUTED_XATTRS:
-            raise _err(errno.EPERM, f"{_show(name)} is read-only")
+        if name in xattrs.COMPUTED:
+            raise _err(errno.EPERM, f"{show(name)} is read-only")
         if name not in node.xattrs:
-            raise _err(errno.ENODATA, _show(name))
+            raise _err(errno.ENODATA, show(name))
         del node.xattrs[name]
+        self.dirty.add(node.ino)
         node.touch(mtime=False)
 
     # ------------------------------------------------------------ persistence
+
+    def linked(self, node: Node) -> bool:
+        """Reachable from the root (a removed directory is empty, so nlink tells)."""
+        return node.ino == ROOT or node.nlink > 0
+
+    def take_changes(self) -> Changes:
+        """The journal since the last call (then cleared), as rows to write."""
+        inos, names = set(self.dirty), set(self.dirty_entries)
+        self.dirty.clear()              # in place: every node holds this set
+        self.dirty_entries.clear()
+        rows, gone = [], []
+        for ino in sorted(inos):
+            node = self.nodes.get(ino)
+            if node is not None and self.linked(node):
+                rows.append(node_row(node))
+            else:
+                gone.append(ino)
+        entries = []
+        for d_ino, name in sorted(names):
+            d = self.nodes.get(d_ino)
+            ino = pos = None
+            if d is not None and d.is_dir and self.linked(d) and name in d.entries:
+                ino, pos = d.entries[name], d.order[name]
+            entries.append((d_ino, name, ino, pos))
+        return Changes(rows, gone, entries, inos)
+
+    def untake(self, changes: Changes) -> None:
+        """A write of `changes` failed: journal them again, to be written next time."""
+        self.dirty |= changes.inos
+        self.dirty_entries |= {(d, name) for d, name, _, _ in changes.entries}
 
     def to_dict(self) -> dict:
         """The linked part of the namespace as JSON-able data (capabilities included:
         the caller writes it where only root can read)."""
         reachable = self._reachable()
         return {"format": FORMAT, "next_ino": self.next_ino,
-                "nodes": [_node_to_dict(self.nodes[i]) for i in sorted(reachable)]}
+                "nodes": [node_to_dict(self.nodes[i]) for i in sorted(reachable)]}
 
     def _reachable(self) -> set[int]:
         seen, todo = {ROOT}, [ROOT]
@@ -385,95 +449,55 @@ class Namespace:
         return seen
 
     @classmethod
-    def from_dict(cls, doc: dict) -> Namespace:
+    def from_dict(cls, doc: dict, names_per_uid: int = NAMES_PER_UID) -> Namespace:
+        """The namespace `to_dict` (or the state directory) wrote. Only what the root
+        reaches is kept; nlink, readdir order and parents are derived, not trusted."""
         if doc.get("format") != FORMAT:
             raise ValueError(f"unknown namespace format {doc.get('format')!r}")
-        ns = cls()
+        ns = cls(names_per_uid=names_per_uid)
         ns.nodes = {}
         for raw in doc["nodes"]:
-            node = _node_from_dict(raw)
+            node = node_from_dict(raw)
             ns.nodes[node.ino] = node
-        if ROOT not in ns.nodes:
+        if ROOT not in ns.nodes or not ns.nodes[ROOT].is_dir:
             raise ValueError("namespace has no root")
         ns.next_ino = max(int(doc["next_ino"]), max(ns.nodes) + 1)
-        # nlink and readdir order are derived, not trusted from the file.
-        for node in ns.nodes.values():
-            if not node.is_dir:
-                node.nlink = 0
-        for d in ns.nodes.values():
-            if d.is_dir:
-                d.nlink = 2
-                d.order = {name: pos for pos, name in enumerate(d.entries, start=3)}
-                d.next_pos = len(d.entries) + 3
-        for d in list(ns.nodes.values()):
-            if not d.is_dir:
-                continue
+        # Walk from the root. An entry naming nothing, the root, or a directory already
+        # named elsewhere (a state cut short by a crash) is dropped.
+        dropped: set[tuple[int, bytes]] = set()
+        reached, todo = {ROOT}, [ROOT]
+        while todo:
+            d = ns.nodes[todo.pop()]
             for name, ino in list(d.entries.items()):
                 child = ns.nodes.get(ino)
-                if child is None:
-                    del d.entries[name], d.order[name]
-                elif child.is_dir:
+                if child is None or (child.is_dir and ino in reached):
+                    del d.entries[name]
+                    dropped.add((d.ino, name))
+                    continue
+                if child.is_dir:
                     child.parent = d.ino
-                    d.nlink += 1
-                else:
-                    child.nlink += 1
+                    todo.append(ino)
+                reached.add(ino)
+        for ino in set(ns.nodes) - reached:       # unreachable: its cache is to be freed
+            node = ns.nodes.pop(ino)
+            if node.cap is not None:
+                ns.lost_caps.append(node.cap)
+        for node in ns.nodes.values():
+            node.nlink = 2 if node.is_dir else 0
+        for d in ns.nodes.values():
+            if d.is_dir:
+                d.order = {name: pos for pos, name in enumerate(d.entries, start=3)}
+                d.next_pos = len(d.entries) + 3
+                for ino in d.entries.values():
+                    child = ns.nodes[ino]
+                    if child.is_dir:
+                        d.nlink += 1
+                    else:
+                        child.nlink += 1
+        for node in ns.nodes.values():
+            node.journal = ns.dirty
+            ns._charge(node, ns._names(node))
+        ns.dirty.clear()                          # what was read is what is stored ...
+        ns.dirty |= {int(raw["ino"]) for raw in doc["nodes"]} - set(ns.nodes)
+        ns.dirty_entries |= dropped               # ... but for what was dropped
         return ns
-
-
-def check_xattr(name: bytes, value: bytes) -> None:
-    """Whether `name` may be set to `value` on a cache file (OSError if not)."""
-    if not name.startswith(b"user."):
-        raise _err(errno.EOPNOTSUPP, "only user.* attributes")
-    if name in COMPUTED_XATTRS:
-        raise _err(errno.EPERM, f"{_show(name)} is read-only")
-    if len(value) > XATTR_SIZE_MAX:
-        raise _err(errno.E2BIG)
-    if name == b"user.kv.pin" and value.strip() not in (b"0", b"1"):
-        raise _err(errno.EINVAL, "user.kv.pin is 0 or 1")
-    if name == b"user.kv.ttl":
-        text = value.strip()
-        if not text.isdigit():
-            raise _err(errno.EINVAL, "user.kv.ttl is a whole number of seconds")
-
-
-def _show(name: bytes) -> str:
-    return name.decode("utf-8", "backslashreplace")
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _node_to_dict(n: Node) -> dict:
-    out = {"ino": n.ino, "mode": n.mode, "uid": n.uid, "gid": n.gid,
-           "atime_ns": n.atime_ns, "mtime_ns": n.mtime_ns, "ctime_ns": n.ctime_ns}
-    if n.xattrs:
-        out["xattrs"] = {_b64(k): _b64(v) for k, v in n.xattrs.items()}
-    if n.is_dir:
-        out["entries"] = [[_b64(name), ino] for name, ino in
-                          sorted(n.entries.items(), key=lambda kv: n.order[kv[0]])]
-    elif n.is_symlink:
-        out["target"] = _b64(n.target)
-    else:
-        out.update(cap=n.cap, tokens=n.tokens, pages=n.pages, bytes=n.bytes,
-                   snapshot=n.snapshot)
-    return out
-
-
-def _node_from_dict(raw: dict) -> Node:
-    node = Node(int(raw["ino"]), int(raw["mode"]), int(raw["uid"]), int(raw["gid"]),
-                int(raw["atime_ns"]), int(raw["mtime_ns"]), int(raw["ctime_ns"]))
-    node.xattrs = {base64.b64decode(k): base64.b64decode(v)
-                   for k, v in raw.get("xattrs", {}).items()}
-    if node.is_dir:
-        node.entries = {base64.b64decode(name): int(ino) for name, ino in raw["entries"]}
-        node.order = {}
-    elif node.is_symlink:
-        node.target = base64.b64decode(raw.get("target", ""))
-    else:
-        node.cap = raw.get("cap")
-        node.tokens = int(raw.get("tokens", 0))
-        node.pages = int(raw.get("pages", 0))
-        node.bytes = int(raw.get("bytes", 0))
-        node.snapshot = raw.get("snapshot")
-    return node

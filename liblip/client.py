@@ -6,6 +6,10 @@ thread fills with the replies (several for a stream). The I/O thread also keeps 
 session's lease alive, and fails every waiting call with EIO when predd is unreachable
 (not connected for `dead_after_s`) or hung (connected but silent for `silent_after_s`)
 — a LIP never hangs on a dead predd, and a busy one is not mistaken for dead.
+
+Identity: on ipc predd learns the uid from the kernel; `hello` declares os.getuid() only
+as a check (predd answers EPERM on a mismatch). On tcp the uid comes from a token
+(`token=` or $SYMPHONY_TOKEN) when predd has --auth-keys, else the session is nobody.
 """
 from __future__ import annotations
 
@@ -22,11 +26,23 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from liblip.protocol import ProtocolError, default_addr, encode_request
+from liblip.protocol import ProtocolError, default_addr, default_token, encode_request
 
 
 class LipError(ProtocolError):
     """An error from predd, kvfsd or liblip itself; `.code` is the errno name."""
+
+
+def _uid_is_the_kernels() -> bool:
+    """Whether os.getuid() is the uid predd sees: not inside a user namespace that
+    maps uids (there SO_PEERCRED reports the outer uid, and a declared one would not
+    match). Unreadable /proc: assume no mapping."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            lines = f.read().split()
+    except OSError:
+        return True
+    return lines in ([], ["0", "0", "4294967295"])
 
 
 _STOP = object()
@@ -35,7 +51,7 @@ _STOP = object()
 class Client:
     def __init__(self, addr: str | None = None, lease_s: float = 10.0,
                  name: str | None = None, dead_after_s: float = 3.0,
-                 silent_after_s: float = 120.0) -> None:
+                 silent_after_s: float = 120.0, token: str | None = None) -> None:
         self.addr = addr or default_addr()
         self.lease_s = lease_s
         self.dead_after_s = dead_after_s
@@ -53,10 +69,15 @@ class Client:
         self._closed = False
         self._thread = threading.Thread(target=self._io, name="liblip-io", daemon=True)
         self._thread.start()
+        hello = {"pid": os.getpid(), "lease_s": lease_s,
+                 "client": name or os.path.basename(sys.argv[0] or "lip")}
+        if self.addr.startswith("ipc://") and _uid_is_the_kernels():
+            hello["uid"] = os.getuid()
+        token = default_token() if token is None else token
+        if token:
+            hello["token"] = token
         try:
-            self.session = self.call("hello", pid=os.getpid(), uid=os.getuid(),
-                                     client=name or os.path.basename(sys.argv[0] or "lip"),
-                                     lease_s=lease_s)
+            self.session = self.call("hello", **hello)
         except BaseException:
             self._shutdown()   # no I/O thread or context left behind
             raise

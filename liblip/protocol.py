@@ -393,3 +393,9 @@ def default_addr(rundir: str | None = None) -> str:
 def default_mount() -> str:
     import os
     return os.environ.get("KVFS_MOUNT", "/mnt/kvfs")
+
+
+def default_token() -> str:
+    """$SYMPHONY_TOKEN: the secret a tcp:// client names its uid with (predd --auth-keys)."""
+    import os
+    return os.environ.get("SYMPHONY_TOKEN", "")

@@ -3,9 +3,10 @@
     predd [--model PATH] [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--kv-pages N]
           [--page-size N] [--addr ADDR] [--rundir DIR] [--max-step-tokens N]
           [--max-batch N] [--lease S] [--threads N] [--session-quota PAGES]
-          [--uid-quota PAGES]
+          [--uid-quota PAGES] [--latency-factor F] [--auth-keys FILE]
 
 Prints `ready <addr>` on stdout once it serves; progress and logs go to stderr.
+A tcp:// address off loopback needs --auth-keys (docs/identity.md).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 
 from liblip.protocol import default_addr, default_rundir
 from predd.engine import Engine, EngineConfig
+from predd.identity import AuthKeys, check_endpoint
 from predd.loader import default_model_path
 from predd.quota import QuotaConfig
 from predd import dtype
@@ -45,14 +47,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--session-quota", type=int, default=0, metavar="PAGES",
                     help="KV pages one session may hold (0: no limit; EDQUOT beyond)")
-    ap.add_argument("--uid-quota", type=int, default=0, metavar="PAGES",
-                    help="KV pages one uid may hold, persistent caches included (0: none)")
+    ap.add_argument("--uid-quota", type=int, default=None, metavar="PAGES",
+                    help="KV pages one uid may hold, persistent caches included "
+                    "(default: half the pool; 0: none; predd's own uid is exempt)")
+    ap.add_argument("--latency-factor", type=float, default=2.0, metavar="F",
+                    help="while several uids have work, a step may take at most F times "
+                    "as long as the smallest one's alone (0: no bound)")
+    ap.add_argument("--auth-keys", metavar="FILE",
+                    help="tokens for tcp clients: lines `TOKEN UID [comment]`, mode 0600")
     args = ap.parse_args(argv)
     for name in ("kv_pages", "page_size", "max_step_tokens", "max_batch"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("session_quota", "uid_quota", "threads"):
-        if getattr(args, name) < 0:
+    for name in ("session_quota", "uid_quota", "threads", "latency_factor"):
+        if (getattr(args, name) or 0) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.lease <= 0:
         ap.error("--lease must be > 0")
@@ -63,8 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = lambda msg: print(f"predd: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     rundir = args.rundir or default_rundir()
-    # Its own rundir, never the system predd's that clients fall back to.
-    addr = args.addr or os.environ.get("PREDD_ADDR") or default_addr(rundir)
+    # --addr, else --rundir's socket, else $PREDD_ADDR, else its own rundir's socket
+    # (never the system predd's, which clients fall back to).
+    addr = args.addr or (None if args.rundir else os.environ.get("PREDD_ADDR")) \
+        or default_addr(rundir)
+    try:   # refuse an unsafe endpoint before spending seconds on the model
+        keys = AuthKeys.load(args.auth_keys) if args.auth_keys else None
+        check_endpoint(addr, keys)
+    except ValueError as exc:
+        log(str(exc))
+        return 2
     try:
         model_path = args.model or default_model_path()
     except FileNotFoundError as exc:
@@ -78,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
                                  args.kv_pages, args.page_size, threads=args.threads),
                     progress=log)
     tokenizer = load_tokenizer(model_path)
-    config = EngineConfig(args.lease, SchedulerConfig(args.max_step_tokens, args.max_batch),
-                          QuotaConfig(args.session_quota, args.uid_quota))
+    config = EngineConfig(args.lease,
+                          SchedulerConfig(args.max_step_tokens, args.max_batch,
+                                          latency_factor=args.latency_factor),
+                          QuotaConfig(args.session_quota, args.uid_quota),
+                          trusted_uid=os.geteuid(), auth=keys)
     server = Server(addr, lambda send, log_: Engine(runner, tokenizer, config, send, log_),
                     log)
     server.serve()

@@ -7,14 +7,20 @@ calls (or earlier deferred changes) is deferred and replayed when they are done.
 Requests that only read an object (stat, tokens, fork, grant, extract, merge, export)
 answer at once from its committed entries — a snapshot — so `ls` or `cp` on a cache
 never waits for a long generation on it.
+
+Identity rule: a request's session, uid and trust come from `Peer` (the kernel's
+credentials on ipc, a token on authenticated tcp), never from the request itself; see
+predd/identity.py. Limits (quota.py) are checked here at the door: the request rate and
+sessions per uid when a message arrives, calls in flight when one is queued.
 """
 from __future__ import annotations
 
+import os
 import time
 import traceback
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,11 +30,12 @@ from liblip.protocol import ProtocolError, error_reply, ok_reply
 from predd import sampling
 from predd.calls import CallState
 from predd.caps import Capabilities, Capability
+from predd.identity import AuthKeys, Peer, identify
 from predd.kvops import KVOps
 from predd.kvstore import KVStore
 from predd.limits import MAX_POSITION, Limits
 from predd.pool import Pool
-from predd.quota import QuotaConfig, Quotas
+from predd.quota import QuotaConfig, Quotas, check_limit
 from predd.runner import Chunk, Runner
 from predd.scheduler import Call, Plan, PlanItem, Scheduler, SchedulerConfig
 from predd.sessions import Session, Sessions
@@ -36,6 +43,7 @@ from predd.tokenizer import Tokenizer
 
 Send = Callable[[bytes, dict, list[bytes]], None]
 CHANGES = frozenset({"pred", "generate", "kv_truncate", "kv_free"})
+QUEUED = frozenset({"pred", "generate"})
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     quota: QuotaConfig = QuotaConfig()
     limits: Limits = Limits()
+    trusted_uid: int = field(default_factory=os.geteuid)   # predd's own: kvfsd, the operator
+    auth: AuthKeys | None = None                             # tcp tokens (--auth-keys)
 
 
 @dataclass
@@ -56,6 +66,7 @@ class Counters:
     step_s: float = 0.0
     requests: int = 0
     errors: int = 0
+    throttled: int = 0        # EAGAIN replies (rate, calls in flight, sessions)
 
 
 class Engine(KVOps):
@@ -67,30 +78,50 @@ class Engine(KVOps):
         self.send = send
         self.log = log
         self.pool = Pool(runner.config.kv_pages, runner.config.page_size)
-        self.store = KVStore(self.pool, runner.cache)
+        self.quotas = Quotas(config.quota, self.pool.num_pages, config.trusted_uid)
+        self.store = KVStore(self.pool, runner.cache, on_resize=self.quotas.resized)
         self.caps = Capabilities(self._free_object)
-        self.quotas = Quotas(config.quota, self.store)
         self.sessions = Sessions(config.lease_s)
         self.scheduler = Scheduler(config.scheduler)
         self.counters = Counters()
         self.deferred: dict[int, list[tuple[bytes, p.Request, list[bytes]]]] = {}
+        self.deferred_of_uid: dict[int, int] = {}
         self.vocab = runner.cfg.vocab_size
         self.limits = config.limits.resolved(runner.cfg.max_position)
         self.started = time.monotonic()
 
     # ------------------------------------------------------------ requests
 
-    def handle(self, identity: bytes, frames: list[bytes], now: float) -> None:
-        """Answer one raw message (or queue it); never raises."""
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest request worth receiving: a kv_import of the most pages one uid
+        may hold (its tokens and positions included), plus slack for the header."""
+        pages = self.quotas.uid_pages or self.pool.num_pages
+        return pages * (self.runner.cache.bytes_per_page + 10 * self.pool.page_size) + 2**20
+
+    def handle(self, identity: bytes, frames: list[bytes], now: float, peer: Peer) -> None:
+        """Answer one raw message from `peer` (or queue it); never raises."""
         self.counters.requests += 1
         rid = None
         try:
             header, extra = p.decode_frames(frames)
             rid = header.get("rid") if isinstance(header.get("rid"), int) else None
+            session = self.sessions.of_identity(identity)
+            if session is not None:
+                if peer.address != session.peer:
+                    raise ProtocolError("EPERM", "this connection's credentials are not "
+                                        "those of the session it names")
+                session.last_seen = now
+                if not session.allow(now, self.config.quota.rate, self.config.quota.burst):
+                    raise ProtocolError("EAGAIN", f"more than {self.config.quota.rate:g} "
+                                        "requests per second: slow down")
             request = p.decode_request(header)
-            session = self.sessions.touch(identity, now)
+            if session is None:
+                session = self._open_session(identity, peer, request, now)
             self._dispatch(identity, session, request, extra, now)
         except ProtocolError as exc:
+            if exc.code == "EAGAIN":
+                self.counters.throttled += 1
             self._error(identity, rid, exc)
         except Exception as exc:  # a bug must not take the daemon down
             self.log(f"internal error on request {rid}: {type(exc).__name__}: {exc}")
@@ -100,15 +131,51 @@ class Engine(KVOps):
         self.counters.errors += 1
         self.send(identity, error_reply(rid, exc.code, exc.message), [])
 
+    def _open_session(self, identity: bytes, peer: Peer, request: p.Request,
+                      now: float) -> Session:
+        """A session for a routing identity's first request, bound to `peer`."""
+        c = self.config
+        token = request.token if isinstance(request, p.Hello) else None
+        uid, pid, via = identify(peer, token, c.auth)
+        trusted = via == "kernel" and uid == c.trusted_uid
+        if not trusted:
+            check_limit(self.sessions.count(uid), c.quota.uid_sessions, "EAGAIN",
+                        f"sessions of uid {uid}")
+        session = self.sessions.open(identity, now, uid=uid, via=via, peer=peer.address,
+                                     pid=pid, trusted=trusted, burst=c.quota.burst)
+        session.allow(now, c.quota.rate, c.quota.burst)   # the opening request counts
+        return session
+
+    def _check_calls(self, s: Session) -> None:
+        """EAGAIN when `s` or its uid has as many calls in flight as allowed."""
+        q = self.config.quota
+        check_limit(self.scheduler.queued(session=s.sid) + s.deferred, q.session_calls,
+                    "EAGAIN", f"calls in flight of session {s.sid}")
+        if not s.trusted:
+            check_limit(self.scheduler.queued(uid=s.uid) + self.deferred_of_uid.get(s.uid, 0),
+                        q.uid_calls, "EAGAIN", f"calls in flight of uid {s.uid}")
+
+    def _count_deferred(self, s: Session, n: int) -> None:
+        s.deferred += n
+        left = self.deferred_of_uid.get(s.uid, 0) + n
+        if left:
+            self.deferred_of_uid[s.uid] = left
+        else:
+            self.deferred_of_uid.pop(s.uid, None)
+
     def _dispatch(self, identity: bytes, session: Session, req: p.Request,
                   extra: list[bytes], now: float) -> None:
         oids = self._objects_of(req)
         if req.op in CHANGES and any(self.scheduler.busy(o) or self.deferred.get(o)
                                      for o in oids):
             # Wait behind the object's earlier requests (keyed on the first busy one).
+            self._check_calls(session)
             key = next(o for o in oids if self.scheduler.busy(o) or self.deferred.get(o))
             self.deferred.setdefault(key, []).append((identity, req, extra))
+            self._count_deferred(session, 1)
             return
+        if req.op in QUEUED:
+            self._check_calls(session)
         handler = getattr(self, "op_" + req.op)
         result = handler(session, req, extra, now)
         if result is not None:
@@ -129,6 +196,7 @@ class Engine(KVOps):
                 session = self.sessions.of_identity(identity)
                 if session is None:
                     continue
+                self._count_deferred(session, -1)
                 try:
                     self._dispatch(identity, session, req, extra, now)
                 except Exception as exc:   # this request's error alone, never the loop's
@@ -145,9 +213,20 @@ class Engine(KVOps):
     def op_hello(self, s: Session, r: p.Hello, extra, now) -> dict:
         if not 0 < r.lease_s < 1e6:
             raise ProtocolError("EINVAL", "lease_s must be a positive number of seconds")
-        s.client, s.pid, s.uid, s.lease_s = r.client, r.pid, r.uid, r.lease_s
+        if r.uid != -1 and r.uid != s.uid:
+            source = {"kernel": "the kernel (SO_PEERCRED)", "token": "its token"}.get(
+                s.via, "an unauthenticated tcp endpoint (nobody)")
+            raise ProtocolError("EPERM", f"hello declares uid {r.uid}, but this session "
+                                f"is uid {s.uid} by {source}; the uid is never the client's "
+                                "to choose")
+        if r.token and s.via == "token" and self.config.auth.uid_of(r.token) != s.uid:
+            raise ProtocolError("EPERM", f"hello: the token names another uid than this "
+                                f"session's ({s.uid})")
+        if s.via != "kernel":
+            s.pid = r.pid           # only for ps: the kernel cannot tell
+        s.client, s.lease_s = r.client, r.lease_s
         return {"session": s.sid, "version": p.PROTOCOL_VERSION, "lease_s": s.lease_s,
-                "model": self.runner.cfg.name}
+                "model": self.runner.cfg.name, "uid": s.uid, "trusted": s.trusted}
 
     def op_bye(self, s: Session, r, extra, now) -> dict:
         self.end_session(s, "bye")
@@ -164,6 +243,7 @@ class Engine(KVOps):
             queue[:] = [q for q in queue if q[0] != s.identity]
             if not queue:
                 del self.deferred[oid]
+        self._count_deferred(s, -s.deferred)
         freed = self.caps.revoke_session(s.sid)
         self.sessions.end(s.sid)
         self.log(f"session {s.sid} ({s.client or 'anonymous'} pid {s.pid}) ended ({why}): "
@@ -177,7 +257,11 @@ class Engine(KVOps):
         for call in self.scheduler.cancel(lambda c: c.oid == oid):
             st: CallState = call.payload
             self.send(st.identity, error_reply(st.rid, "EBADF", "KV object was freed"), [])
-        self.deferred.pop(oid, None)
+        for identity, req, _ in self.deferred.pop(oid, []):
+            session = self.sessions.of_identity(identity)
+            if session is not None:
+                self._count_deferred(session, -1)
+            self.send(identity, error_reply(req.rid, "EBADF", "KV object was freed"), [])
         self.scheduler.forget(oid)
         self.quotas.forget(oid)
         self.store.free(oid)
@@ -193,8 +277,10 @@ class Engine(KVOps):
                 "bytes_per_page": self.runner.cache.bytes_per_page,
                 "max_position": cfg.max_position, "device": self.runner.config.device,
                 "dtype": self.runner.config.dtype,
-                "dtype_reason": self.runner.config.dtype_reason, "attention": self.runner.backend.name,
-                "num_layers": cfg.num_layers, "version": p.PROTOCOL_VERSION}
+                "dtype_reason": self.runner.config.dtype_reason,
+                "attention": self.runner.backend.name,
+                "num_layers": cfg.num_layers, "version": p.PROTOCOL_VERSION,
+                "max_message_bytes": self.max_message_bytes}
 
     def op_info(self, s, r, extra, now) -> dict:
         return self.info()
@@ -211,18 +297,26 @@ class Engine(KVOps):
                 "step_ms": round(c.step_s * 1e3, 3),
                 "launch_wait_ms": round(self.scheduler.waited_s * 1e3, 3),
                 "pending_calls": self.scheduler.pending(), "requests": c.requests,
-                "errors": c.errors, "uptime_s": round(time.monotonic() - self.started, 3)}
+                "errors": c.errors, "throttled": c.throttled,
+                "capped_steps": self.scheduler.capped_steps,
+                "uptime_s": round(time.monotonic() - self.started, 3)}
 
-    def op_ps(self, s, r, extra, now) -> dict:
-        rows = []
-        for sess in self.sessions:
-            caps = self.caps.of_session(sess.sid)
-            oids = {c.oid for c in caps}
-            rows.append({"session": sess.sid, "client": sess.client, "pid": sess.pid,
-                         "uid": sess.uid, "objects": len(oids),
-                         "pages": sum(len(self.store.objects[o].pages) for o in oids),
-                         "idle_s": round(now - sess.last_seen, 3)})
-        return {"sessions": rows}
+    def op_ps(self, s: Session, r, extra, now) -> dict:
+        """Sessions of the caller's uid (every session for a trusted caller), and what
+        each uid holds against its limits."""
+        visible = list(self.sessions) if s.trusted else self.sessions.of_uid(s.uid)
+        rows = [{"session": x.sid, "client": x.client, "pid": x.pid, "uid": x.uid,
+                 "via": x.via, "trusted": x.trusted,
+                 "objects": self.quotas.objects_of_session.get(x.sid, 0),
+                 "pages": self.quotas.pages_of_session.get(x.sid, 0),
+                 "capabilities": self.caps.count(x.sid),
+                 "calls": self.scheduler.queued(session=x.sid) + x.deferred,
+                 "idle_s": round(now - x.last_seen, 3)} for x in visible]
+        uids = sorted({x.uid for x in visible} | {s.uid})
+        return {"sessions": rows, "uids": [
+            {**self.quotas.usage(u), "sessions": self.sessions.count(u),
+             "calls": self.scheduler.queued(uid=u) + self.deferred_of_uid.get(u, 0)}
+            for u in uids]}
 
     def op_fsck(self, s, r, extra, now) -> dict:
         problems = self.fsck()
@@ -238,6 +332,18 @@ class Engine(KVOps):
                 problems.append(f"object {oid} has no capability (leaked)")
         for oid in live - set(self.store.objects):
             problems.append(f"capability to missing object {oid}")
+        problems += self.caps.check()
+        problems += self.quotas.verify(self.store.objects)
+        problems += self.scheduler.check()
+        held: dict[int, int] = {}
+        for queue in self.deferred.values():
+            for identity, _, _ in queue:
+                x = self.sessions.of_identity(identity)
+                uid = x.uid if x is not None else None
+                held[uid] = held.get(uid, 0) + 1
+        if held != self.deferred_of_uid:
+            problems.append(f"held requests per uid counted {self.deferred_of_uid}, "
+                            f"found {held}")
         return problems
 
     # ------------------------------------------------------------ text
@@ -295,7 +401,7 @@ class Engine(KVOps):
         if not state.tokens and self.store.get(oid).length == 0:
             raise ProtocolError("EINVAL", "no tokens and an empty cache: nothing to predict from")
         call = Call(s.sid, oid, total=max(len(state.tokens), 1),
-                    generating=state.op == "generate", payload=state)
+                    generating=state.op == "generate", payload=state, uid=s.uid)
         self.scheduler.submit(call, now)
 
     def _admit(self, call: Call) -> bool:

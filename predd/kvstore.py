@@ -12,6 +12,8 @@ Lifetime rules (checked by `check`):
   aligned pages and copy the rest; free drops the object's references.
 * Every operation that can fail (ENOSPC, E2BIG, a bad export) fails before it changes
   anything: an object is either changed as asked or left exactly as it was.
+* Every change of a live object's page-list length is reported to `on_resize(oid,
+  delta)` (the quota counters follow it).
 The K/V tensors are not here: `PageData` (the runner's cache) copies, reads and writes
 slots, addressed as flat slot ids `page * page_size + slot`.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import itertools
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -49,9 +52,11 @@ class KVObject:
 
 
 class KVStore:
-    def __init__(self, pool: Pool, data: PageData) -> None:
+    def __init__(self, pool: Pool, data: PageData,
+                 on_resize: Callable[[int, int], None] = lambda oid, delta: None) -> None:
         self.pool = pool
         self.data = data
+        self.on_resize = on_resize
         self.objects: dict[int, KVObject] = {}
         self._next_oid = itertools.count(1)
 
@@ -84,6 +89,7 @@ class KVStore:
     def free(self, oid: int) -> None:
         obj = self.objects.pop(oid)
         self.pool.decref(obj.pages)
+        self.on_resize(oid, -len(obj.pages))
 
     def truncate(self, oid: int, length: int) -> None:
         obj = self.get(oid)
@@ -91,9 +97,11 @@ class KVStore:
         if not 0 <= length <= obj.length:
             raise ProtocolError("EINVAL", f"truncate to {length}: object has {obj.length} entries")
         keep = self._pages_for(length)
+        dropped = len(obj.pages) - keep
         self.pool.decref(obj.pages[keep:])
         del obj.pages[keep:]
         obj.length = length
+        self.on_resize(oid, -dropped)
 
     # ------------------------------------------------------------ writing
 
@@ -111,6 +119,7 @@ class KVStore:
             self._copy_page(obj, start // ps, start % ps, fresh.pop())
         obj.pages.extend(fresh)
         obj.reserved += n
+        self.on_resize(oid, len(fresh))
         return self.slots(obj, start, start + n)
 
     def _copy_page(self, obj: KVObject, index: int, filled: int, new: int) -> None:
@@ -190,8 +199,10 @@ class KVStore:
             return
         obj.reserved = 0
         keep = self._pages_for(obj.length)
+        dropped = len(obj.pages) - keep
         self.pool.decref(obj.pages[keep:])
         del obj.pages[keep:]
+        self.on_resize(oid, -dropped)
 
     # ------------------------------------------------------------ reading
 

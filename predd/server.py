@@ -1,8 +1,19 @@
 """predd's loop: a ZeroMQ ROUTER socket feeding the engine, one thread.
 
-Each turn drains every waiting message, then either runs a step (the scheduler says
-launch), or sleeps on the socket until a message arrives or the adaptive-launch hold
-ends. Leases are checked twice a second. SIGTERM/SIGINT end the loop cleanly.
+Each turn drains waiting messages — at most DRAIN_MAX of them or DRAIN_S seconds'
+worth, so that a flood of requests cannot starve stepping — then either runs a step
+(the scheduler says launch), or sleeps on the socket until a message arrives or the
+adaptive-launch hold ends. Leases are checked twice a second, against the last moment
+the socket was seen empty: a ping still waiting in it (behind a long step or a flood)
+keeps its session alive. SIGTERM/SIGINT end the loop cleanly.
+
+Every message is handed to the engine with its sender's `Peer` (on ipc the kernel's
+uid/gid/pid, which libzmq attaches to each frame as `Peer-Address`). ZeroMQ limits:
+an inbound frame larger than the engine's largest legitimate request (a kv_import of a
+uid's whole page quota) disconnects its sender; at most HWM messages queue per peer in
+each direction — a peer that does not read its replies loses the excess (ROUTER drops
+them; it never blocks the loop), and one that sends faster than predd drains is held
+back by its own socket. libzmq fair-queues input across peers.
 """
 from __future__ import annotations
 
@@ -16,9 +27,13 @@ import zmq
 
 from liblip.protocol import pack
 from predd.engine import Engine
+from predd.identity import peer_of, transport_of
 
 IDLE_POLL_S = 0.25
 LEASE_CHECK_S = 0.5
+DRAIN_MAX = 256      # messages handled per turn before the scheduler gets a look in
+DRAIN_S = 0.005
+HWM = 1024           # messages queued per peer, each direction
 
 
 class Server:
@@ -29,11 +44,15 @@ class Server:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self._bind(addr)
+        self.sock.setsockopt(zmq.SNDHWM, HWM)
+        self.sock.setsockopt(zmq.RCVHWM, HWM)
+        self.transport = transport_of(addr)
         self.engine: Engine = engine_factory(self.send, self.log)
+        # Before bind: connections copy the socket's options when they are made.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.engine.max_message_bytes)
+        self._bind(addr)
         self.running = True
+        self.emptied_at = 0.0   # every message that arrived before this has been handled
 
     def _bind(self, addr: str) -> None:
         if addr.startswith("ipc://"):
@@ -80,7 +99,7 @@ class Server:
             self._drain()
             now = time.monotonic()
             if now >= next_lease_check:
-                engine.expire_sessions(now)
+                engine.expire_sessions(self.emptied_at)
                 next_lease_check = now + LEASE_CHECK_S
             wait = sched.wait_time(now)
             if wait == 0.0:
@@ -93,13 +112,22 @@ class Server:
         self.close()
 
     def _drain(self) -> None:
-        while True:
+        deadline = time.monotonic() + DRAIN_S
+        for _ in range(DRAIN_MAX):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self.emptied_at = time.monotonic()
                 return
-            identity, body = frames[0], frames[1:]
-            self.engine.handle(identity, body, time.monotonic())
+            try:
+                address = frames[-1].get("Peer-Address")
+            except zmq.ZMQError:   # no such property on this transport
+                address = None
+            now = time.monotonic()
+            self.engine.handle(frames[0].bytes, [f.bytes for f in frames[1:]], now,
+                               peer_of(self.transport, address))
+            if now > deadline:
+                return
 
     def close(self) -> None:
         self.log("stopping")

@@ -6,9 +6,12 @@ that a second uid can reach them and a "Permission denied" comes from the file's
 """
 from __future__ import annotations
 
+import ast
+import json
 import os
 import shutil
 import signal
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -166,6 +169,20 @@ def sh(cmd: str, cwd: str | None = None, user: str | None = None,
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def saved_state(state: str) -> dict:
+    """What kvfsd has committed to its state directory: {"nodes": {ino: row},
+    "entries": {(dir, name): ino}, "meta": {...}}, read beside the running kvfsd."""
+    db = sqlite3.connect(f"file:{os.path.join(state, 'namespace.db')}?mode=ro", uri=True)
+    try:
+        return {"nodes": {ino: json.loads(doc)
+                          for ino, doc in db.execute("SELECT ino, doc FROM node")},
+                "entries": {(d, bytes(name)): ino for d, name, ino in
+                            db.execute("SELECT dir, name, ino FROM entry")},
+                "meta": {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}}
+    finally:
+        db.close()
+
+
 def xattr_int(path: str, name: str) -> int:
     return int(os.getxattr(path, f"user.kv.{name}"))
 
@@ -213,3 +230,70 @@ def tiled_export(blob: bytes, times: int) -> bytes:
     head = msgpack.packb(meta)
     out = magic + struct.pack("<I", len(head)) + head + tiled.tobytes()
     return out + struct.pack("<I", zlib.crc32(out))
+
+
+# ---------------------------------------------------------------- another uid
+
+NOBODY = 65534
+FD = "<fd>"          # in a syscall step: the descriptor the last "open" returned
+
+
+def fd(i: int) -> str:
+    """In a syscall step: the descriptor the i-th "open" step (from 0) returned."""
+    return f"<fd{i}>"
+
+
+def syscalls(*steps, uid: int = NOBODY, gid: int = NOBODY, cwd: str | None = None) -> list:
+    """Run os calls as `uid` in a forked child of the test process and return, per step,
+    its result (repr-able: ints, bytes, lists) or `-errno`. A step is `(name, *args)`
+    naming a function of `os`; `FD` stands for the last opened descriptor and `fd(i)` for
+    the i-th; an "open" step returns "fd". After setresuid the child only makes these
+    calls (no imports: the venv's interpreter is not readable by other uids), then
+    _exit()s."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                            # the child: syscalls only
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            if cwd is not None:
+                os.chdir(cwd)
+            fds, out = {FD: -1}, []
+            for name, *args in steps:
+                args = [fds.get(a, -1) if isinstance(a, str) and a.startswith("<fd")
+                        else a for a in args]
+                try:
+                    value = getattr(os, name)(*args)
+                except OSError as exc:
+                    out.append(-(exc.errno or 0))
+                    value = -1
+                    if name != "open":
+                        continue
+                if name == "open":
+                    fds[f"<fd{len(fds) - 1}>"] = fds[FD] = value
+                    if value < 0:
+                        continue
+                    value = "fd"
+                out.append(value)
+            os.write(w, repr(out).encode())
+        except BaseException as exc:
+            os.write(w, repr(f"child failed: {type(exc).__name__}: {exc}").encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 1 << 16):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    result = ast.literal_eval(b"".join(chunks).decode())
+    assert isinstance(result, list), result
+    return result
+
+
+def err(code: int) -> int:
+    """What `syscalls` reports for a step that failed with `code`."""
+    return -code
+

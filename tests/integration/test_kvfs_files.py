@@ -1,7 +1,6 @@
 """kvfsd on a real mount over the shared predd, driven with real coreutils: every row of
 the shell table in DESIGN.md §3, with exact token and page counts and exact errnos."""
 import errno
-import json
 import os
 import stat
 import time
@@ -9,8 +8,8 @@ import time
 import pytest
 
 from liblip import descriptor
-from tests.integration.kvfs_fixtures import (eventually, fill, kvfs, sh,  # noqa: F401
-                                             tiled_export, xattr_int)
+from tests.integration.kvfs_fixtures import (eventually, fill, kvfs, saved_state,  # noqa: F401
+                                             sh, tiled_export, xattr_int)
 
 TEXT = "The KV cache file system shows predd's caches as ordinary files. " * 6
 
@@ -171,9 +170,9 @@ def test_garbage_is_refused_with_einval_and_the_file_is_left_as_it_was(kvfs, lip
     fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
     os.write(fd, forged)
     assert errno_of(os.close, fd) == errno.EINVAL
-    # Too long to be a descriptor.
+    # Too long to be a descriptor: past the 4096-byte limit.
     fd = os.open(path, os.O_WRONLY)
-    assert errno_of(os.write, fd, b"kvfs 1\n" + b"x" * 5000) == errno.EINVAL
+    assert errno_of(os.write, fd, b"kvfs 1\n" + b"x" * 5000) == errno.EFBIG
     os.close(fd)
     assert xattr_int(path, "tokens") == 20
     assert eventually(lambda: pages_free(lip) == free0)
@@ -253,9 +252,12 @@ def test_chmod_and_chown(kvfs):
     assert stat.S_IMODE(st.st_mode) == 0o640 and (st.st_uid, st.st_gid) == (65534, 65534)
     assert sh("mkdir d && chmod 700 d", cwd=m).returncode == 0
     assert stat.S_IMODE(os.stat(f"{m}/d").st_mode) == 0o700
-    # umask applies to new files, as anywhere.
-    assert sh("umask 077 && touch p.kv", cwd=m).returncode == 0
+    # New files and directories are private whatever the umask; umask still narrows.
+    assert sh("umask 000 && touch p.kv && mkdir pd", cwd=m).returncode == 0
     assert stat.S_IMODE(os.stat(f"{m}/p.kv").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(f"{m}/pd").st_mode) == 0o700
+    assert sh("umask 277 && touch q.kv", cwd=m).returncode == 0
+    assert stat.S_IMODE(os.stat(f"{m}/q.kv").st_mode) == 0o400
 
 
 def test_another_uid_cannot_read_a_private_cache(kvfs, lip):
@@ -280,7 +282,7 @@ def test_another_uid_cannot_read_a_private_cache(kvfs, lip):
     assert r.returncode == 0 and r.stdout.strip() == "nobody"
     # The state directory, which holds the persistent capabilities, is root's alone.
     assert stat.S_IMODE(os.stat(kvfs.state).st_mode) == 0o700
-    ns_file = os.path.join(kvfs.state, "namespace.json")
+    ns_file = os.path.join(kvfs.state, "namespace.db")
     assert stat.S_IMODE(os.stat(ns_file).st_mode) == 0o600
     r = sh(f"cat {ns_file}", user="nobody")
     assert r.returncode == 1 and "Permission denied" in r.stderr
@@ -352,18 +354,24 @@ def test_xattrs(kvfs, lip):
     r = sh("setfattr -n user.kv.tokens -v 5 a.kv", cwd=m)
     assert r.returncode == 1 and "Operation not permitted" in r.stderr
     assert errno_of(os.removexattr, f"{m}/a.kv", "user.kv.model") == errno.EPERM
-    assert sh("setfattr -n user.kv.pin -v 1 a.kv && setfattr -n user.kv.ttl -v 3600 a.kv "
-              "&& setfattr -n user.note -v hello a.kv", cwd=m).returncode == 0
+    assert sh("setfattr -n user.kv.pin -v 1 a.kv && setfattr -n user.kv.ttl -v 3600 a.kv",
+              cwd=m).returncode == 0
     assert os.getxattr(f"{m}/a.kv", "user.kv.pin") == b"1"
     assert os.getxattr(f"{m}/a.kv", "user.kv.ttl") == b"3600"
+    assert sh("setfattr -n user.note -v hello a.kv", cwd=m).returncode == 0   # the app's
     assert os.getxattr(f"{m}/a.kv", "user.note") == b"hello"
+    r = sh("setfattr -n user.kv.note -v hello a.kv", cwd=m)
+    assert r.returncode == 1 and "Operation not supported" in r.stderr
     r = sh("setfattr -n user.kv.pin -v maybe a.kv", cwd=m)
     assert r.returncode == 1 and "Invalid argument" in r.stderr
     assert errno_of(os.getxattr, f"{m}/a.kv", "user.absent") == errno.ENODATA
     names = os.listxattr(f"{m}/a.kv")
-    assert set(names) >= {"user.kv.tokens", "user.kv.pin", "user.note"}
-    saved = json.load(open(os.path.join(kvfs.state, "namespace.json")))
-    assert any("xattrs" in n for n in saved["nodes"])           # recorded in the state
+    assert set(names) == {"user.kv.tokens", "user.kv.pages", "user.kv.bytes", "user.kv.model",
+                          "user.kv.tier", "user.kv.pin", "user.kv.ttl", "user.note"}
+    ino = os.stat(f"{m}/a.kv").st_ino
+    saved = saved_state(kvfs.state)["nodes"][ino]                 # recorded in the state
+    assert saved["xattrs"] == {"dXNlci5rdi5waW4=": "MQ==", "dXNlci5rdi50dGw=": "MzYwMA==",
+                               "dXNlci5ub3Rl": "aGVsbG8="}
 
 
 def test_fsync_writes_a_snapshot_into_the_state_dir(kvfs, lip):
@@ -376,7 +384,6 @@ def test_fsync_writes_a_snapshot_into_the_state_dir(kvfs, lip):
     snap = os.path.join(kvfs.state, "snapshots", f"{ino}.kvx")
     assert os.path.getsize(snap) > 20 * lip.info()["bytes_per_page"] // 16
     assert stat.S_IMODE(os.stat(snap).st_mode) == 0o600
-    saved = json.load(open(os.path.join(kvfs.state, "namespace.json")))
-    assert [n["snapshot"] for n in saved["nodes"] if n["ino"] == ino] == [f"{ino}.kvx"]
+    assert saved_state(kvfs.state)["nodes"][ino]["snapshot"] == f"{ino}.kvx"
     assert sh("rm a.kv", cwd=m).returncode == 0
     assert eventually(lambda: not os.path.exists(snap))

@@ -63,7 +63,7 @@ def test_kvfsd_restart_alone_loses_nothing(kvfs, lip):
     setup = ("mkdir -p d/e && touch d/a.kv && ln d/a.kv b.kv && ln -s d/a.kv sym && "
              "chmod 640 d/a.kv && chown nobody:nogroup d/a.kv && "
              "setfattr -n user.kv.pin -v 1 d/a.kv && setfattr -n user.kv.ttl -v 60 d/a.kv && "
-             "setfattr -n user.note -v hi d/e")
+             "setfattr -n user.note -v hi d/e && chmod 751 d/e")
     assert sh(setup, cwd=m).returncode == 0
     tokens = lip.tokenize(PROMPT)
     fill(lip, f"{m}/d/a.kv", tokens)

@@ -1,13 +1,17 @@
-"""Many users at once: 100 concurrent `cp` forks and `rm`s, and 10 LIP processes decoding
-from forks of one prefix file."""
+"""Many users at once: 100 concurrent `cp` forks and `rm`s, 10 LIP processes decoding
+from forks of one prefix file, and one user making 10,000 files."""
+import errno
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvfsd.namespace import NAMES_PER_UID
 from tests.conftest import ROOT
-from tests.integration.kvfs_fixtures import eventually, fill, kvfs, sh, xattr_int  # noqa: F401
+from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fill, kvfs,  # noqa: F401
+                                             saved_state, sh, syscalls, xattr_int)
 
 PROMPT = ("You are a helpful assistant. Answer briefly.\n"
           "Question: What is the capital of France?\nAnswer:")
@@ -97,3 +101,30 @@ def test_10_lips_decode_in_parallel_from_one_prefix_file(kvfs, lip, tmp_path):
     batch = (after["calls"] - before["calls"]) / max(1, after["steps"] - before["steps"])
     print(f"\n10 LIPs x {DECODE} tokens: {after['steps'] - before['steps']} steps, "
           f"mean batch {batch:.1f}")
+
+
+def test_10000_files_from_one_user_are_bounded(kvfs, lip):
+    """One user creating 10,000 files gets the first NAMES_PER_UID (4096) and EDQUOT for
+    the rest, before predd is asked for anything; each create costs the same at the
+    end as at the start (the state is written incrementally), and others still work."""
+    m = kvfs.mount
+    objects = lip.stats()["objects"]
+    creat = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    results, times = [], []
+    for start in range(0, 10_000, 1000):
+        t = time.perf_counter()
+        results += syscalls(*[step for i in range(start, start + 1000)
+                              for step in (("open", f"{m}/u{i}.kv", creat, 0o600),
+                                           ("close", FD))])
+        times.append(time.perf_counter() - t)
+    print(f"\n10,000 creates by one uid, s per 1000: {' '.join(f'{t:.1f}' for t in times)}")
+    refused = 10_000 - NAMES_PER_UID
+    assert results[0::2] == ["fd"] * NAMES_PER_UID + [-errno.EDQUOT] * refused
+    assert results[1::2] == [None] * NAMES_PER_UID + [-errno.EBADF] * refused
+    assert len(os.listdir(m)) == NAMES_PER_UID
+    assert lip.stats()["objects"] == objects + NAMES_PER_UID
+    assert len(saved_state(kvfs.state)["entries"]) == NAMES_PER_UID
+    # Another user (root here) still creates, lists and removes at once.
+    assert sh("touch other.kv && ls | wc -l && rm other.kv", cwd=m).stdout.split() == \
+        [str(NAMES_PER_UID + 1)]
+    assert os.stat(f"{m}/u4095.kv").st_uid == NOBODY

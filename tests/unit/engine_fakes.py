@@ -10,6 +10,7 @@ failing chunk's slots by then.
 """
 from __future__ import annotations
 
+import os
 import time
 from types import SimpleNamespace
 
@@ -18,10 +19,15 @@ import numpy as np
 import torch
 
 from predd.engine import Engine, EngineConfig
+from predd.identity import Peer
 from predd.scheduler import SchedulerConfig
 from tests.unit.test_kvstore import LAYERS, FakePages, payload
 
 VOCAB = 64
+# Every fake client is this process over ipc, as kernel credentials name it: the
+# operator (trusted), as the tests that ran before identity came from the kernel.
+ME = Peer(f"localhost:{os.geteuid()}:{os.getegid()}:{os.getpid()}",
+          os.geteuid(), os.getegid(), os.getpid())
 CONTEXT = 256
 
 
@@ -108,7 +114,7 @@ class Harness:
     def send(self, who: bytes, op: str, *frames: bytes, **fields) -> int:
         self.rid += 1
         head = msgpack.packb({"op": op, "rid": self.rid, **fields}, use_bin_type=True)
-        self.engine.handle(who, [head, *frames], time.monotonic())
+        self.engine.handle(who, [head, *frames], time.monotonic(), ME)
         return self.rid
 
     def reply(self, who: bytes, rid: int) -> dict:

@@ -121,56 +121,141 @@ def test_short_hides_the_secret():
 
 # ---------------------------------------------------------------- sessions
 
-def test_touch_opens_a_session_per_identity_and_restarts_its_lease():
+def test_open_makes_a_session_per_identity_bound_to_its_credentials():
     s = Sessions(default_lease_s=10.0)
-    a = s.touch(b"A", 100.0)
-    b = s.touch(b"B", 101.0)
+    a = s.open(b"A", 100.0, uid=1000, via="kernel", peer="localhost:1000:100:7", pid=7)
+    b = s.open(b"B", 101.0, uid=0, via="kernel", peer="localhost:0:0:9", pid=9, trusted=True)
     assert (a.sid, b.sid) == (1, 2) and len(s) == 2
     assert (a.started, a.last_seen, a.lease_s) == (100.0, 100.0, 10.0)
-    assert s.touch(b"A", 105.0) is a
-    assert (a.started, a.last_seen) == (100.0, 105.0)
+    assert (a.uid, a.via, a.peer, a.pid, a.trusted) == (1000, "kernel", "localhost:1000:100:7",
+                                                        7, False)
+    assert b.trusted
+    assert s.of_identity(b"A") is a and s.of_identity(b"C") is None
     assert s.get(1) is a and s.get(3) is None
     assert list(s) == [a, b]
+    with pytest.raises(AssertionError):
+        s.open(b"A", 102.0)
+
+
+def test_sessions_are_indexed_by_uid():
+    s = Sessions(default_lease_s=10.0)
+    a = s.open(b"A", 0.0, uid=1000)
+    b = s.open(b"B", 0.0, uid=1000)
+    c = s.open(b"C", 0.0, uid=65534)
+    assert (s.count(1000), s.count(65534), s.count(0)) == (2, 1, 0)
+    assert s.of_uid(1000) == [a, b] and s.of_uid(65534) == [c] and s.of_uid(0) == []
+    s.end(a.sid)
+    s.end(c.sid)
+    assert (s.count(1000), s.count(65534)) == (1, 0)
+    assert s.of_uid(1000) == [b]
 
 
 def test_lease_expires_strictly_after_lease_seconds_of_silence():
     s = Sessions(default_lease_s=10.0)
-    a = s.touch(b"A", 0.0)
+    a = s.open(b"A", 0.0)
     assert not a.expired(10.0)
     assert a.expired(10.5)
     assert s.expired(10.0) == []
     assert s.expired(10.5) == [a]
-    s.touch(b"A", 10.25)                      # a late ping still renews
+    a.last_seen = 10.25                       # a late ping still renews
     assert s.expired(20.25) == [] and s.expired(20.5) == [a]
 
 
 def test_expired_lists_only_silent_sessions_each_with_its_own_lease():
     s = Sessions(default_lease_s=10.0)
-    a = s.touch(b"A", 0.0)
-    b = s.touch(b"B", 0.0)
-    c = s.touch(b"C", 0.0)
+    a = s.open(b"A", 0.0)
+    b = s.open(b"B", 0.0)
+    c = s.open(b"C", 0.0)
     b.lease_s = 3.0                           # hello may set a session's lease
-    s.touch(b"C", 8.0)
+    c.last_seen = 8.0
     assert s.expired(5.0) == [b]
     assert s.expired(12.0) == [a, b]
     assert s.expired(18.5) == [a, b, c]
 
 
-def test_end_forgets_the_session_and_a_new_touch_opens_a_fresh_one():
+def test_end_forgets_the_session_and_a_new_open_makes_a_fresh_one():
     s = Sessions(default_lease_s=10.0)
-    a = s.touch(b"A", 0.0)
+    a = s.open(b"A", 0.0, uid=5)
     s.end(a.sid)
     s.end(a.sid)                              # twice: no-op
     s.end(999)
     assert len(s) == 0 and s.get(a.sid) is None and s.expired(100.0) == []
-    again = s.touch(b"A", 1.0)
+    assert s.count(5) == 0
+    again = s.open(b"A", 1.0)
     assert again is not a and again.sid == 2
 
 
 def test_iterating_while_ending_sessions():
     s = Sessions(default_lease_s=1.0)
     for ident in (b"A", b"B", b"C"):
-        s.touch(ident, 0.0)
+        s.open(ident, 0.0)
     for session in s:                         # iterates over a copy
         s.end(session.sid)
     assert len(s) == 0
+
+
+def test_rate_bucket_allows_a_burst_then_the_rate():
+    s = Sessions(default_lease_s=10.0)
+    a = s.open(b"A", 0.0, burst=4.0)
+    assert [a.allow(0.0, rate=2.0, burst=4.0) for _ in range(5)] == [True] * 4 + [False]
+    assert a.allow(0.25, rate=2.0, burst=4.0) is False     # half a token so far
+    assert a.allow(0.5, rate=2.0, burst=4.0) is True       # one token after 0.5 s
+    assert a.allow(0.5, rate=2.0, burst=4.0) is False
+    assert [a.allow(100.0, rate=2.0, burst=4.0) for _ in range(5)] == [True] * 4 + [False]
+
+
+def test_trusted_sessions_and_a_zero_rate_are_not_limited():
+    s = Sessions(default_lease_s=10.0)
+    t = s.open(b"T", 0.0, trusted=True, burst=1.0)
+    u = s.open(b"U", 0.0, burst=1.0)
+    assert all(t.allow(0.0, rate=1.0, burst=1.0) for _ in range(100))
+    assert all(u.allow(0.0, rate=0.0, burst=1.0) for _ in range(100))
+
+
+# ---------------------------------------------------------------- capability index
+
+def test_count_and_the_index_follow_issue_and_revoke(caps):
+    a = caps.issue(1, "rw", 1)
+    caps.issue(2, "rw", 1)
+    caps.issue(3, "rw", None)
+    assert (caps.count(1), caps.count(2)) == (2, 0)
+    caps.revoke(a.token)
+    assert caps.count(1) == 1 and caps.check() == []
+    caps.revoke_session(1)
+    assert caps.count(1) == 0 and caps.check() == []
+    assert len(caps) == 1
+
+
+def test_a_grant_from_a_per_open_grant_dies_with_it(caps):
+    """kvfsd's per-open grant (from the file's persistent name) ends at release; a
+    program that re-granted it must not keep the object (rights follow chmod/rm)."""
+    name = caps.issue(7, "rw", None)                     # the file's name: persistent
+    per_open = caps.issue(7, "rw", 1, parent=name)       # kvfsd's session: a root grant
+    assert per_open.parent is None
+    mine = caps.issue(7, "rw", 2, parent=per_open)       # a user re-grants it
+    again = caps.issue(7, "r", 3, parent=mine)
+    assert (mine.parent, again.parent) == (per_open.token, mine.token)
+    caps.revoke(per_open.token)                          # the open is released
+    for token in (per_open.token, mine.token, again.token):
+        with pytest.raises(ProtocolError) as err:
+            caps.lookup(token)
+        assert err.value.code == "EBADF"
+    assert caps.lookup(name.token).oid == 7 and caps.objects() == {7}
+    assert caps.check() == [] and caps.count(2) == 0 and caps.count(3) == 0
+
+
+def test_a_derived_grant_revoked_alone_leaves_its_parent(caps):
+    parent = caps.issue(3, "rw", 1)
+    child = caps.issue(3, "r", 2, parent=parent)
+    caps.revoke(child.token)
+    assert caps.lookup(parent.token).oid == 3 and caps.check() == []
+    caps.revoke(parent.token)                             # the last one frees the object
+    assert caps.freed == [3] and caps.check() == []
+
+
+def test_persistent_grants_are_never_derived(caps):
+    session_cap = caps.issue(5, "rw", 1)
+    named = caps.issue(5, "rw", None, parent=session_cap)
+    assert named.parent is None
+    caps.revoke(session_cap.token)
+    assert caps.lookup(named.token).oid == 5 and caps.check() == []

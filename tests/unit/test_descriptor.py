@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from liblip.descriptor import MAGIC, MAX_LEN, Descriptor, parse
+from liblip.descriptor import MAGIC, MAX_COUNT, MAX_LEN, MODEL_MAX, Descriptor, parse
 
 CAP = "0123456789abcdef" * 2
 
@@ -60,6 +62,12 @@ def test_whitespace_and_line_order_are_tolerated():
     b"kvfs 1\ncap " + CAP.encode() + b"\ntokens 1.5",
     b"kvfs 1\ncap " + CAP.encode() + b"\npages ",
     b"kvfs 1\ncap " + CAP.encode() + b"\npages 0x10",
+    b"kvfs 1\ncap " + CAP.encode() + b"\ntokens -5",
+    b"kvfs 1\ncap " + CAP.encode() + b"\ntokens 1_000",
+    "kvfs 1\ncap {}\ntokens \u0663".format(CAP).encode(),          # a non-ASCII digit
+    b"kvfs 1\ncap " + CAP.encode() + b"\ntokens " + b"9" * 19,       # over MAX_COUNT
+    b"kvfs 1\ncap " + CAP.encode() + b"\nmodel a\x00b",              # not printable
+    b"kvfs 1\ncap " + CAP.encode() + b"\nmodel " + b"m" * (MODEL_MAX + 1),
     b"\xff\xfe\x00garbage",                            # not UTF-8
     b"kvfs 1\ncap " + CAP.encode() + b"\nmodel \xc3\x28",
     b"kvfs 1\ncap " + CAP.encode() + b"\nmodel " + b"m" * MAX_LEN,     # too long
@@ -72,12 +80,26 @@ def test_garbage_is_value_error(data):
 
 
 def test_length_limit_is_inclusive():
-    head = f"{MAGIC}\ncap {CAP}\nmodel ".encode()
-    fits = head + b"m" * (MAX_LEN - len(head))
+    head = f"{MAGIC}\ncap {CAP}\nmodel {'m' * MODEL_MAX}".encode()
+    fits = head + b" " * (MAX_LEN - len(head))           # trailing blanks are tolerated
     assert len(fits) == MAX_LEN
-    assert parse(fits).model == "m" * (MAX_LEN - len(head))
+    assert parse(fits).model == "m" * MODEL_MAX
+    assert parse(fits.decode()).model == "m" * MODEL_MAX
     with pytest.raises(ValueError):
-        parse(fits + b"m")
+        parse(fits + b" ")
+    with pytest.raises(ValueError):
+        parse(fits.decode() + " ")
+
+
+@pytest.mark.parametrize("fields", [
+    {"cap": CAP.upper()}, {"cap": CAP[:-1]}, {"cap": 5}, {"rights": "w"},
+    {"tokens": -1}, {"tokens": MAX_COUNT + 1}, {"pages": 1.0}, {"pages": True},
+    {"model": " padded"}, {"model": "two\nlines"}, {"model": "nel\x85"},
+    {"model": "m" * (MODEL_MAX + 1)}, {"model": "\ud800"},
+])
+def test_an_invalid_descriptor_cannot_be_made(fields):
+    with pytest.raises(ValueError):
+        Descriptor(**{"cap": CAP, **fields})
 
 
 def test_random_bytes_never_raise_anything_but_value_error():
@@ -94,3 +116,67 @@ def test_random_bytes_never_raise_anything_but_value_error():
         except ValueError:
             continue
         assert isinstance(d, Descriptor) and len(d.cap) == 32
+
+
+# ---------------------------------------------------------------- properties
+
+descriptors = st.builds(
+    Descriptor,
+    cap=st.text("0123456789abcdef", min_size=32, max_size=32),
+    rights=st.sampled_from(["r", "rw"]),
+    tokens=st.integers(0, MAX_COUNT),
+    pages=st.integers(0, MAX_COUNT),
+    model=st.text(st.characters(codec="utf-8"), max_size=MODEL_MAX // 4).map(str.strip)
+    .filter(lambda m: m.isprintable()),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(descriptors)
+def test_every_valid_descriptor_round_trips(d):
+    assert len(d.encode()) <= MAX_LEN
+    assert parse(d.encode()) == d
+    assert parse(d.render()) == d
+    assert parse(bytearray(d.encode())) == d
+
+
+def _parse_or_value_error(data):
+    try:
+        d = parse(data)
+    except ValueError:
+        return None
+    # Whatever parses is a valid descriptor that round-trips.
+    assert isinstance(d, Descriptor) and parse(d.encode()) == d
+    return d
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=MAX_LEN + 64))
+@example(b"kvfs 1\ncap " + CAP.encode() + b"\ntokens " + b"1" * 5000)
+@example(b"kvfs 1\x85cap " + CAP.encode())
+@example(b"kvfs 1\ncap " + CAP.encode() + b"\nmodel \xed\xa0\x80")     # a surrogate
+def test_arbitrary_bytes_raise_only_value_error(data):
+    _parse_or_value_error(data)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.text(max_size=600))
+def test_arbitrary_text_raises_only_value_error(text):
+    _parse_or_value_error(text)
+    _parse_or_value_error(f"{MAGIC}\ncap {CAP}\n{text}")
+
+
+@settings(max_examples=1000, deadline=None)
+@given(descriptors, st.data())
+def test_mutated_descriptors_raise_only_value_error(d, data):
+    raw = bytearray(d.encode())
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    _parse_or_value_error(bytes(raw))
+
+
+@given(st.one_of(st.none(), st.integers(), st.lists(st.integers()), st.floats()))
+def test_non_text_input_is_a_value_error(value):
+    with pytest.raises(ValueError):
+        parse(value)

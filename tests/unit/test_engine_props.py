@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from predd.limits import MAX_POSITION
-from tests.unit.engine_fakes import VOCAB, Harness
+from tests.unit.engine_fakes import ME, VOCAB, Harness
 
 CLIENTS = (b"one", b"two")
 OPS = ["ping", "info", "stats", "fsck", "tokenize", "detokenize", "chat_template",
@@ -92,7 +92,7 @@ def test_any_requests_get_one_reply_each_and_leave_a_sound_store(reqs):
             fields["caps"] = [slots[i] for i in fields["caps"]]
         h.rid += 1
         head = msgpack.packb({"op": op, "rid": h.rid, **fields}, use_bin_type=True)
-        h.engine.handle(who, [head, *frames[frame]], time.monotonic())
+        h.engine.handle(who, [head, *frames[frame]], time.monotonic(), ME)
         sent.append((who, h.rid))
         if h.rid % 3 == 0:
             h.engine.step()

@@ -6,7 +6,11 @@ import stat
 
 import pytest
 
-from kvfsd.namespace import ROOT, Namespace, check_xattr
+from kvfsd.namespace import ROOT, Namespace
+from kvfsd.xattrs import APP_MAX as APP_XATTRS
+from kvfsd.xattrs import NAME_MAX as XATTR_NAME_MAX
+from kvfsd.xattrs import VALUE_MAX as XATTR_VALUE_MAX
+from kvfsd.xattrs import check as check_xattr
 
 FILE = stat.S_IFREG | 0o644
 DIR = stat.S_IFDIR | 0o755
@@ -127,12 +131,19 @@ def test_rename_exchange(ns):
 def test_listdir_positions_survive_changes(ns):
     for name in (b"a", b"b", b"c"):
         ns.add(ROOT, name, FILE, 0, 0)
-    rows = ns.listdir(ROOT)
+    rows = list(ns.listdir(ROOT))
     assert [r[1] for r in rows] == [b".", b"..", b"a", b"b", b"c"]
     after_a = rows[2][0]
     ns.unlink(ROOT, b"a")
     ns.add(ROOT, b"d", FILE, 0, 0)
-    assert [r[1] for r in ns.listdir(ROOT, after_a)] == [b"b", b"c", b"d"]
+    ns.rename(ROOT, b"b", ROOT, b"b2")                   # a rename moves a name to the end
+    ns.rename(ROOT, b"c", ROOT, b"d", exchange=True)     # an exchange keeps the places
+    rows = list(ns.listdir(ROOT, after_a))
+    assert [r[1] for r in rows] == [b"c", b"d", b"b2"]
+    assert [r[0] for r in rows] == sorted(r[0] for r in rows)
+    assert [r[1] for r in ns.listdir(ROOT, rows[0][0])] == [b"d", b"b2"]
+    back = Namespace.from_dict(json.loads(json.dumps(ns.to_dict())))
+    assert [r[1] for r in back.listdir(ROOT)] == [b".", b"..", b"c", b"d", b"b2"]
 
 
 def test_modes_owners_and_times(ns):
@@ -146,20 +157,102 @@ def test_modes_owners_and_times(ns):
 
 def test_xattr_rules(ns):
     a = ns.add(ROOT, b"a.kv", FILE, 0, 0)
+    d = ns.add(ROOT, b"d", DIR, 0, 0)
     ns.setxattr(a, b"user.kv.pin", b"1")
     ns.setxattr(a, b"user.kv.ttl", b"3600")
-    ns.setxattr(a, b"user.note", b"\x00binary\xff")
+    ns.setxattr(a, b"user.kv.ttl", b" " * (XATTR_VALUE_MAX - 2) + b"60")
     assert ns.getxattr(a, b"user.kv.pin") == b"1"
-    assert ns.getxattr(a, b"user.note") == b"\x00binary\xff"
     assert err(ns.setxattr, a, b"user.kv.tokens", b"5") == errno.EPERM
     assert err(ns.removexattr, a, b"user.kv.model") == errno.EPERM
     assert err(ns.setxattr, a, b"user.kv.pin", b"yes") == errno.EINVAL
     assert err(ns.setxattr, a, b"user.kv.ttl", b"-1") == errno.EINVAL
+    assert err(ns.setxattr, a, b"user.kv.ttl", "\u0663".encode()) == errno.EINVAL
+    # In user.kv.* only the known names; outside user.* nothing.
+    assert err(ns.setxattr, a, b"user.kv.evict", b"1") == errno.EOPNOTSUPP   # reserved
+    assert err(ns.setxattr, a, b"user.kv.other", b"1") == errno.EOPNOTSUPP
     assert err(ns.setxattr, a, b"trusted.x", b"1") == errno.EOPNOTSUPP
+    assert err(ns.setxattr, a, b"security.x", b"1") == errno.EOPNOTSUPP
+    assert err(ns.setxattr, d, b"user.kv.pin", b"1") == errno.EOPNOTSUPP     # files only
+    # Names and values are short: checked before the value is looked at.
+    assert err(ns.setxattr, a, b"user.kv.ttl", b"1" * (XATTR_VALUE_MAX + 1)) == errno.E2BIG
+    assert err(ns.setxattr, a, b"user.kv.pin", b"x" * 65536) == errno.E2BIG
+    assert err(ns.setxattr, a, b"user." + b"n" * XATTR_NAME_MAX, b"1") == errno.E2BIG
+    assert a.xattrs == {b"user.kv.pin": b"1", b"user.kv.ttl": b" " * 62 + b"60"}
     assert err(ns.getxattr, a, b"user.absent") == errno.ENODATA
-    ns.removexattr(a, b"user.note")
-    assert err(ns.removexattr, a, b"user.note") == errno.ENODATA
+    ns.removexattr(a, b"user.kv.ttl")
+    assert err(ns.removexattr, a, b"user.kv.ttl") == errno.ENODATA
     check_xattr(b"user.kv.ttl", b"0")
+
+
+def test_application_xattrs_are_bounded_per_node(ns):
+    for node in (ns.add(ROOT, b"a.kv", FILE, 0, 0), ns.add(ROOT, b"d", DIR, 0, 0)):
+        ns.setxattr(node, b"user.kv.pin", b"1") if node.is_file else None
+        for i in range(APP_XATTRS):
+            ns.setxattr(node, f"user.app.n{i}".encode(), b"\x00binary\xff")
+        assert err(ns.setxattr, node, b"user.app.more", b"v") == errno.ENOSPC
+        ns.setxattr(node, b"user.app.n0", b"replaced")           # replacing is fine
+        ns.removexattr(node, b"user.app.n1")
+        ns.setxattr(node, b"user.app.more", b"v")                 # a slot came free
+        assert ns.getxattr(node, b"user.app.n0") == b"replaced"
+        assert len([n for n in node.xattrs if n.startswith(b"user.app.")]) == APP_XATTRS
+
+
+def test_xattrs_of_an_older_state_are_filtered_on_load(ns):
+    a = ns.add(ROOT, b"a.kv", FILE, 0, 0)
+    d = ns.add(ROOT, b"d", DIR, 0, 0)
+    a.xattrs = {b"user.kv.pin": b"1", b"user.kv.ttl": b"forever", b"user.kv.x": b"1",
+                b"trusted.t": b"1", b"user.big": b"v" * 1000}
+    a.xattrs.update({f"user.n{i}".encode(): b"v" for i in range(1000)})
+    d.xattrs = {b"user.kv.pin": b"1", b"user.note": b"hi"}
+    back = Namespace.from_dict(json.loads(json.dumps(ns.to_dict())))
+    assert back.lookup(ROOT, b"a.kv").xattrs == \
+        {b"user.kv.pin": b"1", **{f"user.n{i}".encode(): b"v" for i in range(APP_XATTRS)}}
+    assert back.lookup(ROOT, b"d").xattrs == {b"user.note": b"hi"}
+
+
+def test_names_per_uid_are_bounded():
+    ns = Namespace(names_per_uid=4)
+    d = ns.add(ROOT, b"d", DIR, 1000, 1000)                     # 1
+    a = ns.add(d.ino, b"a.kv", FILE, 1000, 1000)                # 2
+    ns.link(a.ino, ROOT, b"a2.kv")                              # 3: a link costs a name
+    ns.add(ROOT, b"s", stat.S_IFLNK | 0o777, 1000, 1000, b"d")  # 4
+    assert ns.names_of_uid[1000] == 4
+    assert err(ns.add, ROOT, b"b.kv", FILE, 1000, 1000) == errno.EDQUOT
+    assert err(ns.check_new, ROOT, b"b.kv", 1000) == errno.EDQUOT
+    assert err(ns.link, a.ino, ROOT, b"a3.kv") == errno.EDQUOT
+    assert err(ns.add, ROOT, b"d2", DIR, 1000, 1000) == errno.EDQUOT
+    # Name checks come first; other uids and root are not affected.
+    assert err(ns.check_new, ROOT, b"d", 1000) == errno.EEXIST
+    ns.add(ROOT, b"other.kv", FILE, 1001, 1001)
+    for i in range(10):
+        ns.add(ROOT, f"root{i}".encode(), FILE, 0, 0)
+    # Removing a name gives it back; renames cost nothing.
+    ns.unlink(ROOT, b"a2.kv")
+    ns.rename(ROOT, b"s", d.ino, b"s2")
+    ns.add(ROOT, b"b.kv", FILE, 1000, 1000)
+    assert ns.names_of_uid[1000] == 4
+    # A displaced name is given back by a rename over it.
+    ns.rename(ROOT, b"b.kv", d.ino, b"a.kv")
+    assert ns.names_of_uid[1000] == 3
+    # chown (root's) moves the names to the new owner, even past its bound.
+    ns.chown(d, 1001, None)
+    assert (ns.names_of_uid[1000], ns.names_of_uid[1001]) == (2, 2)
+    back = Namespace.from_dict(json.loads(json.dumps(ns.to_dict())), names_per_uid=4)
+    assert back.names_of_uid == ns.names_of_uid
+    unbounded = Namespace(names_per_uid=0)
+    for i in range(10):
+        unbounded.add(ROOT, f"f{i}".encode(), FILE, 1000, 1000)
+    assert unbounded.names_of_uid[1000] == 10
+
+
+def test_deep_nesting_has_no_recursion_limit(ns):
+    ino = ROOT
+    for _ in range(5000):
+        ino = ns.add(ino, b"d", DIR, 0, 0).ino          # root: no bound
+    leaf = ns.add(ino, b"a.kv", FILE, 1000, 1000)
+    assert ns.path_of(leaf.ino) == "/d" * 5000 + "/a.kv"
+    back = Namespace.from_dict(json.loads(json.dumps(ns.to_dict())))
+    assert back.path_of(leaf.ino) == ns.path_of(leaf.ino)
 
 
 def test_persistence_round_trip(ns):

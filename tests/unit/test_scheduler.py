@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from predd.scheduler import Call, Plan, PlanItem, Scheduler, SchedulerConfig
+from predd.scheduler import Call, Plan, PlanItem, Scheduler, SchedulerConfig, StepCost
 
 
-def make(token_budget=512, max_batch=64, wait_factor=0.5, max_wait_s=0.25) -> Scheduler:
+def make(token_budget=512, max_batch=64, wait_factor=0.5, max_wait_s=0.25,
+         latency_factor=0.0, active_s=0.5) -> Scheduler:
     return Scheduler(SchedulerConfig(token_budget=token_budget, max_batch=max_batch,
-                                     wait_factor=wait_factor, max_wait_s=max_wait_s))
+                                     wait_factor=wait_factor, max_wait_s=max_wait_s,
+                                     latency_factor=latency_factor,
+                                     active_s=active_s))
 
 
 class Runner:
@@ -22,13 +25,17 @@ class Runner:
     when that reaches 0 (the engine grows `total` by one per produced token).
     """
 
-    def __init__(self, sched: Scheduler, admit=lambda call: True) -> None:
+    def __init__(self, sched: Scheduler, admit=lambda call: True, step_time=0.25) -> None:
         self.sched = sched
         self.admit = admit
         self.now = 0.0
+        self.step_time = step_time   # seconds, or a function of the step's tokens
 
-    def step(self, step_time: float = 0.25) -> list[tuple[int, int, int]]:
+    def step(self, step_time: float | None = None) -> list[tuple[int, int, int]]:
         plan = self.sched.schedule(self.admit)
+        if step_time is None:
+            step_time = self.step_time(plan.num_tokens) if callable(self.step_time) \
+                else self.step_time
         finished = set()
         for item in plan.items:
             call = item.call
@@ -50,9 +57,9 @@ class Runner:
         return steps
 
 
-def submit(sched, session, oid, total, now=0.0, generate=0) -> Call:
+def submit(sched, session, oid, total, now=0.0, generate=0, uid=0) -> Call:
     return sched.submit(Call(session, oid, total, generating=bool(generate),
-                             payload=generate or None), now)
+                             payload=generate or None, uid=uid), now)
 
 
 # ---------------------------------------------------------------- records
@@ -186,8 +193,8 @@ def test_a_session_with_many_objects_does_not_starve_another():
         submit(s, 1, oid, 1)                  # six decodes of session 1
     submit(s, 2, 99, 1)                       # one of session 2, last to arrive
     r = Runner(s)
-    assert r.step() == [(1, 0, 1), (2, 0, 1)]
-    assert r.step() == [(7, 0, 1), (3, 0, 1)]  # session 2 first on the next step
+    assert r.step() == [(1, 0, 1), (7, 0, 1)]  # sessions interleave
+    assert r.step() == [(2, 0, 1), (3, 0, 1)]
 
 
 def test_generate_call_grows_and_stays_queued_until_finished():
@@ -400,3 +407,217 @@ def test_every_token_of_every_call_is_computed_exactly_once(budget, batch):
     assert {cid: len(toks) for cid, toks in seen.items()} == want
     assert s.pending() == 0
 
+
+
+# ---------------------------------------------------------------- fairness across uids
+
+def test_a_uid_with_many_sessions_gets_one_share():
+    s = make(token_budget=4)
+    for session in range(1, 101):             # uid 7: a hundred sessions of decodes
+        submit(s, session, session, 1, generate=50, uid=7)
+    victim = submit(s, 500, 500, 1, generate=50, uid=8)
+    r = Runner(s)
+    for _ in range(20):
+        plan = r.step()
+        assert len(plan) == 4
+        assert (victim.cid, victim.computed - 1, 1) in plan   # in every single step
+
+
+def test_round_robin_across_uids_then_sessions():
+    s = make(token_budget=3)
+    # uid 1: sessions 1 and 2 with a decode each; uid 2: one session with two decodes.
+    a1 = submit(s, 1, 10, 1, generate=9, uid=1)
+    a2 = submit(s, 2, 20, 1, generate=9, uid=1)
+    b1 = submit(s, 3, 30, 1, generate=9, uid=2)
+    b2 = submit(s, 3, 31, 1, generate=9, uid=2)
+    r = Runner(s)
+    firsts = [[cid for cid, _, _ in r.step()] for _ in range(4)]
+    assert firsts == [
+        [a1.cid, b1.cid, a2.cid],     # uid 1 (session 1), uid 2, uid 1 (session 2)
+        [b1.cid, a2.cid, b2.cid],     # uid 2 first; uid 1 starts with session 2
+        [a1.cid, b1.cid, a2.cid],
+        [b1.cid, a2.cid, b2.cid],
+    ]
+
+
+def test_within_a_uid_decodes_go_first_but_not_before_other_uids():
+    s = make(token_budget=8)
+    long = submit(s, 1, 10, 20, uid=1)        # uid 1: a long prompt
+    dec = submit(s, 1, 11, 1, uid=1)          # and a decode
+    other = submit(s, 2, 20, 6, uid=2)        # uid 2: a medium prompt
+    r = Runner(s)
+    # each uid may first take half the budget (4), then the rest goes in order
+    assert r.step() == [(dec.cid, 0, 1), (other.cid, 0, 4), (long.cid, 0, 3)]
+    assert r.step() == [(other.cid, 4, 2), (long.cid, 3, 6)]
+    assert r.step() == [(long.cid, 9, 8)]
+
+
+def test_queued_counts_per_session_and_uid():
+    s = make(token_budget=4)
+    a = submit(s, 1, 10, 2, uid=5)
+    submit(s, 1, 10, 2, uid=5)
+    submit(s, 2, 20, 2, uid=5)
+    submit(s, 3, 30, 2, uid=6)
+    assert (s.queued(session=1), s.queued(session=2), s.queued(session=9)) == (2, 1, 0)
+    assert (s.queued(uid=5), s.queued(uid=6), s.queued(uid=9)) == (3, 1, 0)
+    assert s.pending() == 4 and s.check() == []
+    s.remove(a)
+    s.remove(a)
+    assert s.queued(session=1) == 1 and s.queued(uid=5) == 2 and s.pending() == 3
+    s.cancel(lambda call: call.uid == 5)
+    assert s.queued(uid=5) == 0 and s.queued(uid=6) == 1 and s.pending() == 1
+    Runner(s).drain()
+    assert s.pending() == 0 and s.queued(uid=6) == 0 and s.check() == []
+
+
+# ---------------------------------------------------------------- latency bound
+
+def test_step_cost_is_a_non_decreasing_curve_through_size_classes():
+    cost = StepCost(rise=0.5)
+    assert cost.predict(1) is None
+    cost.observe(1, 0.010)
+    assert cost.predict(1) is None            # one size class: no slope yet
+    cost.observe(101, 0.060)
+    assert cost.predict(1) == pytest.approx(0.010)
+    assert cost.predict(51) == pytest.approx(0.035)
+    assert cost.predict(201) == pytest.approx(0.110)    # extrapolated
+    cost.observe(1, 0.030)                    # slower: follows by `rise` of the way
+    assert cost.predict(1) == pytest.approx(0.020)
+    cost.observe(1, 0.012)                    # faster: at once
+    assert cost.predict(1) == pytest.approx(0.012)
+    cost.observe(40, 0.001)                   # noise below a smaller step's time
+    assert cost.predict(40) == pytest.approx(0.012)     # the curve never goes down
+    cost.observe(1, 0.010)
+    assert cost.tokens_within(0.060, 2048) == 101
+    assert cost.tokens_within(0.0, 2048) == 1
+    assert cost.tokens_within(10.0, 512) == 512
+
+
+def linear(tokens: int) -> float:
+    """A step costs 10 ms + 1 ms per token."""
+    return 0.010 + 0.001 * tokens
+
+
+def learned(s: Scheduler) -> Runner:
+    """A runner whose steps cost `linear`, and a scheduler that has measured it."""
+    s.cost.observe(1, linear(1))
+    s.cost.observe(100, linear(100))
+    return Runner(s, step_time=linear)
+
+
+def test_a_flood_of_prompts_is_held_to_twice_the_victims_step():
+    s = make(token_budget=512, latency_factor=2.0)
+    r = learned(s)
+    flood = [submit(s, 1, 10 + i, 400, uid=65534) for i in range(4)]
+    victim = submit(s, 2, 99, 1, generate=5, uid=1000)
+    # alone, the victim's decode costs 11 ms; a step may cost 22 ms: 12 tokens
+    assert r.step() == [(victim.cid, 0, 1), (flood[0].cid, 0, 11)]
+    # the flood's turn to go first: its share is 6 tokens, then it takes what is left
+    assert r.step() == [(flood[0].cid, 11, 11), (victim.cid, 1, 1)]
+    assert s.capped_steps == 2
+
+
+def test_the_bound_is_off_for_a_single_uid_or_factor_zero():
+    s = make(token_budget=512, latency_factor=2.0)
+    r = learned(s)
+    submit(s, 1, 10, 400, uid=65534)
+    submit(s, 2, 11, 1, uid=65534)
+    assert r.step() == [(2, 0, 1), (1, 0, 400)]
+    s = make(token_budget=512, latency_factor=0.0)
+    r = learned(s)
+    submit(s, 1, 10, 400, uid=65534)
+    submit(s, 2, 11, 1, uid=1000)
+    assert r.step() == [(2, 0, 1), (1, 0, 400)]
+
+
+def test_the_bound_waits_for_cost_measurements():
+    s = make(token_budget=512, latency_factor=2.0)
+    submit(s, 1, 10, 400, uid=65534)
+    submit(s, 2, 11, 1, uid=1000)
+    assert Runner(s).step() == [(2, 0, 1), (1, 0, 400)]
+
+
+def test_a_uid_that_just_finished_a_call_still_counts_for_a_few_steps():
+    """A pred loop: between its calls the victim has nothing queued, yet the flood
+    stays bounded for `active_s` seconds after its last call ended."""
+    s = make(token_budget=512, latency_factor=2.0, active_s=0.05)
+    r = learned(s)
+    submit(s, 2, 99, 1, uid=1000)             # the victim's pred of one token
+    submit(s, 1, 10, 2000, uid=65534)
+    r.step()                                  # ends at 22 ms: the victim's call is done
+    steps = [[count for _, _, count in r.step()] for _ in range(4)]
+    # steps ending at 44, 66 and 88 ms are planned within 50 ms of it: bounded
+    assert steps == [[12], [12], [12], [512]]
+
+
+def test_latency_bound_keeps_every_token_exactly_once():
+    s = make(token_budget=64, latency_factor=1.5)
+    r = learned(s)
+    calls = [submit(s, i, 10 + i, total, generate=gen, uid=i % 3)
+             for i, (total, gen) in enumerate([(90, 0), (1, 6), (30, 3), (7, 0), (1, 2)])]
+    want = {c.cid: c.total + max(c.payload or 1, 1) - 1 for c in calls}
+    seen: dict[int, int] = {c.cid: 0 for c in calls}
+    for plan in r.drain(limit=500):
+        for cid, start, count in plan:
+            assert start == seen[cid]
+            seen[cid] += count
+    assert seen == want
+
+
+def test_a_full_budget_still_waits_for_another_uids_pred_loop():
+    s = make(token_budget=8, wait_factor=0.5, max_wait_s=0.25)
+    submit(s, 1, 10, 1, uid=1000)                 # the victim's pred
+    s.update(s.schedule(), {1}, now=1.0, step_time=0.25)
+    submit(s, 2, 20, 100, uid=65534)              # a flood fills the budget
+    assert s.wait_time(1.0) == 0.125              # the victim may join the next step
+    submit(s, 1, 10, 1, now=1.0625, uid=1000)
+    assert s.wait_time(1.0625) == 0.0
+    s = make(token_budget=8, wait_factor=0.5, max_wait_s=0.25)
+    submit(s, 1, 10, 1, uid=65534)                # the same uid as the flood: no wait
+    s.update(s.schedule(), {1}, now=1.0, step_time=0.25)
+    submit(s, 2, 20, 100, uid=65534)
+    assert s.wait_time(1.0) == 0.0
+
+
+def test_flood_decodes_do_not_starve_another_uids_prompt_under_the_bound():
+    s = make(token_budget=512, latency_factor=2.0)
+    r = learned(s)
+    flood = [submit(s, 1, 100 + i, 1, generate=100, uid=65534) for i in range(40)]
+    prompt = submit(s, 2, 99, 300, uid=1000)
+    plan = r.step()
+    # the smallest demand is the flood's 40 decodes (50 ms alone): a step may take
+    # 100 ms, 90 tokens; each uid first gets 45, then the prompt takes what is left
+    assert sum(n for _, _, n in plan) == 90
+    assert dict((cid, n) for cid, _, n in plan)[prompt.cid] == 50
+    assert all(c.computed == 1 for c in flood)
+
+
+def test_the_bound_leaves_room_for_each_uids_least_demand():
+    s = make(token_budget=512, latency_factor=1.0)
+    s.cost.observe(1, 0.010)
+    s.cost.observe(2, 0.030)                  # steep: one more token triples the time
+    r = Runner(s, step_time=lambda n: 0.010 * n)
+    for uid in (1, 2, 3):
+        submit(s, uid, uid, 1, generate=2, uid=uid)
+    submit(s, 4, 4, 50, uid=4)
+    assert sorted(n for _, _, n in r.step()) == [1, 1, 1, 1]   # every uid gets its one
+
+
+def test_feedback_shrinks_the_bound_when_steps_cost_more_than_predicted():
+    """The curve knows 10 ms + 1 ms a token; real steps also pay 30 ms per call (say
+    attention over a long context). Bounded steps overrun, so the bound shrinks until
+    the flood gets its least; steps within the bound let it grow back."""
+    s = make(token_budget=512, latency_factor=3.0)
+    learned(s)
+    r = Runner(s, step_time=lambda n: 0.010 + 0.001 * n + 0.030 * (n > 1))
+    submit(s, 2, 99, 1, generate=40, uid=1000)
+    submit(s, 1, 10, 5000, uid=65534)
+    sizes = [sum(n for _, _, n in r.step()) for _ in range(16)]
+    # bound 33 ms: 23 tokens predicted, but such a step takes 63 ms: the curve learns
+    # that size, the scale shrinks; down to each uid's least (one token each)
+    assert sizes == [23, 8, 3] + [2] * 13
+    assert s.capped_steps == 16 and s._scale < 0.1
+    s.cancel(lambda call: call.uid == 65534)
+    for _ in range(30):                                        # the victim alone: within
+        r.step()
+    assert s._scale < 0.1                                      # unbounded steps: no change

@@ -1,0 +1,79 @@
+"""Which extended attributes a kvfs node has, and their bounds.
+
+* `user.kv.tokens/bytes/pages/model/tier`: computed from predd's figures (files only),
+  read-only (EPERM).
+* `user.kv.pin`, `user.kv.ttl`: policy hints (files only), short and well-formed.
+* `user.kv.evict`: reserved for a later policy; any other `user.kv.*`, and any name
+  outside `user.*`: EOPNOTSUPP.
+* Any other `user.*`: the application's own (mount_examples/rag_cache.py keeps its hit
+  counts there), at most `APP_MAX` per node (ENOSPC beyond).
+Names and values are at most 64 bytes (E2BIG): a node's xattrs are bounded, and with
+the names a uid may own, so is what one user can make kvfsd store.
+"""
+from __future__ import annotations
+
+import errno
+
+KV_PREFIX = b"user.kv."
+COMPUTED = (b"user.kv.tokens", b"user.kv.bytes", b"user.kv.pages", b"user.kv.model",
+            b"user.kv.tier")
+POLICY = (b"user.kv.pin", b"user.kv.ttl")
+RESERVED = (b"user.kv.evict",)
+NAME_MAX = 64          # bytes, "user." included
+VALUE_MAX = 64         # bytes
+APP_MAX = 8            # application attributes per file or directory
+
+
+def _err(code: int, what: str) -> OSError:
+    return OSError(code, f"{errno.errorcode[code]}: {what}")
+
+
+def _show(name: bytes) -> str:
+    return name[:64].decode("utf-8", "backslashreplace")
+
+
+def check(name: bytes, value: bytes) -> None:
+    """Whether `name` may be set to `value` (OSError if not): in user.kv.* only the policy
+    names, with well-formed values; elsewhere in user.* short names and values. Checked
+    before anything is stored (the room on a node is `check_room`'s)."""
+    if name in COMPUTED:
+        raise _err(errno.EPERM, f"{_show(name)} is read-only")
+    if not name.startswith(b"user.") or (name.startswith(KV_PREFIX)
+                                         and name not in POLICY):
+        what = "reserved" if name in RESERVED else "not supported"
+        raise _err(errno.EOPNOTSUPP, f"{_show(name)}: {what}")
+    if len(name) > NAME_MAX or len(value) > VALUE_MAX:
+        raise _err(errno.E2BIG, f"{_show(name)}: name or value over "
+                   f"{NAME_MAX}/{VALUE_MAX} bytes")
+    text = value.strip()
+    if name == b"user.kv.pin" and text not in (b"0", b"1"):
+        raise _err(errno.EINVAL, "user.kv.pin is 0 or 1")
+    if name == b"user.kv.ttl" and not (text.isdigit() and text.isascii()):
+        raise _err(errno.EINVAL, "user.kv.ttl is a whole number of seconds")
+
+
+def _valid(name: bytes, value: bytes) -> bool:
+    try:
+        check(name, value)
+    except OSError:
+        return False
+    return True
+
+
+def check_room(existing: dict[bytes, bytes], name: bytes, is_file: bool) -> None:
+    """Whether a node with `existing` xattrs may take `name` (after `check`)."""
+    if name in POLICY and not is_file:
+        raise _err(errno.EOPNOTSUPP, f"{_show(name)}: cache files only")
+    if not name.startswith(KV_PREFIX) and name not in existing \
+            and sum(not n.startswith(KV_PREFIX) for n in existing) >= APP_MAX:
+        raise _err(errno.ENOSPC, f"at most {APP_MAX} application attributes")
+
+
+def loaded(stored: dict[bytes, bytes], is_file: bool) -> dict[bytes, bytes]:
+    """The xattrs of a stored node that are still allowed (a state written before these
+    bounds may hold more: the excess is dropped)."""
+    valid = [(k, v) for k, v in stored.items() if _valid(k, v)]
+    policy = [(k, v) for k, v in valid if k.startswith(KV_PREFIX)
+              and (k not in POLICY or is_file)]
+    app = [(k, v) for k, v in valid if not k.startswith(KV_PREFIX)][:APP_MAX]
+    return dict(policy + app)
