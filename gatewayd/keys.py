@@ -15,9 +15,9 @@ never root). Lookup compares the presented key with every key in constant time.
 from __future__ import annotations
 
 import hmac
-import os
-import stat
 from dataclasses import dataclass, replace
+
+from liblip.protocol import read_private_file
 
 MIN_KEY_LEN = 16
 MAX_UID = 2**32 - 2
@@ -64,21 +64,7 @@ class ApiKeys:
     @classmethod
     def load(cls, path: str, defaults: Limits) -> ApiKeys:
         """Parse the file; ValueError with a message naming the file, line and problem."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise ValueError(f"--api-keys {path}: {exc.strerror}") from None
-        with os.fdopen(fd, "r", encoding="utf-8") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"--api-keys {path}: not a regular file")
-            if st.st_mode & 0o077:
-                raise ValueError(f"--api-keys {path}: mode {stat.S_IMODE(st.st_mode):04o} "
-                                 "lets group or others at it (chmod 600)")
-            if st.st_uid not in (0, os.geteuid()):
-                raise ValueError(f"--api-keys {path}: owned by uid {st.st_uid}, not by "
-                                 "root or this server's user")
-            text = f.read()
+        text = read_private_file(path, "--api-keys")
         entries: list[tuple[bytes, Caller]] = []
         for n, line in enumerate(text.splitlines(), 1):
             where = f"--api-keys {path}:{n}"

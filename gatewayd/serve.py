@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import os
 import signal
 import socket
@@ -35,7 +34,7 @@ import uvicorn
 
 from gatewayd.daemons import Daemon, log_line
 from gatewayd.keys import ApiKeys, Caller, Limits
-from liblip.protocol import default_mount, default_rundir
+from liblip.protocol import default_mount, default_rundir, is_loopback_host
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
 ANONYMOUS_UID = 61000       # every run when there are no API keys
@@ -65,13 +64,7 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+is_loopback = is_loopback_host   # --listen's host: the same rule as predd's tcp
 
 
 def parser() -> argparse.ArgumentParser:

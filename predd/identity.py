@@ -13,13 +13,10 @@ Rules (docs/identity.md has the reasoning):
 from __future__ import annotations
 
 import hmac
-import ipaddress
-import os
-import stat
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from liblip.protocol import ProtocolError
+from liblip.protocol import ProtocolError, is_loopback_host, read_private_file
 
 NOBODY = 65534
 MAX_UID = 2**32 - 2          # (uid_t)-1 is "no uid" to the kernel
@@ -75,13 +72,7 @@ def transport_of(addr: str) -> str:
 
 def is_loopback(addr: str) -> bool:
     """Whether a tcp:// endpoint listens on loopback only ("*" and names are not)."""
-    host = urlsplit(addr).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(urlsplit(addr).hostname or "")
 
 
 class AuthKeys:
@@ -100,21 +91,7 @@ class AuthKeys:
     @classmethod
     def load(cls, path: str) -> AuthKeys:
         """Parse the keys file; ValueError with a message that names the problem."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise ValueError(f"--auth-keys {path}: {exc.strerror}") from None
-        with os.fdopen(fd, "r", encoding="utf-8") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"--auth-keys {path}: not a regular file")
-            if st.st_mode & 0o077:
-                raise ValueError(f"--auth-keys {path}: mode {stat.S_IMODE(st.st_mode):04o} "
-                                 "lets group or others read it (chmod 600)")
-            if st.st_uid not in (0, os.geteuid()):
-                raise ValueError(f"--auth-keys {path}: owned by uid {st.st_uid}, "
-                                 "not by predd's user or root")
-            text = f.read()
+        text = read_private_file(path, "--auth-keys")
         keys: list[tuple[bytes, int]] = []
         for n, line in enumerate(text.splitlines(), 1):
             fields = line.split(None, 2)

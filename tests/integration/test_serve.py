@@ -68,7 +68,7 @@ def test_refuses_a_readable_keys_file(tmp_path):
     r = serve(tmp_path, "--listen", f"127.0.0.1:{free_port()}", "--mount",
               str(tmp_path / "m"), "--api-keys", str(keys))
     assert r.returncode == 2
-    assert "mode 0644 lets group or others at it (chmod 600)" in r.stderr
+    assert "mode 0644 lets group or others read it (chmod 600)" in r.stderr
     keys.write_text("sk-short 1001\n")
     os.chmod(keys, 0o600)
     r = serve(tmp_path, "--listen", f"127.0.0.1:{free_port()}", "--mount",

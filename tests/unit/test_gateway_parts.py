@@ -62,7 +62,7 @@ def test_bad_keys_files_are_refused(tmp_path, text, message):
 def test_keys_file_must_be_private(tmp_path):
     with pytest.raises(ValueError) as err:
         ApiKeys.load(keys_file(tmp_path, f"{KEY} 1001\n", 0o640), Limits())
-    assert "mode 0640 lets group or others at it (chmod 600)" in str(err.value)
+    assert "mode 0640 lets group or others read it (chmod 600)" in str(err.value)
     path = keys_file(tmp_path, f"{KEY} 1001\n")
     os.chown(path, 1234, 1234)
     with pytest.raises(ValueError) as err:
