@@ -3,8 +3,8 @@
 Two sources:
 * predd's `stats`, read at every scrape (a collector; nothing is cached): pages
   total/used, objects, sessions, steps, calls and mean batch, tokens computed/reused,
-  and queue wait and step time as summaries (predd keeps their sums and counts, not
-  their distributions);
+  and histograms of queue wait (per call) and step time (per forward pass), from the
+  bucket counts predd keeps;
 * what the gateway itself sees: HTTP requests by route template, method and status;
   errors answered, by errno; runs active/finished/failed by program; and for the OpenAI
   API, tokens by kind and per-request histograms of queue wait, model time and latency
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    SummaryMetricFamily)
+                                    HistogramMetricFamily)
 
 import liblip as lip
 
@@ -54,16 +54,23 @@ class PreddCollector:
                     "predd_errors": ("errors", "requests predd answered with an error")}
         for name, (key, doc) in counters.items():
             yield CounterMetricFamily(f"symphony_{name}", doc, value=s.get(key, 0))
-        yield SummaryMetricFamily("symphony_queue_wait_seconds",
-                                  "time calls waited before their first step (sum, count)",
-                                  count_value=s.get("calls", 0),
-                                  sum_value=s.get("queue_wait_ms", 0.0) / 1e3)
-        yield SummaryMetricFamily("symphony_step_seconds", "forward pass time (sum, count)",
-                                  count_value=s.get("steps", 0),
-                                  sum_value=s.get("step_ms", 0.0) / 1e3)
+        for name, key, doc in (
+                ("symphony_queue_wait_seconds", "queue_wait_hist",
+                 "time a call waited from arrival to its first step"),
+                ("symphony_step_seconds", "step_hist", "forward pass time")):
+            h = s.get(key)
+            if h:
+                yield _histogram(name, doc, h)
         yield CounterMetricFamily("symphony_launch_wait_seconds",
                                   "time predd held a step for more calls (adaptive launch)",
                                   value=s.get("launch_wait_ms", 0.0) / 1e3)
+
+
+def _histogram(name: str, doc: str, h: dict) -> HistogramMetricFamily:
+    """A Prometheus histogram from predd's cumulative bucket counts (in ms)."""
+    buckets = [(f"{le / 1e3:g}", n) for le, n in zip(h["le_ms"], h["cumulative"])]
+    buckets.append(("+Inf", h["cumulative"][-1]))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum_ms"] / 1e3)
 
 
 class Metrics:

@@ -15,6 +15,8 @@ sessions per uid when a message arrives, calls in flight when one is queued.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import time
 import traceback
@@ -56,6 +58,25 @@ class EngineConfig:
     auth: AuthKeys | None = None                             # tcp tokens (--auth-keys)
 
 
+HIST_MS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)   # bucket bounds
+
+
+@dataclass
+class Histogram:
+    """Counts per bucket (upper bounds HIST_MS, then +inf) and the sum, in ms."""
+    counts: list[int] = field(default_factory=lambda: [0] * (len(HIST_MS) + 1))
+    sum_ms: float = 0.0
+
+    def observe(self, ms: float) -> None:
+        self.counts[bisect.bisect_left(HIST_MS, ms)] += 1
+        self.sum_ms += ms
+
+    def wire(self) -> dict:
+        """Cumulative counts per upper bound, as Prometheus histograms are read."""
+        return {"le_ms": list(HIST_MS), "cumulative": list(itertools.accumulate(self.counts)),
+                "sum_ms": round(self.sum_ms, 3)}
+
+
 @dataclass
 class Counters:
     steps: int = 0
@@ -67,6 +88,8 @@ class Counters:
     requests: int = 0
     errors: int = 0
     throttled: int = 0        # EAGAIN replies (rate, calls in flight, sessions)
+    queue_hist: Histogram = field(default_factory=Histogram)   # per admitted call
+    step_hist: Histogram = field(default_factory=Histogram)    # per forward pass
 
 
 class Engine(KVOps):
@@ -299,6 +322,7 @@ class Engine(KVOps):
                 "pending_calls": self.scheduler.pending(), "requests": c.requests,
                 "errors": c.errors, "throttled": c.throttled,
                 "capped_steps": self.scheduler.capped_steps,
+                "queue_wait_hist": c.queue_hist.wire(), "step_hist": c.step_hist.wire(),
                 "uptime_s": round(time.monotonic() - self.started, 3)}
 
     def op_ps(self, s: Session, r, extra, now) -> dict:
@@ -415,6 +439,7 @@ class Engine(KVOps):
             return False
         self.counters.tokens_reused += st.reused
         self.counters.queue_wait_s += st.admitted_at - st.arrival
+        self.counters.queue_hist.observe((st.admitted_at - st.arrival) * 1e3)
         return True
 
     def _prepare(self, oid: int, st: CallState) -> None:
@@ -555,6 +580,7 @@ class Engine(KVOps):
         c.calls += len(ran)
         c.tokens_computed += sum(i.count for i in ran)
         c.step_s += elapsed
+        c.step_hist.observe(elapsed * 1e3)
         self.scheduler.update(Plan(ran), finished, time.monotonic(), elapsed)
 
     def _chunk(self, item: PlanItem) -> Chunk:

@@ -299,7 +299,13 @@ def test_metrics_parse_and_count(http, predd):
     assert m[("symphony_tokens_reused_total", ())] == stats["tokens_reused"]
     assert m[("symphony_steps_total", ())] == stats["steps"]
     assert m[("symphony_step_seconds_count", ())] == stats["steps"]
-    assert m[("symphony_queue_wait_seconds_count", ())] == stats["calls"]
+    assert m[("symphony_step_seconds_bucket", (("le", "+Inf"),))] == stats["steps"]
+    steps = stats["step_hist"]
+    assert m[("symphony_step_seconds_bucket", (("le", "0.1"),))] == \
+        steps["cumulative"][steps["le_ms"].index(100)]
+    assert m[("symphony_step_seconds_sum", ())] == pytest.approx(steps["sum_ms"] / 1e3)
+    admitted = stats["queue_wait_hist"]["cumulative"][-1]
+    assert admitted > 0 and m[("symphony_queue_wait_seconds_count", ())] == admitted
     for name in ("symphony_kv_objects", "symphony_sessions", "symphony_mean_batch"):
         assert (name, ()) in m
 
