@@ -113,6 +113,33 @@ def test_forged_and_read_only_capabilities(lip):
     still_serving(lip)
 
 
+def test_revoked_and_replayed_capabilities_are_ebadf_and_grants_die_with_theirs(lip, predd):
+    """A capability replayed after kv_free or after its session ended is EBADF from any
+    session; a grant made from a session's capability dies with it (so a program cannot
+    keep a file's object past the open that kvfsd granted it)."""
+    from liblip.client import Client
+    a, b = Client(predd.addr), Client(predd.addr)
+    try:
+        cap = a.call("kv_create")["cap"]
+        grant = a.call("kv_grant", cap=cap, rights="rw")["cap"]
+        regrant = b.call("kv_grant", cap=grant, rights="r")["cap"]    # another session
+        assert b.call("kv_stat", cap=regrant)["tokens"] == 0
+        a.call("kv_free", cap=cap)                                   # the parent goes
+        for who, token in ((a, cap), (a, grant), (b, grant), (b, regrant)):
+            with pytest.raises(LipError) as err:
+                who.call("kv_stat", cap=token)
+            assert err.value.code == "EBADF"
+        kept = a.call("kv_create")["cap"]
+        a.call("bye")                                                # its session ends
+        with pytest.raises(LipError) as err:
+            b.call("kv_fork", cap=kept)                              # replay elsewhere
+        assert err.value.code == "EBADF"
+    finally:
+        a.close()
+        b.close()
+    still_serving(lip)
+
+
 def test_pool_exhaustion_is_enospc(tmp_path):
     import liblip
     small = start_predd(str(tmp_path / "small"), "--kv-pages", "8", "--lease", "3")
