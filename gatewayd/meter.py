@@ -9,10 +9,11 @@ poll (every `interval` seconds while any run is alive; see `_owns`). From them:
   those sessions — at once when the program said `bye` (liblip does at exit), else
   when its lease runs out — so a run's anonymous KV objects are free when it reports
   its exit.
-Tokens computed/reused are predd-wide counters, so a run's figures are the counters'
-difference over its lifetime; `tokens_exclusive` says whether the gateway saw nothing
-else (no other run, no OpenAI request) running meanwhile — only then are they the
-run's alone. (predd keeps no per-session token counters for `ps` to show.)
+* `tokens_computed`/`tokens_reused`: the sum over the run's sessions of what predd
+  counted for each (`ps` rows; an ended session's final figures stay in `ps.ended` a
+  while), so a run's cost is its own even when other runs share predd. Against a predd
+  without per-session figures it falls back to the difference of predd-wide counters
+  over the run's lifetime, and `tokens_exclusive` says whether nothing else ran then.
 """
 from __future__ import annotations
 
@@ -179,13 +180,28 @@ class Meter:
         """The run's cost, once it has settled; forgets the run."""
         u = self.usage.pop(run_id)
         try:
-            stats1 = await asyncio.to_thread(lip.stats)
+            ps = await asyncio.to_thread(lip.ps)
         except lip.LipError:
-            stats1 = u.stats0
+            ps = {}
+        if "ended" in ps:   # per-session figures: the run's own, exactly
+            mine = [r for r in ps["sessions"] + ps["ended"]
+                    if r["session"] in u.sessions or self._owns(u, r)]
+            u.sessions |= {r["session"] for r in mine}
+            computed = sum(r["tokens_computed"] for r in mine)
+            reused = sum(r["tokens_reused"] for r in mine)
+            exclusive = True
+        else:
+            try:
+                stats1 = await asyncio.to_thread(lip.stats)
+            except lip.LipError:
+                stats1 = u.stats0
+            computed = stats1["tokens_computed"] - u.stats0["tokens_computed"]
+            reused = stats1["tokens_reused"] - u.stats0["tokens_reused"]
+            exclusive = not u.shared
         return {
-            "tokens_computed": stats1["tokens_computed"] - u.stats0["tokens_computed"],
-            "tokens_reused": stats1["tokens_reused"] - u.stats0["tokens_reused"],
-            "tokens_exclusive": not u.shared,
+            "tokens_computed": computed,
+            "tokens_reused": reused,
+            "tokens_exclusive": exclusive,
             "peak_pages": u.peak_pages,
             "sessions": len(u.sessions),
             "wall_s": round(wall_s, 3),

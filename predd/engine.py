@@ -335,9 +335,13 @@ class Engine(KVOps):
                  "pages": self.quotas.pages_of_session.get(x.sid, 0),
                  "capabilities": self.caps.count(x.sid),
                  "calls": self.scheduler.queued(session=x.sid) + x.deferred,
+                 "tokens_computed": x.tokens_computed, "tokens_reused": x.tokens_reused,
                  "idle_s": round(now - x.last_seen, 3)} for x in visible]
+        ended = [{"session": x.sid, "pid": x.pid, "uid": x.uid,
+                  "tokens_computed": x.tokens_computed, "tokens_reused": x.tokens_reused}
+                 for x in self.sessions.ended if s.trusted or x.uid == s.uid]
         uids = sorted({x.uid for x in visible} | {s.uid})
-        return {"sessions": rows, "uids": [
+        return {"sessions": rows, "ended": ended, "uids": [
             {**self.quotas.usage(u), "sessions": self.sessions.count(u),
              "calls": self.scheduler.queued(uid=u) + self.deferred_of_uid.get(u, 0)}
             for u in uids]}
@@ -438,6 +442,9 @@ class Engine(KVOps):
             self._error(st.identity, st.rid, self._errno(exc, f"call {st.rid}"))
             return False
         self.counters.tokens_reused += st.reused
+        session = self.sessions.get(call.session)
+        if session is not None:
+            session.tokens_reused += st.reused
         self.counters.queue_wait_s += st.admitted_at - st.arrival
         self.counters.queue_hist.observe((st.admitted_at - st.arrival) * 1e3)
         return True
@@ -579,6 +586,10 @@ class Engine(KVOps):
         c.steps += 1
         c.calls += len(ran)
         c.tokens_computed += sum(i.count for i in ran)
+        for item in ran:
+            session = self.sessions.get(item.call.session)
+            if session is not None:
+                session.tokens_computed += item.count
         c.step_s += elapsed
         c.step_hist.observe(elapsed * 1e3)
         self.scheduler.update(Plan(ran), finished, time.monotonic(), elapsed)

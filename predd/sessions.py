@@ -14,8 +14,11 @@ Lifetime and identity rules:
 """
 from __future__ import annotations
 
+import collections
 import itertools
 from dataclasses import dataclass, field
+
+ENDED_KEPT = 1024   # ended sessions whose final figures `ps` still shows
 
 
 @dataclass
@@ -35,6 +38,8 @@ class Session:
     started: float = field(default=0.0)
     bucket: float = 0.0       # request tokens left (rate limit)
     refilled: float = 0.0
+    tokens_computed: int = 0  # what this session's calls cost (ps; kept a while after end)
+    tokens_reused: int = 0
 
     def expired(self, now: float) -> bool:
         return now - self.last_seen > self.lease_s
@@ -56,6 +61,7 @@ class Sessions:
         self.default_lease_s = default_lease_s
         self._by_identity: dict[bytes, Session] = {}
         self._by_sid: dict[int, Session] = {}
+        self.ended: collections.deque[Session] = collections.deque(maxlen=ENDED_KEPT)
         self._per_uid: dict[int, dict[int, Session]] = {}
         self._ids = itertools.count(1)
 
@@ -94,6 +100,7 @@ class Sessions:
     def end(self, sid: int) -> None:
         session = self._by_sid.pop(sid, None)
         if session is not None:
+            self.ended.append(session)   # its final figures stay visible to `ps` a while
             self._by_identity.pop(session.identity, None)
             mine = self._per_uid[session.uid]
             del mine[sid]
