@@ -6,6 +6,7 @@ Also: a small SSE reader over httpx, and a predd client for the server's figures
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import httpx
 
 from liblip.client import Client
 from tests.conftest import ROOT, die_with_parent
+from tests.integration.kvfs_fixtures import eventually as poll_until
 from tests.integration.kvfs_fixtures import force_unmount, is_mounted, make_mountpoint
 
 LIPS = os.path.join(os.path.dirname(__file__), "gateway_lips")
@@ -138,9 +140,17 @@ def sse_events(response: httpx.Response):
 
 
 def eventually(predicate, timeout: float = 30.0, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
+    """kvfs_fixtures.eventually with the patience a whole server needs."""
+    return poll_until(predicate, timeout, interval)
+
+
+@contextlib.contextmanager
+def checked_client(server):
+    """A predd client as the operator (trusted, like kvfsd); fsck must be clean after."""
+    c = server.predd()
+    try:
+        yield c
+        report = c.call("fsck")
+        assert report["clean"], report["problems"]
+    finally:
+        c.close()

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gatewayd.launcher import Launcher
-from tests.integration.gateway_fixtures import (LIPS, Event, eventually, finish, sse_events,
-                                                start_serve)
+from tests.integration.gateway_fixtures import (LIPS, Event, checked_client, eventually,
+                                                finish, sse_events, start_serve)
 
 ALICE, BOB, CAROL = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdef", \
     "sk-carol-0123456789abcdef"
@@ -40,11 +40,8 @@ def http(server):
 
 @pytest.fixture
 def predd(server):
-    c = server.predd()
-    yield c
-    report = c.call("fsck")
-    c.close()
-    assert report["clean"], report["problems"]
+    with checked_client(server) as c:
+        yield c
 
 
 def auth(key: str) -> dict:

@@ -9,7 +9,7 @@ import os
 import openai
 import pytest
 
-from tests.integration.gateway_fixtures import eventually, finish, start_serve
+from tests.integration.gateway_fixtures import checked_client, eventually, finish, start_serve
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="symphony serve needs root")
 EOS = {0, 2}
@@ -24,11 +24,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def predd(server):
-    c = server.predd()
-    yield c
-    report = c.call("fsck")
-    c.close()
-    assert report["clean"], report["problems"]
+    with checked_client(server) as c:
+        yield c
 
 
 @pytest.fixture
