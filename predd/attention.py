@@ -1,92 +1,86 @@
 """Attention backends over the paged cache, chosen once at start-up.
 
-A backend's `prepare(seqs)` runs once per step and returns the per-layer callable the
-model uses: it writes the step's new K/V into their slots, then lets every new token
-attend to all entries of its object before it and causally to the new tokens before it.
-`torch` is the reference (CPU and CUDA); `flashinfer` (CUDA) plugs in here.
+A backend's `prepare(tables)` runs once per step with the step's `PageTables` and
+returns the per-layer callable the model uses: it writes the step's new K/V into their
+reserved slots, then lets every new token attend to all entries of its call before it
+and causally to the new tokens before it. `torch` is the reference (CPU and CUDA);
+`flashinfer` (CUDA) plugs in here, taking the same tables.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from predd.cache import PagedKVCache
-
-
-@dataclass
-class SeqLayout:
-    """One call's chunk in a step: its rows of the flat batch and its object's slots."""
-    q_start: int
-    q_len: int
-    ctx_slots: np.ndarray   # every entry the chunk sees, the chunk's own last: [L]
-
-    @property
-    def new_slots(self) -> np.ndarray:
-        return self.ctx_slots[len(self.ctx_slots) - self.q_len:]
+from predd.page_table import PageTables
 
 
 class TorchAttention:
-    """Gathers each call's pages with one index per step and runs SDPA: calls of one
-    new token are batched (padded, masked); longer chunks run one by one."""
+    """Gathers each call's K and V a page at a time (one `index_select` per layer for
+    all calls that decode one token, padded to the longest table and masked) and runs
+    two batched matmuls; longer chunks run one by one with SDPA, and a chunk that sees
+    only itself (a fresh prefill) attends to its own K/V without any gather."""
 
     name = "torch"
 
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
 
-    def prepare(self, seqs: list[SeqLayout]) -> Callable:
+    def prepare(self, tables: PageTables) -> Callable:
         cache, dev = self.cache, self.cache.device
         ps = cache.page_size
-        new_rows = torch.from_numpy(cache.rows(np.concatenate([s.new_slots for s in seqs]))
-                                    ).to(dev)
-        single = [s for s in seqs if s.q_len == 1]
-        multi = [s for s in seqs if s.q_len > 1]
+        new_rows = torch.from_numpy(cache.rows(tables.new_slots())).to(dev)
+        q_len = tables.q_len
+        single = [i for i in range(len(tables)) if q_len[i] == 1]
+        multi = [i for i in range(len(tables)) if q_len[i] > 1]
 
         if single:
-            lmax = max(len(s.ctx_slots) for s in single)
-            rows = np.zeros((len(single), lmax), dtype=np.int64)
-            valid = np.zeros((len(single), lmax), dtype=bool)
-            for i, s in enumerate(single):
-                rows[i, : len(s.ctx_slots)] = cache.rows(s.ctx_slots)
-                valid[i, : len(s.ctx_slots)] = True
-            single_q = torch.tensor([s.q_start for s in single], device=dev)
-            single_shape = (len(single), lmax, *cache.flat(0).shape[1:])   # [B, L, Hkv, D]
-            single_rows = torch.from_numpy(rows.reshape(-1)).to(dev)
-            single_pad = torch.from_numpy(~valid).to(dev)[:, None, None, :]   # [B,1,1,L]
+            table = tables.padded(single)                           # [B, W]
+            width = table.shape[1] * ps
+            pages = torch.from_numpy(table.reshape(-1)).to(dev)
+            single_q = torch.from_numpy(tables.qo_indptr[single].astype(np.int64)).to(dev)
+            lengths = torch.from_numpy(tables.kv_len[single].astype(np.int64)).to(dev)
+            single_pad = (torch.arange(width, device=dev)[None, :] >= lengths[:, None]
+                          )[:, None, None, :]                       # [B, 1, 1, W*ps]
+            single_shape = (len(single), width, *cache.flat(0).shape[1:])   # [B, L, Hkv, D]
 
         multi_parts = []
-        for s in multi:
-            n_ctx = len(s.ctx_slots)
-            rows_t = torch.from_numpy(cache.rows(s.ctx_slots)).to(dev)
-            past = n_ctx - s.q_len
-            mask = None
-            if past:
-                mask = (torch.arange(n_ctx, device=dev)[None, :]
-                        <= past + torch.arange(s.q_len, device=dev)[:, None])   # [q, L]
-            multi_parts.append((s.q_start, s.q_len, rows_t, mask))
+        for i in multi:
+            start, n, kv_len = int(tables.qo_indptr[i]), int(q_len[i]), int(tables.kv_len[i])
+            past = kv_len - n
+            if not past:                        # sees only itself: no gather, causal
+                multi_parts.append((start, n, None, None, kv_len))
+                continue
+            mask = (torch.arange(kv_len, device=dev)[None, :]
+                    <= past + torch.arange(n, device=dev)[:, None])          # [n, L]
+            pages_t = torch.from_numpy(tables.pages_of(i).astype(np.int64)).to(dev)
+            multi_parts.append((start, n, pages_t, mask, kv_len))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                    ) -> torch.Tensor:
             flat = cache.flat(layer)                       # [P*2*ps, Hkv, D]
             flat.index_copy_(0, new_rows, k)
             flat.index_copy_(0, new_rows + ps, v)
+            paged = cache.kv[layer]                        # [P, 2, ps, Hkv, D]
             out = torch.empty_like(q)                      # [T, H, D]
             if single:
-                # index_select, not flat[rows]: ~8x faster on CPU for this gather
-                ks = flat.index_select(0, single_rows).view(single_shape)
-                vs = flat.index_select(0, single_rows + ps).view(single_shape)
+                ks = paged[:, 0].index_select(0, pages).view(single_shape)
+                vs = paged[:, 1].index_select(0, pages).view(single_shape)
                 out.index_copy_(0, single_q, self._decode(
                     q.index_select(0, single_q), ks, vs, single_pad))
-            for start, n, rows_t, mask in multi_parts:
+            for start, n, pages_t, mask, kv_len in multi_parts:
                 qm = q[start:start + n].transpose(0, 1)[None]             # [1, H, n, D]
-                km = flat.index_select(0, rows_t).transpose(0, 1)[None]   # [1, Hkv, L, D]
-                vm = flat.index_select(0, rows_t + ps).transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qm, km, vm, attn_mask=mask,
-                                                   is_causal=mask is None, enable_gqa=True)
+                if pages_t is None:
+                    km, vm = k[start:start + n], v[start:start + n]       # [n, Hkv, D]
+                else:
+                    km = paged[:, 0].index_select(0, pages_t).flatten(0, 1)[:kv_len]
+                    vm = paged[:, 1].index_select(0, pages_t).flatten(0, 1)[:kv_len]
+                o = F.scaled_dot_product_attention(
+                    qm, km.transpose(0, 1)[None], vm.transpose(0, 1)[None],
+                    attn_mask=mask, is_causal=mask is None, enable_gqa=True)
                 out[start:start + n] = o[0].transpose(0, 1)
             return out
 

@@ -109,8 +109,8 @@ class Engine(KVOps):
         self.counters = Counters()
         self.deferred: dict[int, list[tuple[bytes, p.Request, list[bytes]]]] = {}
         self.deferred_of_uid: dict[int, int] = {}
-        self.vocab = runner.cfg.vocab_size
-        self.limits = config.limits.resolved(runner.cfg.max_position)
+        self.vocab = runner.model_config.vocab_size
+        self.limits = config.limits.resolved(runner.model_config.max_position)
         self.started = time.monotonic()
 
     # ------------------------------------------------------------ requests
@@ -249,7 +249,7 @@ class Engine(KVOps):
             s.pid = r.pid           # only for ps: the kernel cannot tell
         s.client, s.lease_s = r.client, r.lease_s
         return {"session": s.sid, "version": p.PROTOCOL_VERSION, "lease_s": s.lease_s,
-                "model": self.runner.cfg.name, "uid": s.uid, "trusted": s.trusted}
+                "model": self.runner.model_config.name, "uid": s.uid, "trusted": s.trusted}
 
     def op_bye(self, s: Session, r, extra, now) -> dict:
         self.end_session(s, "bye")
@@ -292,7 +292,7 @@ class Engine(KVOps):
     # ------------------------------------------------------------ info
 
     def info(self) -> dict:
-        cfg = self.runner.cfg
+        cfg = self.runner.model_config
         return {"model": cfg.name, "vocab_size": cfg.vocab_size,
                 "eos_ids": list(self.tokenizer.eos_ids), "bos_id": self.tokenizer.bos_id,
                 "page_size": self.pool.page_size, "pages_total": self.pool.num_pages,
@@ -600,8 +600,8 @@ class Engine(KVOps):
         st: CallState = item.call.payload
         tokens, positions, wanted = st.chunk(item.start, item.count)
         obj = self.store.get(item.call.oid)
-        end = obj.length + item.start + item.count - st.committed
-        return Chunk(tokens, positions, self.store.slots(obj, 0, end), wanted)
+        kv_len = obj.length + item.start + item.count - st.committed
+        return Chunk(tokens, positions, self.store.page_table(obj, kv_len), kv_len, wanted)
 
     def _execute(self, chunks: list[Chunk]) -> list[torch.Tensor | Exception]:
         """runner.execute, isolating failures: if the batch raises, its halves run

@@ -68,7 +68,7 @@ class KVOps:
         pages = len(obj.pages)
         return {"tokens": obj.length, "pages": pages,
                 "bytes": pages * self.runner.cache.bytes_per_page,
-                "last_position": self.store.last_position(obj), "model": self.runner.cfg.name}
+                "last_position": self.store.last_position(obj), "model": self.runner.model_config.name}
 
     def op_kv_create(self, s, r: p.KvCreate, extra, now) -> dict:
         uid = self._may_issue(s, r.persist, r.owner)

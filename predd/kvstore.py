@@ -212,6 +212,11 @@ class KVStore:
         ps = self.page_size
         return np.asarray(obj.pages, dtype=np.int64)[idx // ps] * ps + idx % ps
 
+    def page_table(self, obj: KVObject, length: int) -> np.ndarray:
+        """The pages holding `obj`'s first `length` entries (reserved ones included), in
+        order: what the runner reads a call's context through."""
+        return np.asarray(obj.pages[:self._pages_for(length)], dtype=np.int32)
+
     def entries(self, oid: int, start: int = 0, end: int | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, positions) of entries [start, end)."""

@@ -2,7 +2,9 @@
 
 `execute(chunks)` runs one forward pass over the chunks of a step (one per call) and
 returns the float32 logits each chunk asked for. It knows nothing of sessions or
-objects: the engine hands it token ids, positions and slot ids.
+objects: the engine hands it, per call, token ids, positions and a page table (the
+pages that hold the call's entries, in order) with the number of entries it attends
+to; the step's tables go to the attention backend as one `PageTables`.
 """
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from predd.attention import SeqLayout, make_backend
+from predd.attention import make_backend
 from predd.cache import PagedKVCache
 from predd.dtype import DTYPES
 from predd.loader import ModelConfig, load_weights
 from predd.model import LlamaModel
+from predd.page_table import PageTables
 
 
 
@@ -37,7 +40,8 @@ class RunnerConfig:
 class Chunk:
     tokens: np.ndarray        # [n] token ids to compute
     positions: np.ndarray     # [n]
-    ctx_slots: np.ndarray     # [L] every entry this chunk attends to, its own n last
+    pages: np.ndarray         # the call's page table: ceil(kv_len / page_size) page ids
+    kv_len: int               # entries the chunk attends to, its own n last
     outputs: np.ndarray       # indices into the chunk whose logits are wanted
 
 
@@ -64,23 +68,16 @@ class Runner:
                  f"in {time.monotonic() - started:.1f}s; KV pool {config.kv_pages} pages "
                  f"x {config.page_size} = {self.cache.kv.numel() * self.cache.kv.element_size() / 2**20:.0f} MiB")
 
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.model_config
-
     def execute(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """One forward pass; per chunk a [len(outputs), vocab] float32 tensor (CPU)."""
-        seqs, out_rows, start = [], [], 0
-        for chunk in chunks:
-            n = len(chunk.tokens)
-            seqs.append(SeqLayout(start, n, chunk.ctx_slots))
-            out_rows.append(chunk.outputs + start)
-            start += n
+        tables = PageTables.build(self.config.page_size, [c.pages for c in chunks],
+                                  [c.kv_len for c in chunks], [len(c.tokens) for c in chunks])
+        out_rows = [c.outputs + start for c, start in zip(chunks, tables.qo_indptr)]
         dev = self.device
         input_ids = torch.from_numpy(np.concatenate([c.tokens for c in chunks]).astype(np.int64)).to(dev)
         positions = torch.from_numpy(np.concatenate([c.positions for c in chunks]).astype(np.int64)).to(dev)
         rows = torch.from_numpy(np.concatenate(out_rows).astype(np.int64)).to(dev)
-        logits = self.model(input_ids, positions, self.backend.prepare(seqs), rows).cpu()
+        logits = self.model(input_ids, positions, self.backend.prepare(tables), rows).cpu()
         result, at = [], 0
         for chunk in chunks:
             k = len(chunk.outputs)

@@ -35,18 +35,18 @@ def test_family_matches_transformers(family, tmp_path):
     ref.save_pretrained(tmp_path)
     runner = Runner(RunnerConfig(str(tmp_path), kv_pages=16, page_size=4))
     if family == "qwen2":
-        assert runner.cfg.attention_bias
+        assert runner.model_config.attention_bias
     tokens = np.random.default_rng(0).integers(0, 512, size=23).astype(np.int32)
     with torch.no_grad():
         expected = ref(torch.tensor(tokens[None].astype(np.int64))).logits[0].numpy()
 
-    slots = np.arange(24)             # pages 0..5 of 4 slots: the object's slot ids
-    first = Chunk(tokens[:10], np.arange(10, dtype=np.int32), slots[:10], np.arange(10))
+    pages = np.array([5, 2, 7, 0, 3, 9], np.int32)   # the object's page table, out of order
+    first = Chunk(tokens[:10], np.arange(10, dtype=np.int32), pages[:3], 10, np.arange(10))
     (a,) = runner.execute([first])
-    second = Chunk(tokens[10:22], np.arange(10, 22, dtype=np.int32), slots[:22],
+    second = Chunk(tokens[10:22], np.arange(10, 22, dtype=np.int32), pages[:6], 22,
                    np.arange(12))
     (b,) = runner.execute([second])
-    decode = Chunk(tokens[22:23], np.array([22], np.int32), slots[:23], np.array([0]))
+    decode = Chunk(tokens[22:23], np.array([22], np.int32), pages, 23, np.array([0]))
     (c,) = runner.execute([decode])
     got = np.concatenate([a.numpy(), b.numpy(), c.numpy()])
     assert np.abs(got - expected).max() <= 1e-4

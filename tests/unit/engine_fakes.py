@@ -20,6 +20,7 @@ import torch
 
 from predd.engine import Engine, EngineConfig
 from predd.identity import Peer
+from predd.page_table import PageTables
 from predd.scheduler import SchedulerConfig
 from tests.unit.test_kvstore import LAYERS, FakePages, payload
 
@@ -39,7 +40,7 @@ class FakeRunner:
     def __init__(self, kv_pages: int = 64, page_size: int = 4, context: int = CONTEXT) -> None:
         self.config = SimpleNamespace(kv_pages=kv_pages, page_size=page_size, device="cpu",
                                       dtype="float32", dtype_reason="fake")
-        self.cfg = SimpleNamespace(name="fake", vocab_size=VOCAB, max_position=context,
+        self.model_config = SimpleNamespace(name="fake", vocab_size=VOCAB, max_position=context,
                                    num_layers=LAYERS)
         self.cache = FakeCache(kv_pages, page_size)
         self.backend = SimpleNamespace(name="fake")
@@ -50,7 +51,8 @@ class FakeRunner:
     def execute(self, chunks):
         self.batches.append(len(chunks))
         for c in chunks:
-            own = c.ctx_slots[len(c.ctx_slots) - len(c.tokens):]
+            slots = self._slots(c)
+            own = slots[len(slots) - len(c.tokens):]
             data = payload(c.tokens, c.positions)
             if self.fail(c):
                 data[:] = np.nan
@@ -60,11 +62,17 @@ class FakeRunner:
                 raise RuntimeError("injected failure")
         return [self._logits(c) * (float("nan") if self.nan(c) else 1.0) for c in chunks]
 
+    def _slots(self, c) -> np.ndarray:
+        """The chunk's context as slot ids, read from its page table as a backend does."""
+        tables = PageTables.build(self.config.page_size, [c.pages], [c.kv_len],
+                                  [len(c.tokens)])
+        return tables.slots(0, 0, c.kv_len)
+
     def _logits(self, c) -> torch.Tensor:
-        k = self.cache.kv[0, 0, np.asarray(c.ctx_slots, np.int64), 0]   # [L, D]
+        k = self.cache.kv[0, 0, self._slots(c), 0]   # [L, D]
         rows = []
         for j in c.outputs:
-            seen = k[:len(c.ctx_slots) - len(c.tokens) + j + 1]
+            seen = k[:c.kv_len - len(c.tokens) + j + 1]
             row = torch.full((VOCAB,), -2.0)
             if np.isnan(seen).any():
                 row[:] = float("nan")

@@ -31,7 +31,7 @@ TOKEN = "s3cret-token-0123456789"
 class FakeRunner:
     def __init__(self) -> None:
         self.config = RunnerConfig("fake", kv_pages=PAGES, page_size=PS)
-        self.cfg = SimpleNamespace(vocab_size=VOCAB, name="fake", max_position=4096,
+        self.model_config = SimpleNamespace(vocab_size=VOCAB, name="fake", max_position=4096,
                                    num_layers=2)
         self.cache = FakePages(PAGES, PS)
         self.cache.bytes_per_page = 1000

@@ -1,0 +1,89 @@
+"""A step's page tables: where each call's entries live in the paged KV pool.
+
+Every attention backend reads one step's layout from `PageTables`, in the compressed
+form FlashInfer's paged kernels take (and vLLM's block tables hold): for call i of the
+step, its pages are `indices[indptr[i]:indptr[i+1]]` in order, its last page holds
+`last_page_len[i]` entries (1..page_size), and its query rows in the flat batch are
+`qo_indptr[i]:qo_indptr[i+1]`. A call attends to `kv_len[i]` entries: its object's,
+then its own new ones last (written into their reserved slots during the step).
+
+Built on the CPU from each call's page table (`Chunk.pages`) once per step; backends
+derive what they need (the new tokens' slots, padded tables for batched decode) from it
+without ever expanding a context into per-token slot ids.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PageTables:
+    page_size: int
+    indptr: np.ndarray          # [B+1] int32
+    indices: np.ndarray         # [indptr[-1]] int32: page ids
+    last_page_len: np.ndarray   # [B] int32, 1..page_size
+    kv_len: np.ndarray          # [B] int32: entries each call attends to
+    qo_indptr: np.ndarray       # [B+1] int32: each call's rows of the flat batch
+
+    @classmethod
+    def build(cls, page_size: int, pages: Sequence[np.ndarray], kv_len: Sequence[int],
+              q_len: Sequence[int]) -> PageTables:
+        """Tables for calls with page lists `pages`, `kv_len` entries and `q_len` new
+        tokens each (their last q_len entries). Raises ValueError when a call's pages
+        cannot hold its entries or it has more new tokens than entries."""
+        kv = np.asarray(kv_len, dtype=np.int64)
+        q = np.asarray(q_len, dtype=np.int64)
+        counts = np.array([len(p) for p in pages], dtype=np.int64)
+        if not len(kv) == len(q) == len(counts):
+            raise ValueError("pages, kv_len and q_len differ in length")
+        if np.any(q < 1) or np.any(q > kv):
+            raise ValueError("each call computes 1..kv_len of its entries")
+        if np.any(counts != -(-kv // page_size)):
+            raise ValueError("a call's page table does not cover exactly its entries")
+        indptr = np.zeros(len(counts) + 1, dtype=np.int32)
+        np.cumsum(counts, out=indptr[1:])
+        qo_indptr = np.zeros(len(q) + 1, dtype=np.int32)
+        np.cumsum(q, out=qo_indptr[1:])
+        indices = (np.concatenate([np.asarray(p, dtype=np.int32) for p in pages])
+                   if len(pages) else np.zeros(0, dtype=np.int32))
+        last = (kv - 1) % page_size + 1
+        return cls(page_size, indptr, indices, last.astype(np.int32), kv.astype(np.int32),
+                   qo_indptr)
+
+    def __len__(self) -> int:
+        return len(self.kv_len)
+
+    @property
+    def q_len(self) -> np.ndarray:
+        return np.diff(self.qo_indptr)
+
+    def pages_of(self, i: int) -> np.ndarray:
+        return self.indices[self.indptr[i]:self.indptr[i + 1]]
+
+    def slots(self, i: int, start: int, end: int) -> np.ndarray:
+        """Flat slot ids (page * page_size + offset) of call i's entries [start, end)."""
+        idx = np.arange(start, end)
+        return self.pages_of(i).astype(np.int64)[idx // self.page_size] * self.page_size \
+            + idx % self.page_size
+
+    def new_slots(self) -> np.ndarray:
+        """The slots the step's new tokens are written to, in flat-batch order."""
+        if not len(self):
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([self.slots(i, int(k - n), int(k))
+                               for i, (k, n) in enumerate(zip(self.kv_len, self.q_len))])
+
+    def padded(self, rows: Sequence[int]) -> np.ndarray:
+        """The page tables of calls `rows` as one [len(rows), most pages] int64 array,
+        short tables padded with their own first page (masked out by `kv_len`)."""
+        widths = self.indptr[1:] - self.indptr[:-1]
+        width = int(max((widths[i] for i in rows), default=0))
+        table = np.zeros((len(rows), width), dtype=np.int64)
+        for r, i in enumerate(rows):
+            pages = self.pages_of(i)
+            table[r, :len(pages)] = pages
+            table[r, len(pages):] = pages[0] if len(pages) else 0
+        return table
