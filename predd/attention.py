@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from predd.cache import PagedKVCache
+from predd.paged_kv import PagedKVCache
 from predd.page_table import PageTables
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from predd.attention import make_backend
-from predd.cache import PagedKVCache
+from predd.paged_kv import PagedKVCache
 from predd.dtype import DTYPES
 from predd.loader import ModelConfig, load_weights
 from predd.model import LlamaModel

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from predd.attention import TorchAttention
-from predd.cache import PagedKVCache
+from predd.paged_kv import PagedKVCache
 from predd.page_table import PageTables
 
 
