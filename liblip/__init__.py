@@ -8,7 +8,8 @@
 Never imports torch: a LIP stays a small process.
 """
 from liblip.api import (KV, Distribution, Generated, Sampled, chat_template, client,
-                        connect, detokenize, fsck, generate, generate_stream, info, kv_close,
+                        connect, detokenize, fsck, generate, generate_stream, info, info_cached,
+                        kv_close,
                         kv_create, kv_export, kv_extract, kv_fork, kv_free, kv_import,
                         kv_merge, kv_open, kv_positions, kv_remove, kv_save, kv_stat,
                         kv_tokens, kv_truncate, pred, prefill, ps, send_to_user, stats,
@@ -17,7 +18,7 @@ from liblip.client import LipError
 
 __all__ = [
     "KV", "Distribution", "Generated", "LipError", "Sampled", "chat_template", "client", "connect",
-    "detokenize", "fsck", "generate", "generate_stream", "info", "kv_close", "kv_create",
+    "detokenize", "fsck", "generate", "generate_stream", "info", "info_cached", "kv_close", "kv_create",
     "kv_export", "kv_extract", "kv_fork", "kv_free", "kv_import", "kv_merge", "kv_open",
     "kv_positions", "kv_remove", "kv_save", "kv_stat", "kv_tokens", "kv_truncate", "pred",
     "prefill", "ps", "send_to_user", "stats", "tokenize",

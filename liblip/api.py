@@ -22,6 +22,7 @@ from liblip.protocol import default_mount
 
 _client: Client | None = None
 _client_lock = threading.Lock()
+_info: tuple[Client, dict] | None = None   # info_cached: the reply and whose it is
 
 
 def client() -> Client:
@@ -36,10 +37,11 @@ def client() -> Client:
 
 def connect(addr: str | None = None, **kwargs) -> Client:
     """(Re)connect the process-wide client, e.g. to a non-default address."""
-    global _client
+    global _client, _info
     with _client_lock:
         if _client is not None:
             _client.close()
+        _info = None   # another predd may serve another model
         _client = Client(addr, **kwargs)
         atexit.register(_client.close)
         return _client
@@ -154,6 +156,18 @@ def chat_template(messages: list[dict], add_generation_prompt: bool = True) -> l
 
 def info() -> dict:
     return _strip(client().call("info"))
+
+
+def info_cached() -> dict:
+    """`info()` asked once per connection (the model's facts do not change while it
+    is served; pool figures in it are as of the first call). Do not modify it.
+    `connect()` forgets it: the next call asks the new predd."""
+    global _info
+    c = client()
+    cached = _info
+    if cached is None or cached[0] is not c:
+        cached = _info = (c, _strip(c.call("info")))
+    return cached[1]
 
 
 def stats() -> dict:
@@ -380,12 +394,3 @@ def generate(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
     out.finish_reason, out.cost = reply.get("finish_reason", ""), reply.get("cost", {})
     return out
 
-
-_info: dict | None = None
-
-
-def info_cached() -> dict:
-    global _info
-    if _info is None:
-        _info = info()
-    return _info
