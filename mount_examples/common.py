@@ -53,7 +53,7 @@ def greedy(kv: lip.KV, tokens: Sequence[int], max_tokens: int,
     costs: list[dict] = []
     pending = list(tokens)
     while len(out) < max_tokens:
-        s = lip.pred(kv, pending, sample=sample or GREEDY)
+        s = lip.pred_sample(kv, pending, sample or GREEDY)
         costs.append(s.cost)
         out.append(s.token)
         if s.token in stop:

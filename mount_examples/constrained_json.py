@@ -2,7 +2,7 @@
 
 The program runs llguidance itself to compute, before every token, the set of tokens
 the schema allows, and hands it to predd as a bitmask with the call
-(`pred(kv, tokens, sample={...}, mask=bits)`): predd masks the logits and samples, so
+(`pred_sample(kv, tokens, {...}, mask=bits)`): predd masks the logits and samples, so
 only one int comes back per token. Where the grammar forces the next tokens
 (`"age":` after `"name":"…",`), they are appended without sampling, in the next call.
 
@@ -116,8 +116,8 @@ def generate_json(tok: llguidance.LLTokenizer, grammar: str, prompt_kv: lip.KV,
     try:
         while len(out) < max_tokens:
             mask = matcher.compute_bitmask()[:nbytes]
-            s = lip.pred(kv, pending, mask=mask, sample={
-                "temperature": temperature, "seed": rng.getrandbits(31)})
+            s = lip.pred_sample(kv, pending, {"temperature": temperature,
+                                              "seed": rng.getrandbits(31)}, mask=mask)
             calls += 1
             if not matcher.consume_token(s.token):
                 raise RuntimeError(f"token {s.token} refused: {matcher.get_error()}")

@@ -236,8 +236,8 @@ def decode_pred(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int
             lp, alts = float(lps[token]), list(zip(ids, top_lps))
             cost = d.cost
         else:
-            s = lip.pred(kv, pending, mask=mask, sample={
-                **sample, "seed": int(rng.integers(2**31))})
+            s = lip.pred_sample(kv, pending, {**sample, "seed": int(rng.integers(2**31))},
+                                mask=mask)
             token, lp, alts, cost = s.token, s.logprob, [], s.cost
         req.check()
         ch.add_cost(cost)

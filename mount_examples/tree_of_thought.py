@@ -28,7 +28,7 @@ def branch(question: lip.KV, last: int, n: int, temperature: float, seed: int,
     kv = lip.kv_fork(question)
     out, logprobs, pending = [], [], [last]
     while len(out) < n:
-        s = lip.pred(kv, pending, sample={"temperature": temperature, "seed": seed + len(out)})
+        s = lip.pred_sample(kv, pending, {"temperature": temperature, "seed": seed + len(out)})
         if s.token in eos_ids():
             break
         out.append(s.token)

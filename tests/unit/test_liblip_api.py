@@ -1,5 +1,6 @@
-"""liblip's calls against fake predds (real ZeroMQ, canned replies): the cached `info`
-belongs to the predd it came from."""
+"""liblip's calls against fake predds (real ZeroMQ, canned replies): what each pred call
+puts on the wire and the one type it returns, and that the cached `info` belongs to the
+predd it came from."""
 from __future__ import annotations
 
 import threading
@@ -95,3 +96,67 @@ def test_info_cached_asks_once_per_predd_and_again_after_connect(fakes):
     assert lip.info_cached()["model"] == "a"
     assert len(a.ops("info")) == 2
     assert lip.info()["model"] == "a" and len(a.ops("info")) == 3   # info() never caches
+
+
+def test_each_pred_call_sends_one_kind_of_request_and_returns_one_type(fakes):
+    a, _ = fakes
+    lip.connect(a.addr)
+    kv = lip.KV.from_capability("c" * 32)
+
+    d = lip.pred(kv, [5, 6, 7])
+    assert type(d) is lip.Distribution
+    assert d.logits.tolist() == [20.0 + v for v in range(VOCAB)]   # row of output 2
+    assert d.cost == {"computed": 3, "reused": 0}
+    assert a.requests[-1] == {"op": "pred", "rid": a.requests[-1]["rid"],
+                              "cap": kv.cap, "tokens": [5, 6, 7]}
+
+    ds = lip.pred_outputs(kv, [5, 6, 7], [0, 2], positions=[3, 4, 5], mask=[1, 4])
+    assert [type(x) for x in ds] == [lip.Distribution, lip.Distribution]
+    assert [x.argmax() for x in ds] == [VOCAB - 1, VOCAB - 1]
+    assert [x.logits[0] for x in ds] == [0.0, 20.0]
+    sent = a.requests[-1]
+    assert (sent["outputs"], sent["positions"], sent["mask"]) == ([0, 2], [3, 4, 5], [1, 4])
+    assert lip.pred_outputs(kv, [5], []) == []   # appends only
+    assert a.requests[-1]["outputs"] == []
+
+    s = lip.pred_sample(kv, [5, 6, 7], {"temperature": 0.0})
+    assert s == lip.Sampled(12, -0.5, [12], [-0.5], {"computed": 3, "reused": 0})
+    assert a.requests[-1]["sample"] == {"temperature": 0.0} and "outputs" not in a.requests[-1]
+    s = lip.pred_sample(kv, [5, 6, 7], {"seed": 1}, outputs=[0, 1], mask=b"\x01")
+    assert (s.token, s.tokens) == (11, [10, 11]) and a.requests[-1]["mask"] == b"\x01"
+
+    t = lip.pred_topk(kv, [5, 6, 7], 3)
+    assert t == lip.TopK([2, 3, 4], [0.0, -1.0, -2.0], [([2, 3, 4], [0.0, -1.0, -2.0])],
+                         {"computed": 3, "reused": 0})
+    assert a.requests[-1]["topk"] == 3
+    t = lip.pred_topk(kv, [5, 6, 7], 2, outputs=[0, 1])
+    assert t.ids == [1, 2] and t.per_output == [([0, 1], [0.0, -1.0]), ([1, 2], [0.0, -1.0])]
+
+    assert lip.prefill(kv, [5, 6], positions=[9, 10]) == {"computed": 2, "reused": 0}
+    sent = a.requests[-1]
+    assert (sent["outputs"], sent["positions"]) == ([], [9, 10])
+    assert "sample" not in sent and "topk" not in sent
+
+
+def test_pred_calls_refuse_what_has_no_answer_before_asking(fakes):
+    a, _ = fakes
+    lip.connect(a.addr)
+    kv = lip.KV.from_capability("c" * 32)
+    before = len(a.requests)
+    with pytest.raises(lip.LipError) as exc:
+        lip.pred_sample(kv, [5], {"temperature": 0.0}, outputs=[])
+    assert exc.value.code == "EINVAL"
+    with pytest.raises(lip.LipError) as exc:
+        lip.pred_topk(kv, [5], 3, outputs=[])
+    assert exc.value.code == "EINVAL"
+    with pytest.raises(lip.LipError) as exc:
+        lip.pred_topk(kv, [5], 0)
+    assert exc.value.code == "EINVAL"
+    # The one-call-many-answers forms are gone: each answer has its own call.
+    with pytest.raises(TypeError):
+        lip.pred(kv, [5], sample={"temperature": 0.0})
+    with pytest.raises(TypeError):
+        lip.pred(kv, [5], topk=3)
+    with pytest.raises(TypeError):
+        lip.pred(kv, [5], outputs=[0])
+    assert len(a.requests) == before
