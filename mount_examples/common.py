@@ -1,5 +1,6 @@
-"""Small helpers the example LIPs share: chat prompts, a greedy pred loop, streaming
-text to the user, and the `--report FILE` JSON that tests and benchmarks read.
+"""Small helpers the example LIPs share: chat prompts, a greedy pred loop, and the
+`--report FILE` JSON that tests and benchmarks read. (Text streamed to the user is
+liblip's `TextStream`.)
 
 Only liblip is imported: an example is an ordinary process that needs no torch.
 """
@@ -64,29 +65,6 @@ def greedy(kv: lip.KV, tokens: Sequence[int], max_tokens: int,
 
 def strip_eos(tokens: Sequence[int]) -> list[int]:
     return list(tokens[:-1]) if tokens and tokens[-1] in eos_ids() else list(tokens)
-
-
-class TextStream:
-    """Print tokens to the user as they come, holding back an incomplete UTF-8 character
-    (a byte-level token can end mid-character)."""
-
-    def __init__(self, out=None) -> None:
-        self.tokens: list[int] = []
-        self.shown = ""
-        self.out = out
-
-    def feed(self, token: int) -> None:
-        self.tokens.append(token)
-        text = lip.detokenize(self.tokens, skip_special=True)
-        if not text.endswith("\ufffd"):
-            self._write(text[len(self.shown):])
-            self.shown = text
-
-    def _write(self, text: str) -> None:
-        if self.out is None:
-            lip.send_to_user(text)
-        else:
-            self.out.write(text)
 
 
 def write_report(path: str | None, report: dict) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 import liblip as lip
-from common import GREEDY, TextStream, chat, eos_ids, write_report
+from common import GREEDY, chat, eos_ids, write_report
 
 
 def lookup_draft(context: list[int], ngram: int, size: int) -> list[int]:
@@ -30,7 +30,7 @@ def lookup_draft(context: list[int], ngram: int, size: int) -> list[int]:
 
 
 def speculate(prompt: list[int], max_tokens: int, draft_size: int, ngram: int,
-              stream: TextStream | None = None) -> dict:
+              stream: lip.TextStream | None = None) -> dict:
     eos = eos_ids()
     kv = lip.kv_create()
     out: list[int] = []
@@ -75,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
 
     prompt = chat(args.prompt)
-    result = speculate(prompt, args.max_tokens, args.draft, args.ngram, TextStream())
+    result = speculate(prompt, args.max_tokens, args.draft, args.ngram, lip.TextStream())
     lip.send_to_user("\n")
     write_report(args.report, {"prompt": prompt, **result})
 

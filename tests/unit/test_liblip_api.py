@@ -1,6 +1,6 @@
 """liblip's calls against fake predds (real ZeroMQ, canned replies): what each pred call
-puts on the wire and the one type it returns, and that the cached `info` belongs to the
-predd it came from."""
+puts on the wire and the one type it returns, that the cached `info` belongs to the
+predd it came from, and that text reaches the user in whole characters."""
 from __future__ import annotations
 
 import threading
@@ -14,6 +14,7 @@ import liblip as lip
 from liblip import api
 
 VOCAB = 8
+BYTES = {1: b"\xc3", 2: b"</s>", 3: b"\xa9", 4: b"!"}   # 1 + 3 = "\u00e9"; 2 is special
 
 
 class FakePredd:
@@ -49,6 +50,9 @@ class FakePredd:
         cost = {"computed": len(r.get("tokens", [])), "reused": 0}
         if r["op"] == "info":
             return {"model": self.model, "vocab_size": VOCAB, "eos_ids": [2]}, []
+        if r["op"] == "detokenize":
+            raw = b"".join(BYTES[t] for t in r["tokens"] if not (r["skip_special"] and t == 2))
+            return {"text": raw.decode("utf-8", errors="replace")}, []
         if r["op"] != "pred":
             return {}, []
         rows = r.get("outputs", [len(r["tokens"]) - 1])
@@ -160,3 +164,16 @@ def test_pred_calls_refuse_what_has_no_answer_before_asking(fakes):
     with pytest.raises(TypeError):
         lip.pred(kv, [5], outputs=[0])
     assert len(a.requests) == before
+
+
+def test_text_stream_writes_whole_characters_and_no_special_tokens(fakes, capsys):
+    lip.connect(fakes[0].addr)
+    stream = lip.TextStream()
+    shown = []
+    for token in (4, 1, 3, 2, 4):
+        stream.feed(token)
+        shown.append(capsys.readouterr().out)
+    assert shown == ["!", "", "\u00e9", "", "!"]       # half of é waits for its other byte
+    assert stream.tokens == [4, 1, 3, 2, 4]
+    assert lip.stream_text(iter([1, 3, 4])) == [1, 3, 4]
+    assert capsys.readouterr().out == "\u00e9!"
