@@ -150,6 +150,8 @@ def pred_sample(kv: KV, tokens: Sequence[int], sample: dict,
     each of `outputs`) with `sample={temperature, top_p, top_k, seed}` (temperature 0:
     argmax) and returns only the ids and their logprobs, not the logits."""
     _need_outputs(outputs)
+    if not isinstance(sample, dict):
+        raise LipError("EINVAL", "sample: a dict such as {'temperature': 0.0}")
     header, _ = _pred(kv, tokens, positions, outputs, mask, sample=sample)
     return Sampled(header["token"], header["logprob"], header["tokens"],
                    header["logprobs"], header.get("cost", {}))

@@ -151,6 +151,9 @@ def test_pred_calls_refuse_what_has_no_answer_before_asking(fakes):
         lip.pred_sample(kv, [5], {"temperature": 0.0}, outputs=[])
     assert exc.value.code == "EINVAL"
     with pytest.raises(lip.LipError) as exc:
+        lip.pred_sample(kv, [5], None)
+    assert exc.value.code == "EINVAL"
+    with pytest.raises(lip.LipError) as exc:
         lip.pred_topk(kv, [5], 3, outputs=[])
     assert exc.value.code == "EINVAL"
     with pytest.raises(lip.LipError) as exc:
