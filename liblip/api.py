@@ -1,4 +1,5 @@
-"""The system calls a LIP makes: `import liblip as lip`.
+"""The system calls a LIP makes: `import liblip as lip` (the model calls, `pred` and
+`generate`, are in predict.py).
 
 A process-wide client connects lazily to $PREDD_ADDR on first use and is shared by all
 threads. KV handles are capabilities; `kv_open` gets one through kvfsd (a permission-
@@ -11,10 +12,8 @@ import atexit
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from liblip import descriptor
 from liblip.client import Client, LipError
@@ -22,6 +21,7 @@ from liblip.protocol import default_mount
 
 _client: Client | None = None
 _client_lock = threading.Lock()
+_info: tuple[Client, dict] | None = None   # info_cached: the reply and whose it is
 
 
 def client() -> Client:
@@ -36,10 +36,11 @@ def client() -> Client:
 
 def connect(addr: str | None = None, **kwargs) -> Client:
     """(Re)connect the process-wide client, e.g. to a non-default address."""
-    global _client
+    global _client, _info
     with _client_lock:
         if _client is not None:
             _client.close()
+        _info = None   # another predd may serve another model
         _client = Client(addr, **kwargs)
         atexit.register(_client.close)
         return _client
@@ -71,70 +72,6 @@ class KV:
         kv_close(self)
 
 
-@dataclass
-class Distribution:
-    """The next-token distribution at one position: raw float32 logits."""
-    logits: np.ndarray
-    cost: dict = field(default_factory=dict)
-
-    def logprobs(self) -> np.ndarray:
-        x = self.logits.astype(np.float64)
-        m = x.max()
-        return (x - m - np.log(np.exp(x - m).sum())).astype(np.float32)
-
-    def probs(self) -> np.ndarray:
-        return np.exp(self.logprobs())
-
-    def argmax(self) -> int:
-        return int(np.argmax(self.logits))
-
-    def topk(self, k: int) -> tuple[list[int], list[float]]:
-        lp = self.logprobs()
-        ids = np.argsort(-lp, kind="stable")[:k]
-        return ids.tolist(), lp[ids].tolist()
-
-    def sample(self, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               rng: np.random.Generator | int | None = None) -> int:
-        if temperature == 0:
-            return self.argmax()
-        rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
-        x = self.logits.astype(np.float64) / temperature
-        if top_k:
-            x[x < np.sort(x)[-min(top_k, x.size)]] = -np.inf
-        p = np.exp(x - x.max())
-        p /= p.sum()
-        if top_p < 1.0:
-            order = np.argsort(-p, kind="stable")
-            sp = p[order]
-            sp[np.cumsum(sp) - sp >= top_p] = 0
-            p = np.zeros_like(p)
-            p[order] = sp
-            p /= p.sum()
-        return int(rng.choice(p.size, p=p))
-
-
-class Generated(list):
-    """The ids `generate` produced (a plain list of ints), plus what predd said of the
-    run: each id's `logprobs`, `finish_reason` ("stop", "length" or an errno name) and
-    `cost`."""
-
-    def __init__(self, ids=()) -> None:
-        super().__init__(ids)
-        self.logprobs: list[float] = []
-        self.finish_reason = ""
-        self.cost: dict = {}
-
-
-@dataclass
-class Sampled:
-    """Server-side sampling result: the token at the last requested output, and all."""
-    token: int
-    logprob: float
-    tokens: list[int]
-    logprobs: list[float]
-    cost: dict
-
-
 # ---------------------------------------------------------------- text and server
 
 def tokenize(text: str, add_special: bool = False) -> list[int]:
@@ -154,6 +91,18 @@ def chat_template(messages: list[dict], add_generation_prompt: bool = True) -> l
 
 def info() -> dict:
     return _strip(client().call("info"))
+
+
+def info_cached() -> dict:
+    """`info()` asked once per connection (the model's facts do not change while it
+    is served; pool figures in it are as of the first call). Do not modify it.
+    `connect()` forgets it: the next call asks the new predd."""
+    global _info
+    c = client()
+    cached = _info
+    if cached is None or cached[0] is not c:
+        cached = _info = (c, _strip(c.call("info")))
+    return cached[1]
 
 
 def stats() -> dict:
@@ -287,105 +236,3 @@ def kv_save(kv: KV, path: str) -> None:
 def _errno_name(exc: OSError) -> str:
     import errno
     return errno.errorcode.get(exc.errno or 0, "EIO")
-
-
-# ---------------------------------------------------------------- pred and generate
-
-def pred(kv: KV, tokens: Sequence[int], positions: Sequence[int] | None = None,
-         outputs: Sequence[int] | None = None, sample: dict | None = None,
-         topk: int = 0, mask: Sequence[int] | bytes | None = None):
-    """Append `tokens` to `kv` and predict.
-
-    Returns a Distribution (raw logits) for the last token — or a list of them, one per
-    index in `outputs`. With `sample={temperature, top_p, top_k, seed}` predd samples
-    and returns a `Sampled`; with `topk=k` it returns (ids, logprobs) per output.
-    `outputs=[]` only appends (prefill) and returns None.
-    """
-    fields = {"cap": kv.cap, "tokens": [int(t) for t in tokens]}
-    if positions is not None:
-        fields["positions"] = [int(p) for p in positions]
-    if outputs is not None:
-        fields["outputs"] = [int(o) for o in outputs]
-    if sample is not None:
-        fields["sample"] = sample
-    if topk:
-        fields["topk"] = topk
-    if mask is not None:
-        fields["mask"] = mask if isinstance(mask, bytes) else [int(m) for m in mask]
-    header, frames = client().request("pred", **fields)
-    cost = header.get("cost", {})
-    if sample is not None:
-        return Sampled(header["token"], header["logprob"], header["tokens"],
-                       header["logprobs"], cost)
-    if topk:
-        pairs = list(zip(header["topk_ids"], header["topk_logprobs"]))
-        return pairs if outputs is not None else pairs[-1]
-    if outputs is not None and len(outputs) == 0:
-        return None
-    shape = header["logits"]["shape"]
-    logits = np.frombuffer(frames[0], dtype=np.float32).reshape(shape)
-    dists = [Distribution(row, cost) for row in logits]
-    return dists if outputs is not None else dists[-1]
-
-
-def prefill(kv: KV, tokens: Sequence[int]) -> dict:
-    """Append tokens without asking for a prediction; returns the cost."""
-    header, _ = client().request("pred", cap=kv.cap, tokens=[int(t) for t in tokens],
-                                 outputs=[])
-    return header.get("cost", {})
-
-
-def _generate_fields(kv: KV, tokens, max_tokens, stop, sample, ignore_eos) -> dict:
-    """One meaning for `stop`, here and on the wire: None = the model's EOS ids (none
-    with ignore_eos); a list = exactly its token ids and strings, so [] = never stop early."""
-    fields = {"cap": kv.cap, "tokens": [int(t) for t in tokens], "max_tokens": max_tokens}
-    if stop is not None:
-        fields["stop"] = [s for s in stop if isinstance(s, int)]
-        fields["stop_text"] = [s for s in stop if isinstance(s, str)]
-    elif ignore_eos:
-        fields["stop"] = []
-    if sample is not None:
-        fields["sample"] = sample
-    return fields
-
-
-def generate_stream(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
-                    stop: Sequence[int | str] | None = None, sample: dict | None = None,
-                    ignore_eos: bool = False, out: Generated | None = None) -> Iterator[int]:
-    """Tokens as predd's loop produces them. The cache ends as a pred loop leaves it:
-    every generated token but the last is appended. `out`, when given, collects the
-    ids, their logprobs and, once the stream ends, finish_reason and cost."""
-    fields = _generate_fields(kv, tokens, max_tokens, stop, sample, ignore_eos)
-    for reply in client().stream("generate", stream=True, **fields):
-        ids = reply.get("tokens", [])
-        if out is not None:
-            out.extend(ids)
-            out.logprobs.extend(reply.get("logprobs", []))
-            if not reply.get("more"):
-                out.finish_reason = reply.get("finish_reason", "")
-                out.cost = reply.get("cost", {})
-        yield from ids
-
-
-def generate(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
-             stop: Sequence[int | str] | None = None, sample: dict | None = None,
-             ignore_eos: bool = False) -> Generated:
-    """Greedy (or `sample`d) completion inside predd; stops at max_tokens or at `stop`
-    (None: the model's EOS ids; a list: exactly those token ids and strings). Returns the generated ids (a stop token included) as a list
-    that also carries `.finish_reason` and `.cost`."""
-    fields = _generate_fields(kv, tokens, max_tokens, stop, sample, ignore_eos)
-    reply = client().call("generate", stream=False, **fields)
-    out = Generated(reply["tokens"])
-    out.logprobs = list(reply.get("logprobs", []))
-    out.finish_reason, out.cost = reply.get("finish_reason", ""), reply.get("cost", {})
-    return out
-
-
-_info: dict | None = None
-
-
-def info_cached() -> dict:
-    global _info
-    if _info is None:
-        _info = info()
-    return _info

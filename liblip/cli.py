@@ -57,20 +57,6 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True))
 
 
-def _stream_text(tokens) -> list[int]:
-    """Print tokens as they come (special tokens hidden); return them all."""
-    out: list[int] = []
-    shown = ""
-    for token in tokens:
-        out.append(token)
-        text = lip.detokenize(out, skip_special=True)
-        if not text.endswith("\ufffd"):   # wait for a complete UTF-8 character
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-    return out
-
-
 def _sample_args(args) -> dict | None:
     if args.temperature is None and args.top_p is None and args.seed is None:
         return None
@@ -104,8 +90,8 @@ def cmd_chat(args) -> int:
         else:
             text = opening.replace("{M}", args.message)
         eos = set(lip.info()["eos_ids"])
-        reply = _stream_text(lip.generate_stream(kv, lip.tokenize(text), args.max_tokens,
-                                                 sample=_sample_args(args)))
+        reply = lip.stream_text(lip.generate_stream(kv, lip.tokenize(text), args.max_tokens,
+                                                    sample=_sample_args(args)))
         sys.stdout.write("\n")
         # generate leaves the last token out of the cache; close the turn with the
         # template's own ending (which starts with the end-of-turn token).
@@ -121,8 +107,8 @@ def cmd_generate(args) -> int:
     path = resolve(args.file)
     with lip.kv_open(path, write=True) as kv:
         stop = [*lip.info()["eos_ids"], *args.stop] if args.stop else None
-        out = _stream_text(lip.generate_stream(kv, [], args.max_tokens, stop=stop,
-                                               sample=_sample_args(args)))
+        out = lip.stream_text(lip.generate_stream(kv, [], args.max_tokens, stop=stop,
+                                                  sample=_sample_args(args)))
         sys.stdout.write("\n")
         if out:
             lip.prefill(kv, out[-1:])   # keep the whole output in the file's cache

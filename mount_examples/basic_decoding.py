@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import liblip as lip
-from common import TextStream, chat, eos_ids, write_report
+from common import chat, eos_ids, write_report
 
 
 def main() -> None:
@@ -21,7 +21,7 @@ def main() -> None:
     args = ap.parse_args()
 
     eos = eos_ids()
-    stream = TextStream()
+    stream = lip.TextStream()
     kv = lip.kv_create()
     prompt = chat(args.prompt)
     dist = lip.pred(kv, prompt)                 # prefill: the distribution after the prompt

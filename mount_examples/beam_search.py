@@ -1,7 +1,7 @@
 """Beam search as a program: one KV cache per beam, forked where a beam branches and
 closed where it is pruned — so memory follows the live beams, not the search tree.
 
-Each step asks predd for the top-k next tokens of every live beam (`pred(..., topk=k)`,
+Each step asks predd for the top-k next tokens of every live beam (`pred_topk(kv, tokens, k)`,
 the beams' calls in parallel threads so they batch), keeps the k best continuations by
 total logprob, and ends a hypothesis at EOS. The answer is the best hypothesis by mean
 logprob per token (length-normalised, as Hugging Face's default length_penalty=1).
@@ -33,8 +33,8 @@ def my_objects() -> int:
 
 
 def expand(beam: Beam, tokens: list[int], width: int) -> None:
-    ids, lps = lip.pred(beam.kv, tokens, topk=width)
-    beam.next = list(zip(ids, lps))
+    top = lip.pred_topk(beam.kv, tokens, width)
+    beam.next = list(zip(top.ids, top.logprobs))
 
 
 def search(prompt: list[int], width: int, max_tokens: int) -> tuple[list[Beam], list[dict]]:

@@ -1,5 +1,6 @@
-"""Small helpers the example LIPs share: chat prompts, a greedy pred loop, streaming
-text to the user, and the `--report FILE` JSON that tests and benchmarks read.
+"""Small helpers the example LIPs share: chat prompts, a greedy pred loop, a thread per
+branch, and the `--report FILE` JSON that tests and benchmarks read. (Text streamed to
+the user is liblip's `TextStream`; the model's facts are `lip.info_cached()`.)
 
 Only liblip is imported: an example is an ordinary process that needs no torch.
 """
@@ -29,18 +30,8 @@ def system_prefix(system: str) -> list[int]:
                              add_generation_prompt=False)
 
 
-_info: dict = {}
-
-
-def info() -> dict:
-    """`lip.info()`, asked once per process."""
-    if not _info:
-        _info.update(lip.info())
-    return _info
-
-
 def eos_ids() -> set[int]:
-    return set(info()["eos_ids"])
+    return set(lip.info_cached()["eos_ids"])
 
 
 def greedy(kv: lip.KV, tokens: Sequence[int], max_tokens: int,
@@ -53,7 +44,7 @@ def greedy(kv: lip.KV, tokens: Sequence[int], max_tokens: int,
     costs: list[dict] = []
     pending = list(tokens)
     while len(out) < max_tokens:
-        s = lip.pred(kv, pending, sample=sample or GREEDY)
+        s = lip.pred_sample(kv, pending, sample or GREEDY)
         costs.append(s.cost)
         out.append(s.token)
         if s.token in stop:
@@ -64,29 +55,6 @@ def greedy(kv: lip.KV, tokens: Sequence[int], max_tokens: int,
 
 def strip_eos(tokens: Sequence[int]) -> list[int]:
     return list(tokens[:-1]) if tokens and tokens[-1] in eos_ids() else list(tokens)
-
-
-class TextStream:
-    """Print tokens to the user as they come, holding back an incomplete UTF-8 character
-    (a byte-level token can end mid-character)."""
-
-    def __init__(self, out=None) -> None:
-        self.tokens: list[int] = []
-        self.shown = ""
-        self.out = out
-
-    def feed(self, token: int) -> None:
-        self.tokens.append(token)
-        text = lip.detokenize(self.tokens, skip_special=True)
-        if not text.endswith("\ufffd"):
-            self._write(text[len(self.shown):])
-            self.shown = text
-
-    def _write(self, text: str) -> None:
-        if self.out is None:
-            lip.send_to_user(text)
-        else:
-            self.out.write(text)
 
 
 def write_report(path: str | None, report: dict) -> None:
@@ -102,12 +70,23 @@ def fail(message: str) -> None:
 
 
 def run_threads(work, count: int) -> None:
-    """work(i) for i in range(count), one thread each (the paper's branch per thread)."""
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(count)]
+    """work(i) for i in range(count), one thread each (the paper's branch per thread).
+    Returns when all have ended; then raises the first error one of them raised."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:   # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
 
 
 def load_docs(folder: str | None, default: dict[str, str]) -> dict[str, str]:

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 import liblip as lip
-from common import eos_ids, info
+from common import eos_ids
 from openai_requests import RequestError
 
 GENERATE_CHUNK = 16      # tokens per generate call: how far a cancelled request runs on
@@ -150,7 +150,7 @@ class Grammar:
         except (SystemExit, Exception) as exc:   # noqa: BLE001
             raise RequestError(400, "response_format needs the served model's GGUF "
                                f"vocabulary ({exc})", "response_format") from None
-        if len(tokens) != info()["vocab_size"]:
+        if len(tokens) != lip.info_cached()["vocab_size"]:
             raise RequestError(400, f"{path}: vocabulary size differs from the served "
                                "model's", "response_format")
         return llguidance.LLTokenizer(llguidance.TokenizerWrapper(PreddTokenizer(tokens)),
@@ -223,7 +223,7 @@ def decode_pred(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int
     """A pred per token: predd samples under the grammar's mask, or, for top
     logprobs, returns the raw (masked) logits and the program samples."""
     rng = np.random.default_rng(sample["seed"])
-    nbytes = (info()["vocab_size"] + 7) // 8
+    nbytes = (lip.info_cached()["vocab_size"] + 7) // 8
     pending = [last]
     while len(ch.ids) < max_tokens:
         mask = matcher.compute_bitmask()[:nbytes] if matcher else None
@@ -236,8 +236,8 @@ def decode_pred(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int
             lp, alts = float(lps[token]), list(zip(ids, top_lps))
             cost = d.cost
         else:
-            s = lip.pred(kv, pending, mask=mask, sample={
-                **sample, "seed": int(rng.integers(2**31))})
+            s = lip.pred_sample(kv, pending, {**sample, "seed": int(rng.integers(2**31))},
+                                mask=mask)
             token, lp, alts, cost = s.token, s.logprob, [], s.cost
         req.check()
         ch.add_cost(cost)

@@ -32,7 +32,7 @@ import time
 import uuid
 
 import liblip as lip
-from common import info
+from common import run_threads
 from liblip.protocol import default_mount
 from openai_decode import (Cancelled, Choice, Grammar, Request, decode_generate,
                            decode_pred)
@@ -60,7 +60,7 @@ class Replies:
 class Server:
     def __init__(self, args, replies: Replies) -> None:
         self.replies = replies
-        self.info = info()
+        self.info = lip.info_cached()
         self.model = self.info["model"]
         self.created = int(time.time())
         self.cache = PrefixCache(args.cache_dir or os.path.join(default_mount(), "openai"),
@@ -180,21 +180,7 @@ class Server:
             else:
                 decode_generate(req, kvs[i], prompt[-1], ch, max_tokens, sample, c.stop, emit)
 
-        errors: list[BaseException] = []
-
-        def guarded(i: int) -> None:
-            try:
-                branch(i)
-            except BaseException as exc:   # noqa: BLE001 - re-raised below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=guarded, args=(i,)) for i in range(c.n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        run_threads(branch, c.n)
         req.check()
         try:
             self.cache.store(scope, kvs[0], lip.kv_tokens(kvs[0]))

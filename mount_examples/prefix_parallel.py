@@ -13,10 +13,10 @@ once however many questions there are, and predd batches the threads' pred calls
 from __future__ import annotations
 
 import argparse
-import threading
 
 import liblip as lip
-from common import GREEDY, chat, fail, greedy, strip_eos, system_prefix, write_report
+from common import (GREEDY, chat, fail, greedy, run_threads, strip_eos, system_prefix,
+                    write_report)
 
 SYSTEM = ("You are a concise assistant for a systems course. Answer in one short "
           "sentence, in plain words, without lists or code. If a question is unclear, "
@@ -64,16 +64,11 @@ def main() -> None:
         fail("the chat template does not render the system turn as a shared prefix")
     sys_kv, sys_computed = open_system_cache(args, sys_tokens)
     results = [{} for _ in prompts]
-    threads = [threading.Thread(target=answer, args=(sys_kv, p, len(sys_tokens),
-                                                     args.max_tokens, r))
-               for p, r in zip(prompts, results)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    lip.kv_close(sys_kv)
-    if any("tokens" not in r for r in results):
-        fail("a question failed")
+    try:
+        run_threads(lambda i: answer(sys_kv, prompts[i], len(sys_tokens), args.max_tokens,
+                                     results[i]), len(prompts))
+    finally:
+        lip.kv_close(sys_kv)
     for q, r in zip(args.questions, results):
         lip.send_to_user(f"Q: {q}\nA: {lip.detokenize(strip_eos(r['tokens'])).strip()}\n")
     write_report(args.report, {"system_tokens": len(sys_tokens),

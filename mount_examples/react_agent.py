@@ -101,8 +101,8 @@ class Agent:
     def choose(self, text: str, options: dict[str, list[int]]) -> str:
         """Append `text` and let the model pick one option by its first token."""
         firsts = {toks[0]: name for name, toks in options.items()}
-        s = lip.pred(self.kv, self.pending + lip.tokenize(text), sample=GREEDY,
-                     mask=sorted(firsts))
+        s = lip.pred_sample(self.kv, self.pending + lip.tokenize(text), GREEDY,
+                            mask=sorted(firsts))
         self.costs.append(s.cost)
         name = firsts[s.token]
         self.pending = options[name]

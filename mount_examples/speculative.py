@@ -1,7 +1,7 @@
 """Speculative decoding without a second model (prompt lookup / n-gram drafts).
 
 The draft is what followed the last n tokens the previous time they appeared in the
-prompt or the output. One multi-token `pred(kv, [last] + draft, outputs=[0..len])`
+prompt or the output. One multi-token `pred_sample(kv, [last] + draft, GREEDY, outputs=[0..len])`
 verifies it: predd returns the greedy token after every prefix, the program keeps the
 longest prefix of the draft that matches plus the model's own next token, and
 `kv_truncate`s the rejected tail out of the cache. The output is exactly greedy
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 import liblip as lip
-from common import GREEDY, TextStream, chat, eos_ids, write_report
+from common import GREEDY, chat, eos_ids, write_report
 
 
 def lookup_draft(context: list[int], ngram: int, size: int) -> list[int]:
@@ -30,7 +30,7 @@ def lookup_draft(context: list[int], ngram: int, size: int) -> list[int]:
 
 
 def speculate(prompt: list[int], max_tokens: int, draft_size: int, ngram: int,
-              stream: TextStream | None = None) -> dict:
+              stream: lip.TextStream | None = None) -> dict:
     eos = eos_ids()
     kv = lip.kv_create()
     out: list[int] = []
@@ -43,13 +43,13 @@ def speculate(prompt: list[int], max_tokens: int, draft_size: int, ngram: int,
             if stream:
                 stream.feed(t)
 
-    emit([lip.pred(kv, prompt, sample=GREEDY).token])
+    emit([lip.pred_sample(kv, prompt, GREEDY).token])
     calls, drafted, accepted = 1, 0, 0
     while len(out) < max_tokens and out[-1] not in eos:
         base = len(prompt) + len(out) - 1       # the cache: prompt + out but the last
         draft = lookup_draft(prompt + out, ngram, min(draft_size, max_tokens - len(out) - 1))
-        verdict = lip.pred(kv, [out[-1]] + draft, outputs=list(range(len(draft) + 1)),
-                           sample=GREEDY)
+        verdict = lip.pred_sample(kv, [out[-1]] + draft, GREEDY,
+                                  outputs=list(range(len(draft) + 1)))
         calls += 1
         ok = 0
         while ok < len(draft) and draft[ok] == verdict.tokens[ok] and draft[ok] not in eos:
@@ -75,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
 
     prompt = chat(args.prompt)
-    result = speculate(prompt, args.max_tokens, args.draft, args.ngram, TextStream())
+    result = speculate(prompt, args.max_tokens, args.draft, args.ngram, lip.TextStream())
     lip.send_to_user("\n")
     write_report(args.report, {"prompt": prompt, **result})
 

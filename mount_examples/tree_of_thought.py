@@ -13,10 +13,9 @@ the chosen thought is computed again — and the answer is decoded from the merg
 from __future__ import annotations
 
 import argparse
-import threading
 
 import liblip as lip
-from common import chat, eos_ids, greedy, strip_eos, write_report
+from common import chat, eos_ids, greedy, run_threads, strip_eos, write_report
 
 THINK = "Let me think step by step."
 ANSWER = "\nSo the answer is"
@@ -28,7 +27,7 @@ def branch(question: lip.KV, last: int, n: int, temperature: float, seed: int,
     kv = lip.kv_fork(question)
     out, logprobs, pending = [], [], [last]
     while len(out) < n:
-        s = lip.pred(kv, pending, sample={"temperature": temperature, "seed": seed + len(out)})
+        s = lip.pred_sample(kv, pending, {"temperature": temperature, "seed": seed + len(out)})
         if s.token in eos_ids():
             break
         out.append(s.token)
@@ -53,13 +52,9 @@ def main() -> None:
     question = lip.kv_create()
     lip.prefill(question, q_tokens[:-1])
     branches = [{} for _ in range(args.branches)]
-    threads = [threading.Thread(target=branch, args=(
-        question, q_tokens[-1], args.thought_tokens, args.temperature,
-        args.seed + 1000 * i, branches[i])) for i in range(args.branches)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(lambda i: branch(question, q_tokens[-1], args.thought_tokens,
+                                 args.temperature, args.seed + 1000 * i, branches[i]),
+                args.branches)
     best = max(range(len(branches)), key=lambda i: branches[i]["score"])
     for i, b in enumerate(branches):
         lip.send_to_user(f"[{i}] {b['score']:+.3f} {lip.detokenize(b['tokens'])!r}"

@@ -20,7 +20,7 @@ from functools import lru_cache
 import numpy as np
 
 import liblip as lip
-from common import chat, eos_ids, info, run_threads, write_report
+from common import chat, eos_ids, run_threads, write_report
 
 KEY = 15485863   # the paper's hash key (a prime)
 
@@ -36,7 +36,7 @@ def green_list(prev: int, key: int, gamma: float, vocab: int) -> np.ndarray:
 
 def z_score(tokens: list[int], prev: int, key: int, gamma: float) -> tuple[float, int, int]:
     """(z, green count, scored count) of `tokens`, the first one following `prev`."""
-    vocab = info()["vocab_size"]
+    vocab = lip.info_cached()["vocab_size"]
     hits = 0
     for t in tokens:
         hits += bool(green_list(prev, key, gamma, vocab)[t])
@@ -50,7 +50,7 @@ def generate(prompt_kv: lip.KV, prompt: list[int], seed: int, delta: float, gamm
              key: int, max_tokens: int, min_tokens: int) -> list[int]:
     """One sample after `prompt`, cached in `prompt_kv` but for its last token."""
     eos = sorted(eos_ids())
-    vocab = info()["vocab_size"]
+    vocab = lip.info_cached()["vocab_size"]
     rng = np.random.default_rng(seed)
     kv = lip.kv_fork(prompt_kv)
     out: list[int] = []

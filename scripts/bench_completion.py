@@ -2,7 +2,7 @@
 
 32 concurrent programs (processes) x 64 new tokens, seeded prompts of ~20-60 tokens:
   (a) pred_loop    — a `pred` loop with client-side argmax over the full logits
-  (b) pred_sample  — `pred` with server-side (greedy) sampling: only the token returns
+  (b) pred_sample  — `pred_sample`: server-side (greedy) sampling, only the token returns
   (c) generate     — predd's own decode loop, streaming
 against transformers' batched greedy `generate` on the same prompts and dtype, in the
 same run. Each side is timed `--repeat` times (default 3) and the best runs are
@@ -46,7 +46,7 @@ def program(mode: str, addr: str, tokens: list[int], n_new: int, start, out) -> 
         ids = []
         step = tokens
         for _ in range(n_new):
-            ids.append(lip.pred(kv, step, sample={"temperature": 0.0}).token)
+            ids.append(lip.pred_sample(kv, step, {"temperature": 0.0}).token)
             step = [ids[-1]]
     else:
         ids = []

@@ -65,7 +65,7 @@ def victim(addr: str, tokens: int) -> None:
             else:
                 step = prompt
                 for _ in range(tokens):
-                    step = [lip.pred(kv, step, sample={"temperature": 0.0}).token]
+                    step = [lip.pred_sample(kv, step, {"temperature": 0.0}).token]
                     stamps.append(time.perf_counter())
             lip.kv_remove(kv)
             rounds[mode] = [b - a for a, b in zip(stamps, stamps[1:])]

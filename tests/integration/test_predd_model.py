@@ -40,7 +40,7 @@ def test_logits_match_transformers(lip, hf_model, prompt):
         assert len(tokens) > TOKEN_BUDGET
     kv = lip.kv_create()
     outputs = [0, len(tokens) // 2, len(tokens) - 1]
-    dists = lip.pred(kv, tokens, outputs=outputs)
+    dists = lip.pred_outputs(kv, tokens, outputs)
     ref = hf_logits(hf_model, tokens)
     for index, dist in zip(outputs, dists):
         assert dist.logits.dtype == np.float32 and dist.logits.shape == (49152,)
@@ -90,18 +90,18 @@ def test_server_side_sampling_and_topk(lip):
     tokens = lip.tokenize("The capital of France is")
     kv = lip.kv_create()
     dist = lip.pred(kv, tokens)
-    greedy = lip.pred(lip.kv_create(), tokens, sample={"temperature": 0.0})
+    greedy = lip.pred_sample(lip.kv_create(), tokens, {"temperature": 0.0})
     assert greedy.token == dist.argmax()
     assert abs(greedy.logprob - float(dist.logprobs()[dist.argmax()])) < 1e-4
-    ids, lps = lip.pred(lip.kv_create(), tokens, topk=5)
+    top = lip.pred_topk(lip.kv_create(), tokens, 5)
     ref_ids, ref_lps = dist.topk(5)
-    assert ids == ref_ids and np.allclose(lps, ref_lps, atol=1e-4)
-    a = lip.pred(lip.kv_create(), tokens, sample={"temperature": 1.0, "seed": 7})
-    b = lip.pred(lip.kv_create(), tokens, sample={"temperature": 1.0, "seed": 7})
+    assert top.ids == ref_ids and np.allclose(top.logprobs, ref_lps, atol=1e-4)
+    a = lip.pred_sample(lip.kv_create(), tokens, {"temperature": 1.0, "seed": 7})
+    b = lip.pred_sample(lip.kv_create(), tokens, {"temperature": 1.0, "seed": 7})
     assert a.token == b.token
     # The mask constrains: only the allowed ids can come out, with any sampler.
     allowed = [ref_ids[3], ref_ids[4]]
-    masked = lip.pred(lip.kv_create(), tokens, sample={"temperature": 0.0}, mask=allowed)
+    masked = lip.pred_sample(lip.kv_create(), tokens, {"temperature": 0.0}, mask=allowed)
     assert masked.token == ref_ids[3]
     bits = bytearray(49152 // 8)
     bits[ref_ids[4] // 8] |= 1 << (ref_ids[4] % 8)
