@@ -1,6 +1,8 @@
 """The calls that run the model, one call per kind of answer, and the records they return.
 
     pred(kv, tokens)                    -> Distribution   the last token's raw logits
+                                           (DESIGN §2's keywords outputs=/sample=/topk=
+                                           are shorthands for the three calls below)
     pred_outputs(kv, tokens, outputs)   -> list[Distribution], one per index in outputs
     pred_sample(kv, tokens, sample)     -> Sampled        predd samples; one int back
     pred_topk(kv, tokens, k)            -> TopK           predd's k best ids and logprobs
@@ -87,6 +89,10 @@ class TopK:
     per_output: list[tuple[list[int], list[float]]]
     cost: dict
 
+    def __iter__(self):
+        """`ids, logprobs = lip.pred_topk(...)` unpacks the last output's pair."""
+        return iter((self.ids, self.logprobs))
+
 
 class Generated(list):
     """The ids `generate` produced (a plain list of ints), plus what predd said of the
@@ -129,8 +135,23 @@ def _need_outputs(outputs: Sequence[int] | None) -> None:
 
 
 def pred(kv: KV, tokens: Sequence[int], positions: Sequence[int] | None = None,
-         mask: Mask | None = None) -> Distribution:
-    """Append `tokens` to `kv`; the next-token distribution after the last of them."""
+         outputs: Sequence[int] | None = None, sample: dict | None = None,
+         mask: Mask | None = None, topk: int = 0):
+    """Append `tokens` to `kv`; the next-token distribution after the last of them.
+
+    The system call's other keywords (DESIGN §2: `outputs`, `sample`, `topk`) are
+    shorthands for the call that has that answer, and return exactly what it returns:
+    `outputs=` → `pred_outputs` (list[Distribution]), `sample=` → `pred_sample`
+    (Sampled), `topk=k` → `pred_topk` (TopK). Programs should name the call they mean.
+    """
+    if sample is not None and topk:
+        raise LipError("EINVAL", "pred: sample and topk are two answers; ask for one")
+    if sample is not None:
+        return pred_sample(kv, tokens, sample, positions, outputs, mask)
+    if topk:
+        return pred_topk(kv, tokens, topk, positions, outputs, mask)
+    if outputs is not None:
+        return pred_outputs(kv, tokens, outputs, positions, mask)
     return _distributions(*_pred(kv, tokens, positions, None, mask))[-1]
 
 

@@ -136,6 +136,14 @@ def test_each_pred_call_sends_one_kind_of_request_and_returns_one_type(fakes):
     t = lip.pred_topk(kv, [5, 6, 7], 2, outputs=[0, 1])
     assert t.ids == [1, 2] and t.per_output == [([0, 1], [0.0, -1.0]), ([1, 2], [0.0, -1.0])]
 
+    # DESIGN §2's keyword forms of pred are the same requests with the same answers.
+    assert lip.pred(kv, [5, 6, 7], sample={"temperature": 0.0}) == lip.Sampled(
+        12, -0.5, [12], [-0.5], {"computed": 3, "reused": 0})
+    ids, logprobs = lip.pred(kv, [5, 6, 7], topk=3)
+    assert (ids, logprobs) == ([2, 3, 4], [0.0, -1.0, -2.0])
+    assert a.requests[-1]["topk"] == 3
+    assert [x.logits[0] for x in lip.pred(kv, [5, 6, 7], outputs=[0, 2])] == [0.0, 20.0]
+
     assert lip.prefill(kv, [5, 6], positions=[9, 10]) == {"computed": 2, "reused": 0}
     sent = a.requests[-1]
     assert (sent["outputs"], sent["positions"]) == ([], [9, 10])
@@ -159,13 +167,9 @@ def test_pred_calls_refuse_what_has_no_answer_before_asking(fakes):
     with pytest.raises(lip.LipError) as exc:
         lip.pred_topk(kv, [5], 0)
     assert exc.value.code == "EINVAL"
-    # The one-call-many-answers forms are gone: each answer has its own call.
-    with pytest.raises(TypeError):
-        lip.pred(kv, [5], sample={"temperature": 0.0})
-    with pytest.raises(TypeError):
-        lip.pred(kv, [5], topk=3)
-    with pytest.raises(TypeError):
-        lip.pred(kv, [5], outputs=[0])
+    with pytest.raises(lip.LipError) as exc:
+        lip.pred(kv, [5], sample={"temperature": 0.0}, topk=3)
+    assert exc.value.code == "EINVAL"
     assert len(a.requests) == before
 
 
