@@ -35,7 +35,7 @@ def test_family_matches_transformers(family, tmp_path):
     ref.save_pretrained(tmp_path)
     runner = Runner(RunnerConfig(str(tmp_path), kv_pages=16, page_size=4))
     if family == "qwen2":
-        assert runner.cfg.attention_bias
+        assert runner.model_config.attention_bias
     tokens = np.random.default_rng(0).integers(0, 512, size=23).astype(np.int32)
     with torch.no_grad():
         expected = ref(torch.tensor(tokens[None].astype(np.int64))).logits[0].numpy()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from liblip.protocol import KvTruncate
+from predd.handlers import HANDLERS
 from predd.limits import MAX_POSITION
 from tests.unit.engine_fakes import Harness
 
@@ -191,7 +193,7 @@ def test_an_unexpected_exception_in_a_deferred_request_is_eio(monkeypatch):
     def broken(*args):
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(h.engine, "op_kv_truncate", broken)
+    monkeypatch.setitem(HANDLERS, KvTruncate, broken)
     h.drain()
     assert h.reply(A, g)["ok"]
     assert h.reply(A, t)["error"] == {"code": "EIO",
