@@ -668,14 +668,6 @@ def encode_request(op: str, rid: int, fields_: dict) -> bytes:
     return pack({"op": op, "rid": rid, **fields_})
 
 
-def ok_reply(rid: int | None, **results: Any) -> dict:
-    return {"rid": rid, "ok": True, **results}
-
-
-def error_reply(rid: int | None, code: str, message: str) -> dict:
-    return {"rid": rid, "ok": False, "error": {"code": code, "message": message}}
-
-
 # ---------------------------------------------------------------- where things are
 
 SYSTEM_RUNDIR = "/run/symphony"
