@@ -11,7 +11,7 @@ pred and generate.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from liblip import protocol as p
 from predd.handlers import kv, pred, session, text
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from predd.engine import Engine
     from predd.sessions import Session
 
-Handler = Callable[["Engine", "Session", p.Request, list[bytes], float], Optional[p.Reply]]
+Handler = Callable[["Engine", "Session", p.Request, list[bytes], float], p.Reply | None]
 
 HANDLERS: dict[type[p.Request], Handler] = {
     **session.HANDLERS, **text.HANDLERS, **kv.HANDLERS, **pred.HANDLERS}
