@@ -63,10 +63,13 @@ def test_every_reply_is_exactly_its_record(lip):
     assert (whole.generated, whole.finish_reason, len(whole.tokens)) == (4, "length", 4)
     again = c.ask("kv_create")
     c.call("pred", cap=again.cap, tokens=tokens[:1], outputs=[])
-    stream = list(c.ask_stream("generate", cap=again.cap, tokens=tokens[1:], max_tokens=4,
-                               stop=[]))
+    headers = list(c.stream("generate", cap=again.cap, tokens=tokens[1:], max_tokens=4,
+                            stop=[]))
+    stream = [p.decode_reply("generate", h) for h in headers]
+    assert [r.wire(h["rid"]) for r, h in zip(stream, headers)] == headers   # exactly
     assert [type(r) for r in stream] == [p.GenerateChunk] * 3 + [p.GenerateReply]
     assert [t for r in stream for t in r.tokens] == whole.tokens
     assert (stream[-1].generated, stream[-1].finish_reason) == (4, "length")
-    assert "final" not in stream[-1].wire(1)
+    again_stream = list(c.ask_stream("generate", cap=again.cap, tokens=[], max_tokens=1))
+    assert [type(r) for r in again_stream] == [p.GenerateReply]
     check(c, "kv_free", p.EmptyReply, cap=again.cap)
