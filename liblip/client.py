@@ -26,7 +26,8 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from liblip.protocol import ProtocolError, default_addr, default_token, encode_request
+from liblip.protocol import (ProtocolError, Reply, decode_reply, default_addr,
+                             default_token, encode_request)
 
 
 class LipError(ProtocolError):
@@ -138,6 +139,18 @@ class Client:
                     return
         finally:
             self._forget(rid)
+
+    def ask(self, op: str, frames: tuple[bytes, ...] = (), timeout: float | None = None,
+            **fields) -> Reply:
+        """One request's reply as its record (liblip.protocol.REPLIES: a KvReply for
+        kv_stat, a PredLogits for a raw pred, ...). Raises LipError."""
+        header, extra = self.request(op, frames, timeout, **fields)
+        return decode_reply(op, header, extra)
+
+    def ask_stream(self, op: str, timeout: float | None = None, **fields) -> Iterator[Reply]:
+        """`stream`, as records: GenerateChunks, then the one GenerateReply."""
+        for header in self.stream(op, timeout, **fields):
+            yield decode_reply(op, header)
 
     def close(self) -> None:
         if self._closed:

@@ -5,7 +5,10 @@ binary frames; a reply echoes `rid` with `"ok": true` and results, or `"ok": fal
 `{"error": {"code": ERRNO_NAME, "message": ...}}`. Every op's fields are a dataclass below;
 `decode_request` validates a raw map against it (types, sizes, shapes) and raises
 `ProtocolError` (EINVAL, E2BIG, EBADMSG, ENOSYS) — never anything else — so a server can
-answer bad input and go on.
+answer bad input and go on. Every op's reply is a record too (`REPLIES`): its
+`wire(rid)` is the map predd sends, `decode_reply` turns a received map back into it. A
+request gets exactly one terminal reply; a streamed generate sends `GenerateChunk`s
+(`"more": true`) and then that one (`GenerateReply` or `ErrorReply`).
 This module is pure Python (no torch, no zmq) so any process may import it.
 """
 from __future__ import annotations
@@ -250,6 +253,321 @@ class SampleParams:
         return params
 
 
+# ---------------------------------------------------------------- replies
+
+@dataclass(kw_only=True)
+class Reply:
+    """A reply's results. `wire(rid)` is the map sent (`rid`, `ok` and the fields, under
+    the same names), `frames()` the binary frames that follow it. Decode one with
+    `decode_reply`."""
+    ok: ClassVar[bool] = True
+
+    def fields(self) -> dict:
+        return {f.name: _wire_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def frames(self) -> list[bytes]:
+        return []
+
+    def wire(self, rid: int | None) -> dict:
+        return {"rid": rid, "ok": self.ok, **self.fields()}
+
+    @classmethod
+    def from_wire(cls, header: dict, frames: list[bytes]) -> Reply:
+        """The record of a reply map; EBADMSG when a field is missing. Keys the record
+        does not know (a newer predd's) are ignored."""
+        hints = _hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in header:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise ProtocolError("EBADMSG", f"{cls.__name__}: no {f.name!r} field")
+                continue
+            value = header[f.name]
+            kind = hints[f.name]
+            kwargs[f.name] = kind(**value) if dataclasses.is_dataclass(kind) else value
+        return cls(**kwargs)
+
+
+def _wire_value(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return value
+
+
+@dataclass(kw_only=True)
+class ErrorReply(Reply):
+    """`{"ok": false, "error": {"code": ERRNO_NAME, "message": ...}}`: the one reply to a
+    request that failed (for a stream: its terminal message)."""
+    code: str
+    message: str
+    ok: ClassVar[bool] = False
+
+    @classmethod
+    def of(cls, exc: ProtocolError) -> ErrorReply:
+        return cls(code=exc.code, message=exc.message)
+
+    def fields(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}
+
+    @classmethod
+    def from_wire(cls, header: dict, frames: list[bytes]) -> ErrorReply:
+        error = header.get("error") or {}
+        return cls(code=error.get("code", "EIO"), message=error.get("message", "unknown error"))
+
+
+@dataclass(kw_only=True)
+class EmptyReply(Reply):
+    """bye, ping, kv_free: nothing but `ok`."""
+
+
+@dataclass(kw_only=True)
+class HelloReply(Reply):
+    session: int
+    version: int
+    lease_s: float
+    model: str
+    uid: int                 # the session's: the kernel's, the token's or nobody
+    trusted: bool
+
+
+@dataclass(kw_only=True)
+class InfoReply(Reply):
+    model: str
+    vocab_size: int
+    eos_ids: list[int]
+    bos_id: int | None
+    page_size: int
+    pages_total: int
+    pages_free: int
+    bytes_per_page: int
+    max_position: int
+    device: str
+    dtype: str
+    dtype_reason: str
+    attention: str
+    num_layers: int
+    version: int
+    max_message_bytes: int
+
+
+@dataclass(kw_only=True)
+class StatsReply(Reply):
+    pages_total: int
+    pages_free: int
+    pages_used: int
+    objects: int
+    capabilities: int
+    sessions: int
+    steps: int                 # forward passes
+    calls: int                 # call-chunks served
+    mean_batch: float
+    tokens_computed: int
+    tokens_reused: int
+    queue_wait_ms: float
+    step_ms: float
+    launch_wait_ms: float
+    pending_calls: int
+    requests: int
+    errors: int
+    throttled: int             # EAGAIN replies
+    capped_steps: int          # steps the latency bound made smaller
+    queue_wait_hist: dict      # {le_ms: [bounds], cumulative: [counts..., +inf], sum_ms}
+    step_hist: dict
+    uptime_s: float
+
+
+@dataclass(kw_only=True)
+class PsReply(Reply):
+    sessions: list[dict]       # rows of docs/protocol.md `ps`
+    ended: list[dict]
+    uids: list[dict]
+
+
+@dataclass(kw_only=True)
+class FsckReply(Reply):
+    clean: bool
+    problems: list[str]
+    pages_total: int
+    pages_free: int
+    objects: int
+
+
+@dataclass(kw_only=True)
+class TokenizeReply(Reply):
+    tokens: list[int]
+
+
+@dataclass(kw_only=True)
+class DetokenizeReply(Reply):
+    text: str
+
+
+@dataclass(kw_only=True)
+class ChatTemplateReply(Reply):
+    text: str
+    tokens: list[int]
+
+
+@dataclass(kw_only=True)
+class KvReply(Reply):
+    """An object as it is now. `cap` is set (and sent) only for a new capability
+    (create, fork, grant, extract, merge, import), `rights` only with a capability's
+    (those and kv_stat); kv_truncate and kv_export send neither."""
+    tokens: int                # entries
+    pages: int
+    bytes: int                 # pages * bytes_per_page
+    last_position: int         # -1 when empty
+    model: str
+    cap: str = ""
+    rights: str = ""
+
+    def fields(self) -> dict:
+        out = {"tokens": self.tokens, "pages": self.pages, "bytes": self.bytes,
+               "last_position": self.last_position, "model": self.model}
+        if self.cap:
+            out["cap"] = self.cap
+        if self.rights:
+            out["rights"] = self.rights
+        return out
+
+
+@dataclass(kw_only=True)
+class KvExportReply(KvReply):
+    """The object, and its snapshot as the one binary frame."""
+    snapshot: bytes = b""
+
+    def frames(self) -> list[bytes]:
+        return [self.snapshot]
+
+    @classmethod
+    def from_wire(cls, header: dict, frames: list[bytes]) -> KvExportReply:
+        if len(frames) != 1:
+            raise ProtocolError("EBADMSG", "kv_export: expected one binary frame")
+        reply = super().from_wire(header, frames)
+        reply.snapshot = frames[0]
+        return reply
+
+
+@dataclass(kw_only=True)
+class KvTokensReply(Reply):
+    tokens: list[int]
+    positions: list[int]
+
+
+@dataclass
+class Cost:
+    """What a pred or generate cost: tokens computed for it, entries it attended to
+    without recomputing, the object's pages after it, its wait and its steps' time."""
+    computed: int
+    reused: int
+    pages: int
+    queue_ms: float
+    step_ms: float
+
+
+@dataclass(kw_only=True)
+class PredReply(Reply):
+    """A pred's reply: one of the three below, by what the request asked for."""
+    cost: Cost
+
+
+@dataclass(kw_only=True)
+class PredLogits(PredReply):
+    """Raw logits: `logits: {shape, dtype: "float32"}`, and one binary frame of float32
+    rows (row-major)."""
+    shape: list[int]           # [outputs, vocab]
+    data: bytes
+
+    def fields(self) -> dict:
+        return {"logits": {"shape": list(self.shape), "dtype": "float32"},
+                "cost": _wire_value(self.cost)}
+
+    def frames(self) -> list[bytes]:
+        return [self.data]
+
+    @classmethod
+    def from_wire(cls, header: dict, frames: list[bytes]) -> PredLogits:
+        if len(frames) != 1:
+            raise ProtocolError("EBADMSG", "pred logits: expected one binary frame")
+        return cls(shape=list(header["logits"]["shape"]), data=frames[0],
+                   cost=Cost(**header["cost"]))
+
+
+@dataclass(kw_only=True)
+class PredSample(PredReply):
+    """Sampled in predd: one token per output; `token`/`logprob` repeat the last
+    (null with no outputs)."""
+    tokens: list[int]
+    logprobs: list[float]
+
+    def fields(self) -> dict:
+        return {"tokens": self.tokens, "logprobs": self.logprobs,
+                "token": self.tokens[-1] if self.tokens else None,
+                "logprob": self.logprobs[-1] if self.logprobs else None,
+                "cost": _wire_value(self.cost)}
+
+
+@dataclass(kw_only=True)
+class PredTopk(PredReply):
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+
+
+@dataclass(kw_only=True)
+class GenerateChunk(Reply):
+    """A streamed generate's token (`more: true`); the last comes in GenerateReply."""
+    tokens: list[int]
+    logprobs: list[float]
+
+    def fields(self) -> dict:
+        return {"more": True, "tokens": self.tokens, "logprobs": self.logprobs}
+
+
+@dataclass(kw_only=True)
+class GenerateReply(Reply):
+    """A generate's one terminal message (`more: false`): streamed, its last token; not
+    streamed, every generated token. `finish_reason`: stop, length or an errno name
+    (ENOSPC, EDQUOT: no room for the next token)."""
+    tokens: list[int]
+    logprobs: list[float]
+    generated: int
+    finish_reason: str
+    cost: Cost
+
+    def fields(self) -> dict:
+        return {"more": False, **super().fields()}
+
+
+REPLIES: dict[type[Request], type[Reply]] = {
+    Hello: HelloReply, Bye: EmptyReply, Ping: EmptyReply, Info: InfoReply,
+    Stats: StatsReply, Ps: PsReply, Fsck: FsckReply, Tokenize: TokenizeReply,
+    Detokenize: DetokenizeReply, ChatTemplate: ChatTemplateReply, KvCreate: KvReply,
+    KvFork: KvReply, KvGrant: KvReply, KvFree: EmptyReply, KvStat: KvReply,
+    KvTokens: KvTokensReply, KvTruncate: KvReply, KvExtract: KvReply, KvMerge: KvReply,
+    KvExport: KvExportReply, KvImport: KvReply, Pred: PredReply, Generate: GenerateReply,
+}
+
+
+def decode_reply(op: str, header: dict, frames: list[bytes] | tuple = ()) -> Reply:
+    """The record of a reply to `op` (ErrorReply for `ok: false`); EBADMSG if it does
+    not fit."""
+    if header.get("ok") is not True:
+        return ErrorReply.from_wire(header, list(frames))
+    request = REQUESTS.get(op)
+    if request is None:
+        raise ProtocolError("ENOSYS", f"unknown op {op!r}")
+    cls = REPLIES[request]
+    if cls is PredReply:
+        cls = (PredLogits if "logits" in header else PredTopk if "topk_ids" in header
+               else PredSample)
+    elif cls is GenerateReply and header.get("more"):
+        cls = GenerateChunk
+    try:
+        return cls.from_wire(header, list(frames))
+    except (KeyError, TypeError) as exc:
+        raise ProtocolError("EBADMSG", f"{op} reply: {type(exc).__name__}: {exc}") from None
+
+
 # ---------------------------------------------------------------- validation
 
 def _is_instance(value: Any, kind: Any) -> bool:
@@ -348,14 +666,6 @@ def pack(obj: dict) -> bytes:
 
 def encode_request(op: str, rid: int, fields_: dict) -> bytes:
     return pack({"op": op, "rid": rid, **fields_})
-
-
-def ok_reply(rid: int | None, **results: Any) -> dict:
-    return {"rid": rid, "ok": True, **results}
-
-
-def error_reply(rid: int | None, code: str, message: str) -> dict:
-    return {"rid": rid, "ok": False, "error": {"code": code, "message": message}}
 
 
 # ---------------------------------------------------------------- where things are

@@ -1,56 +1,78 @@
-"""A pred or generate call in flight: its inputs, its results so far and what it cost.
+"""A pred or generate call, one record from submit to reply, and what it does to its
+object: admit (reserve), commit, extend, undo.
 
-The scheduler sees only counters (`Call.total`, `Call.computed`); this record is the
-engine's payload on the call. `pred_reply` builds a pred's reply.
+The scheduler reads only the scheduling fields (`session`, `uid`, `oid`, `total`,
+`computed`, `generating`, `admitted`) and sets `cid` and `arrival`; the rest are the
+engine's (the request, the results so far, the cost).
 
 Commit rule: a call's computed tokens become entries of its object only when they are
-all computed (`committed` counts those that are), so a chunked prefill is never seen or
-left half-done; `base` and `reopened` say how to put the object back exactly as it was
-if the call fails.
+all computed (`commit`; `committed` counts those that are), so a chunked prefill is never
+seen or left half-done. Admission (`admit`) makes every check first, then the one
+change: it reserves slots for the new tokens, or reopens the last entry for a re-predict
+(`tokens=[]`). `base` (the length at admission) and `reopened` say how `undo` puts the
+object back exactly as it was if the call fails or is dropped: the reservation released,
+nothing the call computed kept, a reopened entry restored.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from liblip.protocol import SampleParams, ok_reply
-from predd import sampling
+from liblip.protocol import Cost, ProtocolError, SampleParams
+from predd.limits import MAX_POSITION
+
+if TYPE_CHECKING:
+    import torch
+
+    from predd.kvstore import KVStore
+    from predd.limits import Limits
+    from predd.quota import Quotas
 
 
-@dataclass
-class CallState:
-    identity: bytes
-    rid: int
-    op: str                          # "pred" | "generate"
-    tokens: list[int]
-    positions: list[int] | None      # resolved at admission when None
-    outputs: list[int]               # pred: indices into tokens whose logits are wanted
-    sample: SampleParams | None
-    allowed: torch.Tensor | None     # mask
+@dataclass(eq=False)
+class Call:
+    # scheduling
+    session: int
+    oid: int
+    total: int                 # tokens to compute so far (a generate grows it by one a step)
+    computed: int = 0
+    generating: bool = False   # a generate: stays queued after catching up, until it stops
+    uid: int = 0
+    cid: int = 0               # Scheduler.submit sets cid and arrival
+    arrival: float = 0.0
+    admitted: bool = False
+    # the request
+    identity: bytes = b""      # the client to reply to
+    rid: int = 0
+    tokens: list[int] = field(default_factory=list)   # a generate appends what it feeds back
+    positions: list[int] | None = None                 # resolved at admission when None
+    outputs: list[int] = field(default_factory=list)   # pred: indices whose logits are wanted
+    sample: SampleParams | None = None
+    allowed: torch.Tensor | None = None                # the mask
     topk: int = 0
-    # generate
     max_tokens: int = 0
     stop: frozenset[int] = frozenset()
     stop_text: tuple[str, ...] = ()
     stream: bool = True
-    stop_window: int = 0             # tokens of output a stop_text match is looked for in
+    generator: torch.Generator | None = None
+    # results so far
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    # results and cost
     logits: list[torch.Tensor] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    picked: tuple[int, float] | None = None
-    arrival: float = 0.0
+    picked: tuple[int, float] | None = None   # the next token, chosen with the step's others
+    # cost
     admitted_at: float = 0.0
     reused: int = 0
     step_s: float = 0.0
     # commit and undo
-    committed: int = 0               # leading tokens that are entries of the object
-    base: int = 0                    # the object's length when the call was admitted
+    committed: int = 0         # leading tokens that are entries of the object
+    base: int = 0              # the object's length when the call was admitted
     reopened: tuple[int, int, np.ndarray] | None = None   # re-predict: the entry, to undo
+    stop_window: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         # A stop string of m characters spans at most 4m tokens (a byte-level token is at
@@ -58,6 +80,10 @@ class CallState:
         # the window's start: matching in that tail of the output finds every new match.
         if self.stop_text:
             self.stop_window = 4 * max(len(t) for t in self.stop_text) + 8
+
+    @property
+    def remaining(self) -> int:
+        return self.total - self.computed
 
     def hits_stop_text(self, decode: Callable[[list[int]], str]) -> bool:
         """Whether the output now contains a stop string. Earlier tokens were checked when
@@ -70,43 +96,84 @@ class CallState:
         """Token ids, positions and wanted-output indices (chunk-relative) of a chunk."""
         tokens = np.asarray(self.tokens[start:start + count], dtype=np.int32)
         positions = np.asarray(self.positions[start:start + count], dtype=np.int32)
-        if self.op == "generate":
+        if self.generating:
             wanted = [count - 1] if start + count == len(self.tokens) else []
         else:
             wanted = [o - start for o in self.outputs if start <= o < start + count]
         return tokens, positions, np.asarray(wanted, dtype=np.int64)
 
-    def cost(self, computed: int, pages: int) -> dict:
-        return {"computed": computed, "reused": self.reused, "pages": pages,
-                "queue_ms": round((self.admitted_at - self.arrival) * 1e3, 3),
-                "step_ms": round(self.step_s * 1e3, 3)}
+    def cost(self, pages: int) -> Cost:
+        return Cost(computed=self.total, reused=self.reused, pages=pages,
+                    queue_ms=round((self.admitted_at - self.arrival) * 1e3, 3),
+                    step_ms=round(self.step_s * 1e3, 3))
 
-    def pred_reply(self, cost: dict) -> tuple[dict, list[bytes]]:
-        """The reply to a finished pred: raw logits, sampled tokens or top-k."""
-        logits = (torch.cat(self.logits) if self.logits
-                  else torch.empty(0, 0, dtype=torch.float32))
-        logits = sampling.apply_mask(logits, self.allowed)
-        if self.sample is not None:
-            picks = [sampling.sample(row, self.sample, self.generator) for row in logits]
-            tokens = [t for t, _ in picks]
-            lps = [lp for _, lp in picks]
-            head = ok_reply(self.rid, tokens=tokens, logprobs=lps, cost=cost,
-                            token=tokens[-1] if tokens else None,
-                            logprob=lps[-1] if lps else None)
-            return head, []
-        if self.topk:
-            picks = [sampling.topk(row, self.topk) for row in logits]
-            return ok_reply(self.rid, topk_ids=[i for i, _ in picks],
-                            topk_logprobs=[lp for _, lp in picks], cost=cost), []
-        data = logits.contiguous().numpy()
-        head = ok_reply(self.rid, logits={"shape": list(data.shape), "dtype": "float32"},
-                        cost=cost)
-        return head, [data.tobytes()]
 
-    def next_token(self) -> tuple[int, float]:
-        if self.picked is not None:   # chosen in a batch with the step's other calls
-            picked, self.picked = self.picked, None
-            return picked
-        row = sampling.apply_mask(self.logits.pop()[0], self.allowed)
-        params = self.sample or SampleParams(temperature=0.0)
-        return sampling.sample(row, params, self.generator)
+def admit(call: Call, store: KVStore, quotas: Quotas, limits: Limits) -> None:
+    """Every check first (positions fit int32, the object stays within the context,
+    quota, free pages), then the one change: reserve the new tokens' slots, or reopen the
+    last entry for a re-predict (recomputed in place). Raises with the object unchanged."""
+    obj = store.get(call.oid)
+    call.base = obj.length
+    if call.tokens:
+        if call.positions is None:
+            first = store.last_position(obj) + 1
+            call.positions = list(range(first, first + len(call.tokens)))
+        grow = len(call.tokens)
+    else:
+        if obj.length == 0:
+            raise ProtocolError("EINVAL", "no tokens and an empty cache: nothing to "
+                                "predict from")
+        tokens, positions = store.entries(call.oid, obj.length - 1)
+        call.tokens, call.positions = tokens.tolist(), positions.tolist()
+        grow = 0
+    # A generate appends max_tokens - 1 more entries after its prompt.
+    last = call.positions[-1] + max(call.max_tokens - 1, 0)
+    if last >= MAX_POSITION:
+        raise ProtocolError("EOVERFLOW", f"positions would reach {last}: past the "
+                            f"largest position {MAX_POSITION - 1}")
+    if obj.length + grow > limits.context:
+        raise ProtocolError("E2BIG", f"the object would hold {obj.length + grow} entries, "
+                            f"more than the context of {limits.context}")
+    if grow:
+        quotas.check(call.oid, store.pages_needed(call.oid, grow))
+        store.reserve(call.oid, grow)
+    else:
+        quotas.check(call.oid, store.reopen_pages(call.oid))
+        call.reopened = store.reopen_last(call.oid)
+    call.reused = store.get(call.oid).length
+    call.admitted_at = time.monotonic()
+
+
+def commit(call: Call, store: KVStore, done: int) -> None:
+    """The call's first `done` tokens are computed: make those not yet committed entries."""
+    store.commit(call.oid, np.asarray(call.tokens[call.committed:done], np.int32),
+                 np.asarray(call.positions[call.committed:done], np.int32))
+    call.committed = done
+
+
+def extend(call: Call, token: int, store: KVStore, quotas: Quotas) -> str | None:
+    """Feed a generate's new token back as its next one to compute: reserve its slot
+    first. The errno (EDQUOT, ENOSPC) when there is no room, the call unchanged."""
+    try:
+        quotas.check(call.oid, store.pages_needed(call.oid, 1))
+        store.reserve(call.oid, 1)
+    except ProtocolError as exc:
+        return exc.code
+    call.tokens.append(token)
+    call.positions.append(call.positions[-1] + 1)
+    call.total += 1
+    return None
+
+
+def undo(call: Call, store: KVStore) -> None:
+    """Put the object of a call that will not complete back exactly as it was before the
+    call: reservation released, nothing the call computed kept. A call never admitted
+    changed nothing; a freed object has nothing to put back."""
+    obj = store.objects.get(call.oid)
+    if obj is None or not call.admitted:
+        return
+    if call.reopened is not None and obj.length < call.base:
+        store.restore_last(call.oid, *call.reopened)
+    store.release_reservation(call.oid)
+    if obj.length > call.base:
+        store.truncate(call.oid, call.base)

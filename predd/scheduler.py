@@ -1,8 +1,9 @@
 """The GPU half of two-level scheduling: pending calls in, a batch plan out.
 
-Pure bookkeeping — no tensors, no sockets. A call has tokens `computed` and tokens
-`total`; every step lets `computed` catch up by at most the step's token budget
-(prefill, chunked prefill and decode are the same thing). Rules:
+Pure bookkeeping — no tensors, no sockets. A call (predd/calls.py; the scheduler reads
+only its scheduling fields) has tokens `computed` and tokens `total`; every step lets
+`computed` catch up by at most the step's token budget (prefill, chunked prefill and
+decode are the same thing). Rules:
 * Calls on one KV object run one at a time, in arrival order.
 * A step takes at most `max_batch` calls and `token_budget` tokens, in a fair order:
   round robin across uids first, then across the sessions of each uid (a uid with 100
@@ -27,7 +28,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+from predd.calls import Call
 
 
 @dataclass(frozen=True)
@@ -38,24 +40,6 @@ class SchedulerConfig:
     max_wait_s: float = 0.02
     latency_factor: float = 2.0   # 0: no latency bound across uids
     active_s: float = 0.5         # a uid counts as waiting this long after a call came or ended
-
-
-@dataclass
-class Call:
-    session: int
-    oid: int
-    total: int                 # tokens to compute so far (a generate grows it by one a step)
-    computed: int = 0
-    generating: bool = False   # stays queued after catching up, until the engine ends it
-    payload: Any = None        # the engine's own state for this call
-    cid: int = 0
-    arrival: float = 0.0
-    admitted: bool = False
-    uid: int = 0
-
-    @property
-    def remaining(self) -> int:
-        return self.total - self.computed
 
 
 @dataclass

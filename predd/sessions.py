@@ -33,7 +33,6 @@ class Session:
     pid: int = 0              # the kernel's (ipc) or, on tcp, what hello declared
     trusted: bool = False
     client: str = ""
-    calls: int = 0
     deferred: int = 0         # requests held behind a busy object (engine.deferred)
     started: float = field(default=0.0)
     bucket: float = 0.0       # request tokens left (rate limit)
@@ -87,7 +86,7 @@ class Sessions:
     def of_identity(self, identity: bytes) -> Session | None:
         return self._by_identity.get(identity)
 
-    def get(self, sid: int) -> Session | None:
+    def of_sid(self, sid: int) -> Session | None:
         return self._by_sid.get(sid)
 
     def of_uid(self, uid: int) -> list[Session]:

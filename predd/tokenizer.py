@@ -49,7 +49,6 @@ class Tokenizer:
         self.backend = backend
         self.eos_ids = eos_ids
         self.bos_id = bos_id
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
         self._special_strings = special_strings  # bos_token, eos_token for templates
         self._compiled: Any = None
@@ -60,10 +59,6 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
-
-    def token_str(self, token_id: int) -> str:
-        """The vocabulary entry of one id (byte-level spelling, e.g. 'Ġhello')."""
-        return self.backend.id_to_token(token_id) or ""
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:

@@ -41,7 +41,7 @@ class FakeRunner:
         self.config = SimpleNamespace(kv_pages=kv_pages, page_size=page_size, device="cpu",
                                       dtype="float32", dtype_reason="fake")
         self.model_config = SimpleNamespace(name="fake", vocab_size=VOCAB, max_position=context,
-                                   num_layers=LAYERS)
+                                            num_layers=LAYERS)
         self.cache = FakeCache(kv_pages, page_size)
         self.backend = SimpleNamespace(name="fake")
         self.fail = lambda chunk: False       # raise in the pass (after scribbling NaN)

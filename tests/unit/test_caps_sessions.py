@@ -131,7 +131,7 @@ def test_open_makes_a_session_per_identity_bound_to_its_credentials():
                                                         7, False)
     assert b.trusted
     assert s.of_identity(b"A") is a and s.of_identity(b"C") is None
-    assert s.get(1) is a and s.get(3) is None
+    assert s.of_sid(1) is a and s.of_sid(3) is None
     assert list(s) == [a, b]
     with pytest.raises(AssertionError):
         s.open(b"A", 102.0)
@@ -179,7 +179,7 @@ def test_end_forgets_the_session_and_a_new_open_makes_a_fresh_one():
     s.end(a.sid)
     s.end(a.sid)                              # twice: no-op
     s.end(999)
-    assert len(s) == 0 and s.get(a.sid) is None and s.expired(100.0) == []
+    assert len(s) == 0 and s.of_sid(a.sid) is None and s.expired(100.0) == []
     assert s.count(5) == 0
     again = s.open(b"A", 1.0)
     assert again is not a and again.sid == 2

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from liblip.protocol import KvTruncate
+from predd.handlers import HANDLERS
 from predd.limits import MAX_POSITION
 from tests.unit.engine_fakes import Harness
 
@@ -191,7 +193,7 @@ def test_an_unexpected_exception_in_a_deferred_request_is_eio(monkeypatch):
     def broken(*args):
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(h.engine, "op_kv_truncate", broken)
+    monkeypatch.setitem(HANDLERS, KvTruncate, broken)
     h.drain()
     assert h.reply(A, g)["ok"]
     assert h.reply(A, t)["error"] == {"code": "EIO",
@@ -211,10 +213,13 @@ def test_re_predict_refused_for_want_of_a_page_keeps_the_last_entry():
     fork = h.ok(A, "kv_fork", cap=kv)["cap"]                 # shares both
     h.ok(A, "pred", cap=h.ok(A, "kv_create")["cap"], tokens=list(range(1, 9)), outputs=[])
     assert h.free_pages() == 0
-    before = (h.entries(fork), h.kv_of(fork).copy())
+    before = (h.entries(fork), h.kv_of(fork).copy(), h.ok(A, "kv_stat", cap=fork))
     reply = h.call(A, "pred", cap=fork, tokens=[])           # needs a copy of page 1
-    assert reply["error"]["code"] == "ENOSPC"
+    assert reply["error"] == {"code": "ENOSPC",
+                              "message": "KV pool exhausted: need 1 pages, 0 free of 4"}
     assert h.entries(fork) == before[0] and np.array_equal(h.kv_of(fork), before[1])
+    assert h.ok(A, "kv_stat", cap=fork) == {**before[2], "rid": h.rid}   # length, pages
+    assert h.free_pages() == 0
     h.clean()
 
 
@@ -223,10 +228,15 @@ def test_re_predict_refused_by_quota_keeps_the_last_entry():
     h = Harness(quota=QuotaConfig(session_pages=2))
     kv = prefilled(h, A, [1, 2, 3, 4, 5, 6], 0)              # 2 pages: at the quota
     other = h.ok(B, "kv_fork", cap=kv)["cap"]                # B's fork shares page 1
-    before = h.entries(kv)
+    before = (h.entries(kv), h.kv_of(kv).copy(), h.ok(A, "kv_stat", cap=kv), h.free_pages())
     reply = h.call(A, "pred", cap=kv, tokens=[])             # A: a CoW page over quota
-    assert reply["error"]["code"] == "EDQUOT"
-    assert h.entries(kv) == before == h.entries(other)
+    sid = h.engine.sessions.of_identity(A).sid
+    assert reply["error"] == {"code": "EDQUOT",
+                              "message": f"session {sid} would hold more than 2 KV pages"}
+    assert h.entries(kv) == before[0] == h.entries(other)
+    assert np.array_equal(h.kv_of(kv), before[1])
+    assert h.ok(A, "kv_stat", cap=kv) == {**before[2], "rid": h.rid}     # length, pages
+    assert h.free_pages() == before[3]
     h.clean()
 
 

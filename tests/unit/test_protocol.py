@@ -202,10 +202,82 @@ def test_decode_request_raises_only_protocol_errors_on_fuzzed_maps():
 
 # ---------------------------------------------------------------- replies and helpers
 
-def test_replies():
-    assert p.ok_reply(3, tokens=[1]) == {"rid": 3, "ok": True, "tokens": [1]}
-    assert p.error_reply(None, "EBADF", "no") == {
-        "rid": None, "ok": False, "error": {"code": "EBADF", "message": "no"}}
+COST = p.Cost(computed=3, reused=5, pages=2, queue_ms=0.5, step_ms=1.25)
+COST_WIRE = {"computed": 3, "reused": 5, "pages": 2, "queue_ms": 0.5, "step_ms": 1.25}
+KV = dict(tokens=9, pages=3, bytes=3072, last_position=8, model="m")
+
+# One reply of every shape: (op, record, the exact map predd sends with rid 7, frames).
+REPLY_CASES = [
+    ("ping", p.EmptyReply(), {}, []),
+    ("hello", p.HelloReply(session=4, version=1, lease_s=10.0, model="m", uid=1000,
+                           trusted=False),
+     {"session": 4, "version": 1, "lease_s": 10.0, "model": "m", "uid": 1000,
+      "trusted": False}, []),
+    ("tokenize", p.TokenizeReply(tokens=[1, 2]), {"tokens": [1, 2]}, []),
+    ("detokenize", p.DetokenizeReply(text="ab"), {"text": "ab"}, []),
+    ("chat_template", p.ChatTemplateReply(text="ab", tokens=[1, 2]),
+     {"text": "ab", "tokens": [1, 2]}, []),
+    ("kv_create", p.KvReply(**KV, cap="c" * 32, rights="rw"),
+     {**KV, "cap": "c" * 32, "rights": "rw"}, []),
+    ("kv_stat", p.KvReply(**KV, rights="r"), {**KV, "rights": "r"}, []),
+    ("kv_truncate", p.KvReply(**KV), KV, []),
+    ("kv_export", p.KvExportReply(**KV, snapshot=b"SYKV2..."), KV, [b"SYKV2..."]),
+    ("kv_tokens", p.KvTokensReply(tokens=[4, 5], positions=[0, 1]),
+     {"tokens": [4, 5], "positions": [0, 1]}, []),
+    ("fsck", p.FsckReply(clean=False, problems=["x"], pages_total=8, pages_free=2,
+                         objects=1),
+     {"clean": False, "problems": ["x"], "pages_total": 8, "pages_free": 2, "objects": 1},
+     []),
+    ("ps", p.PsReply(sessions=[{"session": 1}], ended=[], uids=[{"uid": 0}]),
+     {"sessions": [{"session": 1}], "ended": [], "uids": [{"uid": 0}]}, []),
+    ("pred", p.PredLogits(shape=[1, 2], data=b"\0" * 8, cost=COST),
+     {"logits": {"shape": [1, 2], "dtype": "float32"}, "cost": COST_WIRE}, [b"\0" * 8]),
+    ("pred", p.PredSample(tokens=[3, 4], logprobs=[-0.5, -0.25], cost=COST),
+     {"tokens": [3, 4], "logprobs": [-0.5, -0.25], "token": 4, "logprob": -0.25,
+      "cost": COST_WIRE}, []),
+    ("pred", p.PredSample(tokens=[], logprobs=[], cost=COST),
+     {"tokens": [], "logprobs": [], "token": None, "logprob": None, "cost": COST_WIRE}, []),
+    ("pred", p.PredTopk(topk_ids=[[1, 2]], topk_logprobs=[[-0.5, -1.5]], cost=COST),
+     {"topk_ids": [[1, 2]], "topk_logprobs": [[-0.5, -1.5]], "cost": COST_WIRE}, []),
+    ("generate", p.GenerateChunk(tokens=[7], logprobs=[-0.5]),
+     {"more": True, "tokens": [7], "logprobs": [-0.5]}, []),
+    ("generate", p.GenerateReply(tokens=[8], logprobs=[-1.0], generated=2,
+                                 finish_reason="length", cost=COST),
+     {"more": False, "tokens": [8], "logprobs": [-1.0], "generated": 2,
+      "finish_reason": "length", "cost": COST_WIRE}, []),
+]
+
+
+@pytest.mark.parametrize("op,record,fields,frames", REPLY_CASES,
+                         ids=[f"{c[0]}-{type(c[1]).__name__}" for c in REPLY_CASES])
+def test_each_reply_record_sends_its_exact_map_and_decodes_back(op, record, fields, frames):
+    assert record.wire(7) == {"rid": 7, "ok": True, **fields}
+    assert record.frames() == frames
+    received = msgpack.unpackb(p.pack(record.wire(7)), raw=False)
+    assert p.decode_reply(op, received, frames) == record
+
+
+def test_every_request_has_a_reply_record():
+    assert set(p.REPLIES) == set(p.REQUESTS.values())
+    covered = {op for op, *_ in REPLY_CASES}
+    assert {p.REPLIES[p.REQUESTS[op]] for op in covered} >= {
+        p.EmptyReply, p.HelloReply, p.KvReply, p.KvExportReply, p.PredReply,
+        p.GenerateReply}
+
+
+def test_error_reply():
+    err = p.ErrorReply.of(ProtocolError("EBADF", "no"))
+    assert err.wire(None) == {"rid": None, "ok": False,
+                              "error": {"code": "EBADF", "message": "no"}}
+    assert p.decode_reply("pred", err.wire(3)) == err
+
+
+def test_a_reply_missing_a_field_is_ebadmsg():
+    assert code(lambda: p.decode_reply("kv_stat", {"rid": 1, "ok": True, "tokens": 1})) \
+        == "EBADMSG"
+    assert code(lambda: p.decode_reply("pred", {"rid": 1, "ok": True, "logits": {
+        "shape": [1, 2], "dtype": "float32"}, "cost": COST_WIRE})) == "EBADMSG"   # no frame
+    assert code(lambda: p.decode_reply("nope", {"rid": 1, "ok": True})) == "ENOSYS"
 
 
 def test_check_rights():

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from predd.scheduler import Call, Plan, PlanItem, Scheduler, SchedulerConfig, StepCost
+from predd.calls import Call
+from predd.scheduler import Plan, PlanItem, Scheduler, SchedulerConfig, StepCost
 
 
 def make(token_budget=512, max_batch=64, wait_factor=0.5, max_wait_s=0.25,
@@ -21,8 +22,8 @@ def make(token_budget=512, max_batch=64, wait_factor=0.5, max_wait_s=0.25,
 class Runner:
     """The engine's side of a step: run the plan, grow generate calls, report finished.
 
-    A generate call's payload is how many tokens it may still produce; it finishes
-    when that reaches 0 (the engine grows `total` by one per produced token).
+    A generate call produces one token each time it catches up and finishes at its
+    `max_tokens`-th (the engine grows `total` by one per token it feeds back).
     """
 
     def __init__(self, sched: Scheduler, admit=lambda call: True, step_time=0.25) -> None:
@@ -41,8 +42,9 @@ class Runner:
             call = item.call
             if not item.completes:
                 continue
-            if call.generating and call.payload > 1:
-                call.payload -= 1
+            if call.generating:
+                call.generated.append(0)
+            if call.generating and len(call.generated) < call.max_tokens:
                 call.total += 1
             else:
                 finished.add(call.cid)
@@ -59,7 +61,7 @@ class Runner:
 
 def submit(sched, session, oid, total, now=0.0, generate=0, uid=0) -> Call:
     return sched.submit(Call(session, oid, total, generating=bool(generate),
-                             payload=generate or None, uid=uid), now)
+                             max_tokens=generate, uid=uid), now)
 
 
 # ---------------------------------------------------------------- records
@@ -394,7 +396,7 @@ def test_every_token_of_every_call_is_computed_exactly_once(budget, batch):
              for session, oid, total, gen in [
                  (1, 10, 9, 0), (1, 10, 2, 0), (2, 20, 1, 4), (2, 21, 13, 0),
                  (3, 30, 5, 2), (3, 10, 3, 0), (4, 40, 1, 0)]]
-    want = {c.cid: c.total + max(c.payload or 1, 1) - 1 for c in calls}
+    want = {c.cid: c.total + max(c.max_tokens, 1) - 1 for c in calls}
     seen: dict[int, list[int]] = {c.cid: [] for c in calls}
     r = Runner(s)
     for plan in r.drain():
@@ -555,7 +557,7 @@ def test_latency_bound_keeps_every_token_exactly_once():
     r = learned(s)
     calls = [submit(s, i, 10 + i, total, generate=gen, uid=i % 3)
              for i, (total, gen) in enumerate([(90, 0), (1, 6), (30, 3), (7, 0), (1, 2)])]
-    want = {c.cid: c.total + max(c.payload or 1, 1) - 1 for c in calls}
+    want = {c.cid: c.total + max(c.max_tokens, 1) - 1 for c in calls}
     seen: dict[int, int] = {c.cid: 0 for c in calls}
     for plan in r.drain(limit=500):
         for cid, start, count in plan:

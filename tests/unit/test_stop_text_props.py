@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from predd.calls import CallState
+from predd.calls import Call
 from tests.unit.engine_fakes import Harness
 
 
@@ -18,7 +18,7 @@ def byte_decode(ids: list[int]) -> str:
 
 def first_stop(generated: list[int], stop_text: tuple[str, ...], use_window: bool) -> int | None:
     """The number of tokens after which generation stops, or None."""
-    st_ = CallState(b"", 0, "generate", [], None, [], None, None, stop_text=stop_text)
+    st_ = Call(0, 0, 1, generating=True, stop_text=stop_text)
     for k in range(1, len(generated) + 1):
         st_.generated = generated[:k]
         if use_window:

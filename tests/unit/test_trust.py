@@ -32,7 +32,7 @@ class FakeRunner:
     def __init__(self) -> None:
         self.config = RunnerConfig("fake", kv_pages=PAGES, page_size=PS)
         self.model_config = SimpleNamespace(vocab_size=VOCAB, name="fake", max_position=4096,
-                                   num_layers=2)
+                                            num_layers=2)
         self.cache = FakePages(PAGES, PS)
         self.cache.bytes_per_page = 1000
         self.backend = SimpleNamespace(name="fake")
@@ -364,7 +364,7 @@ def test_held_requests_of_a_freed_object_get_ebadf_and_are_uncounted(wire):
     wire.engine.caps.revoke(kv)                           # the object goes
     assert a.reply(busy)["error"]["code"] == "EBADF"
     assert a.reply(held)["error"]["code"] == "EBADF"
-    assert s.deferred == 0 and wire.engine.deferred_of_uid == {}
+    assert s.deferred == 0 and wire.engine.deferred.of_uid == {}
 
 
 def test_ending_a_session_uncounts_its_held_requests(wire):
@@ -372,9 +372,9 @@ def test_ending_a_session_uncounts_its_held_requests(wire):
     kv = a.call("kv_create")["cap"]
     pred(a, kv)
     pred(a, kv)
-    assert wire.engine.deferred_of_uid == {1000: 1}
+    assert wire.engine.deferred.of_uid == {1000: 1}
     a.call("bye")
-    assert wire.engine.deferred_of_uid == {} and wire.engine.scheduler.pending() == 0
+    assert wire.engine.deferred.of_uid == {} and wire.engine.scheduler.pending() == 0
 
 
 def test_capabilities_per_session_are_emfile():

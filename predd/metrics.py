@@ -1,0 +1,40 @@
+"""What predd counts for `stats` and /metrics: totals since start and two histograms
+(queue wait per admitted call, time per forward pass)."""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+HIST_MS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)   # bucket bounds
+
+
+@dataclass
+class Histogram:
+    """Counts per bucket (upper bounds HIST_MS, then +inf) and the sum, in ms."""
+    counts: list[int] = field(default_factory=lambda: [0] * (len(HIST_MS) + 1))
+    sum_ms: float = 0.0
+
+    def observe(self, ms: float) -> None:
+        self.counts[bisect.bisect_left(HIST_MS, ms)] += 1
+        self.sum_ms += ms
+
+    def wire(self) -> dict:
+        """Cumulative counts per upper bound, as Prometheus histograms are read."""
+        return {"le_ms": list(HIST_MS), "cumulative": list(itertools.accumulate(self.counts)),
+                "sum_ms": round(self.sum_ms, 3)}
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    calls: int = 0
+    tokens_computed: int = 0
+    tokens_reused: int = 0
+    queue_wait_s: float = 0.0
+    step_s: float = 0.0
+    requests: int = 0
+    errors: int = 0
+    throttled: int = 0        # EAGAIN replies (rate, calls in flight, sessions)
+    queue_hist: Histogram = field(default_factory=Histogram)   # per admitted call
+    step_hist: Histogram = field(default_factory=Histogram)    # per forward pass

@@ -1,0 +1,76 @@
+"""What a call's logits become: a pred's reply, a generate's next token, and whether the
+generate stops there.
+
+Stop rules, in order: a stop token (included in the output), a stop string in the
+detokenised output, `max_tokens` reached ("length"), the object full to the context
+("length"); and, when none of these holds, no room for the next token (its errno).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from liblip import protocol as p
+from predd import sampling
+from predd.calls import Call
+
+
+def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
+    """The reply to a finished pred: sampled tokens, top-k, or raw logits."""
+    logits = (torch.cat(call.logits) if call.logits
+              else torch.empty(0, 0, dtype=torch.float32))
+    logits = sampling.apply_mask(logits, call.allowed)
+    if call.sample is not None:
+        picks = [sampling.sample(row, call.sample, call.generator) for row in logits]
+        return p.PredSample(tokens=[t for t, _ in picks], logprobs=[lp for _, lp in picks],
+                            cost=cost)
+    if call.topk:
+        picks = [sampling.topk(row, call.topk) for row in logits]
+        return p.PredTopk(topk_ids=[i for i, _ in picks],
+                          topk_logprobs=[lp for _, lp in picks], cost=cost)
+    data = logits.contiguous().numpy()
+    return p.PredLogits(shape=list(data.shape), data=data.tobytes(), cost=cost)
+
+
+def pick_greedy(calls: list[Call]) -> None:
+    """The next token of every greedy, unmasked generate in one batched op (the same
+    argmax and logprob `sampling.sample` gives, without 32 small calls). If it fails,
+    each call picks its own token in `next_token`."""
+    greedy = [c for c in calls if c.generating and c.allowed is None
+              and (c.sample is None or c.sample.temperature < sampling.MIN_TEMPERATURE)]
+    if not greedy:
+        return
+    try:
+        rows = torch.cat([c.logits[-1] for c in greedy])          # [k, V]
+        logprobs = torch.log_softmax(rows, dim=-1)
+        tokens = torch.argmax(rows, dim=-1)
+        picked = logprobs.gather(1, tokens[:, None])[:, 0]
+    except Exception:
+        return
+    for call, token, lp in zip(greedy, tokens.tolist(), picked.tolist()):
+        call.logits.pop()
+        call.picked = (token, lp)
+
+
+def next_token(call: Call) -> tuple[int, float]:
+    """A generate's next token and its logprob, from its last logits row."""
+    if call.picked is not None:   # chosen in a batch with the step's other calls
+        picked, call.picked = call.picked, None
+        return picked
+    row = sampling.apply_mask(call.logits.pop()[0], call.allowed)
+    params = call.sample or p.SampleParams(temperature=0.0)
+    return sampling.sample(row, params, call.generator)
+
+
+def stop_reason(call: Call, token: int, decode: Callable[[list[int]], str],
+                full: bool) -> str | None:
+    """Why a generate stops after `token` (already in `call.generated`), or None.
+    `full`: its object has no room for another entry within the context."""
+    if token in call.stop:
+        return "stop"
+    if call.stop_text and call.hits_stop_text(decode):
+        return "stop"
+    if len(call.generated) >= call.max_tokens or full:
+        return "length"
+    return None
