@@ -9,6 +9,7 @@
 #                          checked: transformers' greedy tokens from it equal predd's
 #   $BENCH_DIR/cache       vLLM's and torch inductor's compile caches (the first start
 #                          of vLLM compiles for minutes; later ones reuse this)
+#   libtcmalloc-minimal4   (apt, as root) the allocator vLLM's CPU worker asks for
 # BENCH_DIR defaults to ~/.cache/symphony-bench: one copy for every checkout, and never
 # inside .venv. When everything is present it prints "[bench-setup] ok" in a second.
 set -euo pipefail
@@ -76,6 +77,20 @@ elif install_vllm; then
     did_work=1
 else
     fail "vllm: could not install $VLLM_PIN into $VLLM_VENV (see above); the benchmarks will run without it"
+fi
+
+# --- tcmalloc, which vLLM's CPU worker asks to have preloaded ------------------------
+if [[ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ]] && command -v apt-get >/dev/null \
+        && [[ $(id -u) -eq 0 ]] && [[ $(uname -m) == x86_64 ]]; then
+    log "apt: installing libtcmalloc-minimal4"
+    export DEBIAN_FRONTEND=noninteractive
+    if apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4 </dev/null >/dev/null 2>&1 \
+        || { apt-get update -qq && apt-get install -y -qq --no-install-recommends \
+                 libtcmalloc-minimal4 </dev/null >/dev/null 2>&1; }; then
+        did_work=1
+    else
+        log "apt: no libtcmalloc-minimal4; vLLM runs without it (it warns, and is slower)"
+    fi
 fi
 
 # --- the model, as a Hugging Face directory ----------------------------------------
