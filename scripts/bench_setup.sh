@@ -7,8 +7,9 @@
 #                          dequantised to a Hugging Face directory (config, tokenizer,
 #                          float32 safetensors) that vLLM and transformers both load;
 #                          checked: transformers' greedy tokens from it equal predd's
-#   $BENCH_DIR/cache       vLLM's and torch inductor's compile caches (the first start
-#                          of vLLM compiles for minutes; later ones reuse this)
+#   $BENCH_DIR/cache       vLLM's and torch inductor's compile caches, filled by a first
+#                          tiny vLLM run here (it compiles for minutes; later starts
+#                          reuse this), which also proves that vLLM runs
 #   libtcmalloc-minimal4   (apt, as root) the allocator vLLM's CPU worker asks for
 # BENCH_DIR defaults to ~/.cache/symphony-bench: one copy for every checkout, and never
 # inside .venv. When everything is present it prints "[bench-setup] ok" in a second.
@@ -101,6 +102,21 @@ elif log "model: exporting the dequantised SmolLM2-135M to $MODEL_DIR" \
     did_work=1
 else
     fail "model: export to $MODEL_DIR failed (see above)"
+fi
+
+# --- vLLM's first start: compiles the model (minutes) into $BENCH_DIR/cache ----------
+# Also the proof that vLLM runs here. Redone when the venv or the export is new.
+WARM_STAMP="$BENCH_DIR/cache/.symphony-bench-warm"
+if [[ -e $WARM_STAMP && $WARM_STAMP -nt $VLLM_STAMP && $WARM_STAMP -nt $MODEL_DIR/.symphony-bench-stamp ]]; then
+    :
+elif [[ ! -e $VLLM_STAMP || ! -e $MODEL_DIR/.symphony-bench-stamp ]]; then
+    :   # said above
+elif log "vllm: first start, compiling the model (a few minutes; cached)" \
+        && BENCH_DIR=$BENCH_DIR PYTHONPATH=$PWD "$VENV/bin/python" scripts/bench_vllm.py warm; then
+    touch "$WARM_STAMP"
+    did_work=1
+else
+    fail "vllm: installed, but it does not run (see above); the benchmarks will run without it"
 fi
 
 if ((failed)); then

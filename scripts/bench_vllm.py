@@ -63,6 +63,10 @@ def cpu_env() -> dict[str, str]:
            "OMP_NUM_THREADS": str(len(cores)),
            "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"),
            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+           # vLLM 0.32's AOT-compiled artifact fails to load back on torch 2.13
+           # ("no attribute 'finalize_loading'") and every start compiled anew (~90 s
+           # here); the older compile cache loads (a second start: ~25 s).
+           "VLLM_USE_AOT_COMPILE": "0",
            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     env.pop("PYTHONPATH", None)     # the project's modules are not vLLM's business
     preload = [lib for lib in (TCMALLOC, os.path.join(bench_dir(), "vllm-venv", "lib",
@@ -228,7 +232,21 @@ def completion_ids(reply: dict) -> list[int]:
     return list(reply["choices"][0].get("token_ids") or [])
 
 
+def warm(dtype: str = "float32") -> None:
+    """One tiny offline run: proves vLLM starts here and fills the compile cache."""
+    prompts = [[1, 504, 2365, 6354, 16438], [1, 9690, 42, 253, 1789]]
+    (_, outs), = offline([prompts], 8, dtype, 16384, 64, 2048, 1)
+    if [len(o) for o in outs] != [8, 8]:
+        raise Unavailable(f"vLLM returned {[len(o) for o in outs]} tokens, not [8, 8]")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["offline"]:
-        sys.exit("usage: bench_vllm.py offline < job.json (run by the bench, in the vLLM venv)")
-    _offline_worker()
+    if sys.argv[1:] == ["offline"]:      # in the vLLM venv, run by offline()
+        _offline_worker()
+    elif sys.argv[1:2] == ["warm"]:      # from bench-setup, in the project's venv
+        try:
+            warm(*sys.argv[2:3])
+        except Unavailable as e:
+            sys.exit(f"vLLM does not run: {e}")
+    else:
+        sys.exit("usage: bench_vllm.py warm [DTYPE] | offline < job.json")
