@@ -1,4 +1,4 @@
-# make setup | test | unit | demo | bench | clean | distclean
+# make setup | test | unit | demo | bench | bench-setup | clean | distclean
 # Every target that runs code first runs scripts/setup.sh, which installs only what
 # is missing and returns in about a second when nothing is.
 
@@ -7,7 +7,7 @@ PY = $(VENV)/bin/python
 PYTEST_ARGS ?=
 export VENV
 
-.PHONY: all setup test unit demo bench clean distclean
+.PHONY: all setup test unit demo bench bench-setup clean distclean
 
 all: test
 
@@ -23,6 +23,12 @@ unit: setup
 
 demo: setup
 	bash scripts/demo.sh
+
+# The baselines (vLLM's CPU build in its own venv, the model as a Hugging Face directory)
+# go to BENCH_DIR (default ~/.cache/symphony-bench), never into $(VENV). `make bench`
+# runs without them and says so.
+bench-setup: setup
+	bash scripts/bench_setup.sh
 
 bench: setup
 	$(PY) scripts/bench_completion.py
