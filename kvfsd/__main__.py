@@ -20,10 +20,10 @@ import sys
 import pyfuse3
 import trio
 
-from kvfsd.backend import Backend
 from kvfsd.caches import Caches
 from kvfsd.fs import KvFs
 from kvfsd.namespace import NAMES_PER_UID, Namespace
+from kvfsd.predd_link import PreddLink
 from kvfsd.state import StateDir, StateDirBusy, default_state_dir
 from liblip.protocol import default_addr, default_mount
 
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, TypeError, sqlite3.Error) as exc:
         log(f"{state.path}: unreadable namespace ({exc}); not mounting")
         return 2
-    backend = Backend(addr, log)
-    caches = Caches(ns, state, backend, log, pending)
+    predd = PreddLink(addr, log)
+    caches = Caches(ns, state, predd, log, pending)
     fs = KvFs(caches)
     trio.run(prepare, caches)
     clear_dead_mount(mountpoint)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         pyfuse3.init(fs, mountpoint, options)
     except RuntimeError as exc:
         log(f"cannot mount {mountpoint}: {exc}")
-        backend.close()
+        predd.close()
         return 1
     log(f"mounted {mountpoint} (predd {addr}, state {state.path}, "
         f"{sum(1 for _ in ns.files())} caches)")
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)      # a second signal must not cut cleanup
         pyfuse3.close(unmount=True)
         trio.run(finish, fs)
-        backend.close()
+        predd.close()
         state.close()
         log("unmounted")
     return 0

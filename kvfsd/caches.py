@@ -29,10 +29,10 @@ from collections import OrderedDict, defaultdict
 import pyfuse3
 import trio
 
-from kvfsd.backend import Backend, PreddError
 from kvfsd.handles import Handle
 from kvfsd.namespace import FORMAT, Changes, Namespace
 from kvfsd.node import Node
+from kvfsd.predd_link import PreddError, PreddLink
 from kvfsd.state import StateDir
 from liblip import descriptor
 
@@ -49,7 +49,7 @@ def fuse_error(exc: Exception) -> pyfuse3.FUSEError:
 
 
 class Caches:
-    def __init__(self, ns: Namespace, state: StateDir, predd: Backend, log,
+    def __init__(self, ns: Namespace, state: StateDir, predd: PreddLink, log,
                  pending_free: list[str] | None = None) -> None:
         self.ns = ns
         self.state = state
