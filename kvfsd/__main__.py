@@ -71,7 +71,7 @@ async def serve(fs: KvFs, mountpoint: str) -> None:
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             nursery.start_soon(pyfuse3.main)
-            nursery.start_soon(fs.caches.monitor)
+            nursery.start_soon(fs.caches.recovery.monitor)
             print(f"ready {mountpoint}", flush=True)
             async for signum in sigs:
                 log(f"{signal.Signals(signum).name}: unmounting")
@@ -81,9 +81,10 @@ async def serve(fs: KvFs, mountpoint: str) -> None:
 
 async def prepare(caches: Caches) -> None:
     """Connect to predd and re-validate the caches of the state directory."""
-    caches.stale = True
-    await caches.check_predd()
-    if caches.stale:
+    recovery = caches.recovery
+    recovery.stale = True
+    await recovery.check_predd()
+    if recovery.stale:
         log(f"predd at {caches.predd.addr} is not answering yet; caches are checked "
             "when it does")
     caches.remove_unused_snapshots()
