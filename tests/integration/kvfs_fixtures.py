@@ -1,5 +1,6 @@
-"""Mount helpers for the kvfs tests: start kvfsd on a fresh mount point, and make sure no
-test — passing, failing or interrupted — ever leaves a mount behind.
+"""Mount helpers for the kvfs tests (the `kvfs` fixture itself is in conftest.py): start
+kvfsd on a fresh mount point, and make sure no test — passing, failing or interrupted —
+ever leaves a mount behind.
 
 Mount points live directly under /tmp (mode 0755), not under pytest's 0700 tmp_path, so
 that a second uid can reach them and a "Permission denied" comes from the file's mode.
@@ -18,8 +19,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-
-import pytest
 
 from tests.conftest import ROOT, die_with_parent
 
@@ -144,18 +143,6 @@ def finish(kvfs: Kvfs, clear: bool = True) -> int | None:
         except OSError:
             pass
     return code
-
-
-@pytest.fixture
-def kvfs(predd, lip, tmp_path, monkeypatch):
-    """kvfsd on a fresh mount over the shared predd; $KVFS_MOUNT points at it."""
-    k = start_kvfsd(predd.addr, str(tmp_path / "state"))
-    monkeypatch.setenv("KVFS_MOUNT", k.mount)
-    try:
-        yield k
-    finally:
-        code = finish(k)
-    assert code == 0, f"kvfsd exited {code}: {k.log_text()[-2000:]}"
 
 
 # ---------------------------------------------------------------- small helpers

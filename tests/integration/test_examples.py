@@ -16,7 +16,7 @@ import torch
 
 from tests.integration.examples_fixtures import (EXAMPLES, LineReader, example_env,
                                                  load_example, run_example)
-from tests.integration.kvfs_fixtures import kvfs, sh  # noqa: F401
+from tests.integration.kvfs_fixtures import sh
 
 
 def greedy_reference(lip, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

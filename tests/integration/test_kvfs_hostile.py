@@ -14,9 +14,8 @@ import pytest
 
 from liblip import descriptor
 from tests.conftest import start_predd
-from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fd, fill,  # noqa: F401
-                                             finish,
-                                             is_mounted, kvfs, saved_state, sh, start_kvfsd,
+from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fd, fill, finish,
+                                             is_mounted, saved_state, sh, start_kvfsd,
                                              syscalls, xattr_int)
 
 TEXT = "Hostile users share this machine; each one's caches must stay their own. " * 4

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvfsd.namespace import NAMES_PER_UID
 from tests.conftest import ROOT
-from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fill, kvfs,  # noqa: F401
-                                             saved_state, sh, syscalls, xattr_int)
+from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fill, saved_state, sh,
+                                             syscalls, xattr_int)
 
 PROMPT = ("You are a helpful assistant. Answer briefly.\n"
           "Question: What is the capital of France?\nAnswer:")

@@ -15,7 +15,6 @@ import pytest
 
 from liblip.sandbox import cgroups, landlock
 from tests.conftest import ROOT
-from tests.integration.kvfs_fixtures import kvfs  # noqa: F401
 
 LIPS = os.path.join(os.path.dirname(__file__), "lips")
 PROBE = os.path.join(LIPS, "probe_sandbox.py")
