@@ -124,16 +124,15 @@ def main() -> int:
                     help="timed runs per side; the best of each is compared (noisy hosts)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from predd import dtype
-    from tests.conftest import start_predd
+    from predd import dtype, launch
     args.dtype, why = dtype.resolve(args.dtype, "cpu")
     flags = sorted(f for f in dtype.cpu_flags() if f.startswith(("avx", "amx")))
     print(f"bench: dtype {args.dtype} ({why}); CPU flags: {' '.join(flags)}",
           file=sys.stderr, flush=True)
     rundir = tempfile.mkdtemp(prefix="symphony-bench-")
     print(f"bench: starting predd ({args.dtype}) ...", file=sys.stderr, flush=True)
-    daemon = start_predd(rundir, "--dtype", args.dtype, "--kv-pages", "1024",
-                         "--max-batch", str(max(64, args.programs)))
+    daemon = launch.start(rundir, "--dtype", args.dtype, "--kv-pages", "1024",
+                          "--max-batch", str(max(64, args.programs)))
     try:
         import liblip as lip
         lip.connect(daemon.addr)
