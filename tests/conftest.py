@@ -21,6 +21,17 @@ def start_predd(rundir: str, *args: str, env: dict | None = None,
     return launch.start(rundir, *args, env=env, timeout=timeout)
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: without it they are skipped, saying so."""
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    import torch
+    if not torch.cuda.is_available():
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA (marked gpu)"))
+
+
 PREDD_ARGS = ("--kv-pages", "1024", "--max-step-tokens", "256", "--lease", "3")
 
 
