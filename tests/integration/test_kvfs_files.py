@@ -146,6 +146,7 @@ def test_cp_over_an_existing_file_replaces_its_cache(kvfs, lip):
     assert eventually(lambda: pages_free(lip) == free0 + 1)   # b's old page came back
 
 
+@pytest.mark.slow
 def test_fork_time_does_not_grow_with_the_cache(kvfs, lip):
     short = lip.kv_create()
     lip.prefill(short, lip.tokenize(TEXT)[:16])
@@ -352,6 +353,7 @@ def test_mtime_moves_when_the_cache_grows(kvfs, lip):
     lip.kv_close(kv)
 
 
+@pytest.mark.slow
 def test_stat_does_not_wait_behind_a_long_generate(kvfs, lip):
     import threading
     m = kvfs.mount

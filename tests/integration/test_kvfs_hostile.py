@@ -65,6 +65,7 @@ def test_mount_is_nosuid_nodev_noexec(kvfs):
     assert {"nosuid", "nodev", "noexec", "default_permissions", "allow_other"} <= set(options)
 
 
+@pytest.mark.slow
 def test_huge_offsets_and_lengths_are_refused_and_the_mount_stays(kvfs, lip, victim):
     """The issue's reproduction: pwrite(fd, b"k", 1 << 40) on one's own file used to
     raise MemoryError inside kvfsd, which then exited and took the mount with it."""
@@ -95,6 +96,7 @@ def test_huge_offsets_and_lengths_are_refused_and_the_mount_stays(kvfs, lip, vic
     still_serving(kvfs, lip, victim)
 
 
+@pytest.mark.slow
 def test_bad_descriptors_are_einval_and_leave_the_file_as_it_was(kvfs, lip, victim):
     mine = lip.tokenize(TEXT)[:21]
     own = nobody_file(kvfs, lip, "own.kv", mine)
@@ -132,6 +134,7 @@ def _revoked(lip, cap: str) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_stale_descriptor_written_over_a_file_keeps_its_old_cache(kvfs, lip, victim):
     """`cat stale > b.kv` used to empty b.kv for good: the shell's O_TRUNC emptied it
     at the first close, then the descriptor was refused at the last."""
@@ -256,6 +259,7 @@ def test_owners_and_modes_are_changed_only_as_posix_allows(kvfs, lip, victim):
     still_serving(kvfs, lip, victim)
 
 
+@pytest.mark.slow
 def test_xattrs_are_few_and_short(kvfs, lip, victim):
     own = nobody_file(kvfs, lip, "own.kv")
     assert syscalls(("setxattr", own, "user.kv.pin", b"1"),
@@ -401,6 +405,7 @@ PRIVATE_PREDD = ("--kv-pages", "64", "--max-step-tokens", "256", "--lease", "3",
                  "--uid-quota", "4")
 
 
+@pytest.mark.slow
 def test_caches_are_charged_to_the_user_and_edquot_reaches_the_syscall(tmp_path):
     """Files nobody makes (touch, cp) are charged to nobody, not to kvfsd's uid: with a
     4-page quota, nobody's second 3-page fork fails with EDQUOT at close."""

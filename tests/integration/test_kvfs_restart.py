@@ -95,6 +95,7 @@ def test_kvfsd_restart_alone_loses_nothing(kvfs, lip):
     assert "lost" not in kvfs.log_text()
 
 
+@pytest.mark.slow
 def test_predd_killed_then_both_daemons_restarted(private):
     """One story, three predd processes at one address (a predd start is the slow part):
     1. predd is killed under a live mount: EIO at once, and nothing hangs;

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 LIP = [sys.executable, "-m", "liblip.cli"]
 
@@ -41,6 +42,7 @@ def test_errors_are_errno_named(lip, predd):
     assert proc.returncode == 1 and proc.stderr.startswith("lip: EIO:")
 
 
+@pytest.mark.slow
 def test_prefill_cat_generate_chat(lip, kvfs):
     lip_cmd("prefill", "sys.kv", "You are a terse assistant.", cwd=kvfs.mount)
     sys_tokens = lip.tokenize("You are a terse assistant.")

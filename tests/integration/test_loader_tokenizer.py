@@ -64,6 +64,7 @@ def hf_tok_dir(hf_tok, tmp_path_factory):
     return str(out)
 
 
+@pytest.mark.slow
 def test_gguf_config(ours):
     config, _, _ = ours
     assert config == ModelConfig(
@@ -83,6 +84,7 @@ def test_gguf_config(ours):
     assert config.rms_norm_eps == pytest.approx(1e-5)
 
 
+@pytest.mark.slow
 def test_gguf_progress_is_reported(ours):
     _, weights, messages = ours
     assert messages[0].startswith("loading 272 tensors from ")
@@ -91,6 +93,7 @@ def test_gguf_progress_is_reported(ours):
     assert len(weights) == 272
 
 
+@pytest.mark.slow
 def test_gguf_weights_equal_transformers(ours, hf_model):
     config, weights, _ = ours
     state = hf_model.state_dict()
@@ -98,6 +101,7 @@ def test_gguf_weights_equal_transformers(ours, hf_model):
     assert torch.equal(state["lm_head.weight"], weights["model.embed_tokens.weight"])
 
 
+@pytest.mark.slow
 def test_hf_dir_tokenizer_round_trip(hf_tok_dir, hf_tok, tok):
     hf_dir_tok = load_tokenizer(hf_tok_dir)
     for text in TEXTS + ["a  1"]:
@@ -108,6 +112,7 @@ def test_hf_dir_tokenizer_round_trip(hf_tok_dir, hf_tok, tok):
     assert hf_dir_tok.apply_chat_template(MESSAGES) == tok.apply_chat_template(MESSAGES)
 
 
+@pytest.mark.slow
 def test_gguf_tokenizer_ids_equal_transformers(tok, hf_tok):
     for text in TEXTS:
         assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
@@ -129,6 +134,7 @@ def test_gguf_tokenizer_keeps_smollm_digit_split(tok):
     assert tok.encode("a  1") == [81, 256, 33]
 
 
+@pytest.mark.slow
 def test_decode_round_trips(tok, hf_tok):
     for text in TEXTS:
         ids = tok.encode(text)
@@ -138,6 +144,7 @@ def test_decode_round_trips(tok, hf_tok):
     assert tok.decode(ids, skip_special=True) == "user\nHi"
 
 
+@pytest.mark.slow
 def test_chat_template_equals_transformers(tok, hf_tok):
     for messages in (MESSAGES, [{"role": "system", "content": "Be brief."}] + MESSAGES):
         for add in (True, False):
