@@ -65,7 +65,6 @@ def test_mount_is_nosuid_nodev_noexec(kvfs):
     assert {"nosuid", "nodev", "noexec", "default_permissions", "allow_other"} <= set(options)
 
 
-@pytest.mark.slow
 def test_huge_offsets_and_lengths_are_refused_and_the_mount_stays(kvfs, lip, victim):
     """The issue's reproduction: pwrite(fd, b"k", 1 << 40) on one's own file used to
     raise MemoryError inside kvfsd, which then exited and took the mount with it."""
@@ -96,7 +95,6 @@ def test_huge_offsets_and_lengths_are_refused_and_the_mount_stays(kvfs, lip, vic
     still_serving(kvfs, lip, victim)
 
 
-@pytest.mark.slow
 def test_bad_descriptors_are_einval_and_leave_the_file_as_it_was(kvfs, lip, victim):
     mine = lip.tokenize(TEXT)[:21]
     own = nobody_file(kvfs, lip, "own.kv", mine)
@@ -134,7 +132,6 @@ def _revoked(lip, cap: str) -> bool:
     return False
 
 
-@pytest.mark.slow
 def test_a_stale_descriptor_written_over_a_file_keeps_its_old_cache(kvfs, lip, victim):
     """`cat stale > b.kv` used to empty b.kv for good: the shell's O_TRUNC emptied it
     at the first close, then the descriptor was refused at the last."""

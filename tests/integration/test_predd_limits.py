@@ -128,7 +128,6 @@ def test_bad_imports_are_einval_and_take_no_page(lip, peers):
 
 # ---------------------------------------------------------------- limits
 
-@pytest.mark.slow
 def test_each_bomb_gets_its_errno_and_takes_no_page(lip, peers):
     peer = peers()
     info = peer.ok("info")
