@@ -1,4 +1,4 @@
-# make setup | test | unit | demo | bench | bench-setup | clean | distclean
+# make setup | test | test-fast | unit | demo | bench | bench-setup | clean | distclean
 # Every target that runs code first runs scripts/setup.sh, which installs only what
 # is missing and returns in about a second when nothing is.
 
@@ -7,7 +7,7 @@ PY = $(VENV)/bin/python
 PYTEST_ARGS ?=
 export VENV
 
-.PHONY: all setup test unit demo bench bench-setup clean distclean
+.PHONY: all setup test test-fast unit demo bench bench-setup clean distclean
 
 all: test
 
@@ -17,6 +17,11 @@ setup:
 # pytest's exit status is make's: a failing or empty run fails the target.
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+# The suite without the tests marked slow (examples, restarts, whole servers, scale,
+# the transformers references): unit and the quick integration tests.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
 unit: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests/unit

@@ -20,10 +20,10 @@ import sys
 import pyfuse3
 import trio
 
-from kvfsd.backend import Backend
 from kvfsd.caches import Caches
 from kvfsd.fs import KvFs
 from kvfsd.namespace import NAMES_PER_UID, Namespace
+from kvfsd.predd_link import PreddLink
 from kvfsd.state import StateDir, StateDirBusy, default_state_dir
 from liblip.protocol import default_addr, default_mount
 
@@ -71,7 +71,7 @@ async def serve(fs: KvFs, mountpoint: str) -> None:
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             nursery.start_soon(pyfuse3.main)
-            nursery.start_soon(fs.caches.monitor)
+            nursery.start_soon(fs.caches.recovery.monitor)
             print(f"ready {mountpoint}", flush=True)
             async for signum in sigs:
                 log(f"{signal.Signals(signum).name}: unmounting")
@@ -81,9 +81,10 @@ async def serve(fs: KvFs, mountpoint: str) -> None:
 
 async def prepare(caches: Caches) -> None:
     """Connect to predd and re-validate the caches of the state directory."""
-    caches.stale = True
-    await caches.check_predd()
-    if caches.stale:
+    recovery = caches.recovery
+    recovery.stale = True
+    await recovery.check_predd()
+    if recovery.stale:
         log(f"predd at {caches.predd.addr} is not answering yet; caches are checked "
             "when it does")
     caches.remove_unused_snapshots()
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, TypeError, sqlite3.Error) as exc:
         log(f"{state.path}: unreadable namespace ({exc}); not mounting")
         return 2
-    backend = Backend(addr, log)
-    caches = Caches(ns, state, backend, log, pending)
+    predd = PreddLink(addr, log)
+    caches = Caches(ns, state, predd, log, pending)
     fs = KvFs(caches)
     trio.run(prepare, caches)
     clear_dead_mount(mountpoint)
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         pyfuse3.init(fs, mountpoint, options)
     except RuntimeError as exc:
         log(f"cannot mount {mountpoint}: {exc}")
-        backend.close()
+        predd.close()
         return 1
     log(f"mounted {mountpoint} (predd {addr}, state {state.path}, "
         f"{sum(1 for _ in ns.files())} caches)")
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)      # a second signal must not cut cleanup
         pyfuse3.close(unmount=True)
         trio.run(finish, fs)
-        backend.close()
+        predd.close()
         state.close()
         log("unmounted")
     return 0

@@ -18,8 +18,9 @@ Lifetime rules:
   one (`Handle.backup`) until release, so a descriptor refused afterwards puts the old
   cache back untouched. Operations that swap or empty a cache hold the file's lock.
 * A capability predd does not know any more (predd restarted) sends every cache
-  through `revalidate`: re-imported from its fsync'd snapshot, or dropped with a log line.
-* A free that predd did not confirm is retried (`pending_free`, persisted).
+  through re-validation (kvfsd/recovery.py) once, then the call is retried.
+* A free that predd did not confirm is retried (`pending_free`, persisted) after the
+  next re-validation.
 """
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ from collections import OrderedDict, defaultdict
 import pyfuse3
 import trio
 
-from kvfsd.backend import Backend, PreddError
 from kvfsd.handles import Handle
 from kvfsd.namespace import FORMAT, Changes, Namespace
 from kvfsd.node import Node
+from kvfsd.predd_link import PreddError, PreddLink
+from kvfsd.recovery import Recovery
 from kvfsd.state import StateDir
 from liblip import descriptor
 
@@ -49,7 +51,7 @@ def fuse_error(exc: Exception) -> pyfuse3.FUSEError:
 
 
 class Caches:
-    def __init__(self, ns: Namespace, state: StateDir, predd: Backend, log,
+    def __init__(self, ns: Namespace, state: StateDir, predd: PreddLink, log,
                  pending_free: list[str] | None = None) -> None:
         self.ns = ns
         self.state = state
@@ -65,9 +67,7 @@ class Caches:
         self._written = 0                         # ... and recorded in the state dir
         self._writing = trio.Lock()
         self._refreshing: dict[int, trio.Event] = {}     # kv_stat in flight, per inode
-        self._revalidating = trio.Lock()
-        self.generation = 0          # completed re-validations
-        self.stale = False           # predd restarted; caches not re-validated yet
+        self.recovery = Recovery(self)
 
     # ------------------------------------------------------------ persistence
 
@@ -180,7 +180,8 @@ class Caches:
                 return await self.predd.request(op, cap=cap, **fields)
             except PreddError as exc:
                 if exc.code == "EBADF" and attempt == 0:
-                    await self.revalidate(self.generation, "a capability went stale")
+                    await self.recovery.revalidate(self.recovery.generation,
+                                                   "a capability went stale")
                     continue
                 raise fuse_error(exc) from None
         raise pyfuse3.FUSEError(errno.ESTALE)
@@ -396,88 +397,3 @@ class Caches:
             node.snapshot = name
             self.seen(node, header)
             await self.commit()
-
-    # ------------------------------------------------------------ predd restarts
-
-    async def monitor(self) -> None:
-        """Follow predd: liveness, restarts (re-validate), deferred frees."""
-        next_poll = 0.0
-        while True:
-            try:                           # never let the monitor die
-                await self.predd.probe()
-                if trio.current_time() >= next_poll:
-                    next_poll = trio.current_time() + self.predd.t.poll_s
-                    await self.check_predd()
-                if self.unsaved:
-                    await self.commit()
-            except Exception as exc:
-                self.log(f"monitor: {type(exc).__name__}")
-            await trio.sleep(self.predd.t.probe_s)
-
-    async def check_predd(self) -> None:
-        """Poll predd; re-validate after a restart (until one succeeds); retry frees."""
-        first = self.predd.instance is None
-        why = ""
-        if await self.predd.poll():
-            self.stale = True
-            why = "first contact with predd" if first else "predd restarted"
-        if self.predd.up and (self.stale or self.pending_free):
-            if await self.revalidate(None, why if self.stale else ""):
-                self.stale = False
-
-    async def revalidate(self, seen_generation: int | None = None, why: str = "") -> bool:
-        """Check every cache's capability with predd. A stale one is re-imported from
-        its fsync'd snapshot, or dropped with a log line. False when predd could not be
-        asked (try again later)."""
-        async with self._revalidating:
-            if seen_generation is not None and self.generation > seen_generation:
-                return True                   # someone re-validated meanwhile
-            if why:
-                self.log(f"re-validating caches: {why}")
-            for node in list(self.ns.files()):
-                cap = node.cap
-                if cap is not None:
-                    try:
-                        self.seen(node, await self.predd.call("kv_stat", cap=cap))
-                        continue
-                    except PreddError as exc:
-                        if exc.code not in ("EBADF", "ENOENT"):
-                            self.log(f"re-validation stopped: {exc.code}")
-                            return False
-                if node.cap == cap:           # else replaced meanwhile: fresh
-                    await self._restore(node, cap)
-            frees, self.pending_free = self.pending_free, []
-            for cap in frees:
-                await self.free(cap)
-            self.generation += 1
-            await self.commit()
-            return True
-
-    async def _restore(self, node: Node, stale: str | None) -> None:
-        path = self.ns.path_of(node.ino)
-        if node.snapshot:
-            try:
-                blob = await trio.to_thread.run_sync(self.state.read_snapshot, node.snapshot)
-                reply = await self.predd.call("kv_import", frames=(blob,), persist=True,
-                                              owner=node.uid, timeout=self.predd.t.bulk_s)
-            except (OSError, PreddError) as exc:
-                self.log(f"{path}: cannot restore its snapshot ({exc}); removing it")
-            else:
-                if node.cap != stale:         # raced with a replacement: keep that
-                    await self.free(reply["cap"])
-                    return
-                node.cap = reply["cap"]
-                self.seen(node, reply)
-                self.log(f"{path}: restored from its fsync'd snapshot "
-                         f"({node.tokens} tokens)")
-                return
-        else:
-            self.log(f"{path}: cache lost (predd restarted and it was never fsync'd); "
-                     "removing it")
-        node.cap = None
-        if node.snapshot:
-            self.state.remove_snapshot(node.snapshot)
-            node.snapshot = None
-        for parent, name in self.ns.drop_names(node.ino):
-            pyfuse3.invalidate_entry_async(parent, name, deleted=node.ino, ignore_enoent=True)
-        self.ns.collect(node)

@@ -28,12 +28,12 @@ import traceback
 import pyfuse3
 import trio
 
-from kvfsd.backend import PreddError
+from kvfsd import xattrs
 from kvfsd.caches import Caches, fuse_error
 from kvfsd.handles import Handle
-from kvfsd import xattrs
 from kvfsd.namespace import Namespace
 from kvfsd.node import Node
+from kvfsd.predd_link import PreddError
 from liblip import descriptor
 
 ENTRY_TIMEOUT = 1.0

@@ -14,6 +14,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -155,13 +156,21 @@ def _gguf_config(path: str, fields: dict[str, Any], tensor_names: set[str]) -> M
     )
 
 
+@lru_cache(maxsize=1)
+def gguf_reader(path: str) -> Any:
+    """The parsed GGUF file at `path`, one per process, shared by the weights (here) and
+    the vocabulary (predd.tokenizer): parsing the 49k-entry vocabulary and merge list
+    takes seconds, so predd's start-up does it once. It memory-maps the file, read-only."""
+    import gguf
+    return gguf.GGUFReader(path)
+
+
 def _load_gguf(
     path: str, dtype: torch.dtype, progress: Progress
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    from predd import gguffile
-    reader = gguffile.reader(path)
+    reader = gguf_reader(path)
     fields = {
         k: f.contents() for k, f in reader.fields.items() if k != "tokenizer.ggml.merges"
     }

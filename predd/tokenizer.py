@@ -130,9 +130,9 @@ def _gguf_pre_tokenizer(pre: str | None) -> Any:
 
 
 def _load_gguf(path: str) -> Tokenizer:
-    from predd import gguffile
+    from predd.loader import gguf_reader
 
-    fields = gguffile.reader(path).fields
+    fields = gguf_reader(path).fields
 
     def field(name: str, default: Any = None) -> Any:
         return fields[name].contents() if name in fields else default

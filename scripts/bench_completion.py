@@ -355,17 +355,16 @@ def main() -> int:
     if bad or min(args.programs) < 1:
         ap.error(f"unknown or bad values: {sorted(bad) or args.programs}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from predd import dtype
-    from tests.conftest import start_predd
+    from predd import dtype, launch
     args.dtype, why = dtype.resolve(args.dtype, "cpu")
     flags = sorted(f for f in dtype.cpu_flags() if f.startswith(("avx", "amx")))
     log(f"bench: dtype {args.dtype} ({why}); CPU flags: {' '.join(flags)}")
 
     log(f"bench: starting predd ({args.dtype}) ...")
-    daemon = start_predd(tempfile.mkdtemp(prefix="symphony-bench-"), "--dtype", args.dtype,
-                         "--kv-pages", str(KV_PAGES), "--page-size", str(PAGE_SIZE),
-                         "--max-step-tokens", str(STEP_TOKENS),
-                         "--max-batch", str(max(64, *args.programs)))
+    daemon = launch.start(tempfile.mkdtemp(prefix="symphony-bench-"), "--dtype", args.dtype,
+                          "--kv-pages", str(KV_PAGES), "--page-size", str(PAGE_SIZE),
+                          "--max-step-tokens", str(STEP_TOKENS),
+                          "--max-batch", str(max(64, *args.programs)))
     try:
         import liblip as lip
         lip.connect(daemon.addr)

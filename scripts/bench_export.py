@@ -74,13 +74,13 @@ def check(model: str, out: str) -> list[str]:
     import torch
     import transformers
     import liblip as lip
-    from tests.conftest import start_predd
+    from predd import launch
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     problems = []
-    daemon = start_predd(tempfile.mkdtemp(prefix="symphony-export-"), "--model", model,
-                         "--dtype", "float32")
+    daemon = launch.start(tempfile.mkdtemp(prefix="symphony-export-"), "--model", model,
+                          "--dtype", "float32")
     try:
         lip.connect(daemon.addr)
         for prompt in CHECK_PROMPTS:

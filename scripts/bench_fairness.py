@@ -123,10 +123,10 @@ def ask(proc: subprocess.Popen, line: str) -> dict:
 
 
 def measure(args, rundir: str, latency_factor: float, tokens: int, repeat: int) -> dict:
-    from tests.conftest import start_predd
-    daemon = start_predd(os.path.join(rundir, f"f{latency_factor:g}"), "--dtype", args.dtype,
-                         "--device", args.device, "--latency-factor", str(latency_factor),
-                         "--threads", str(args.threads))
+    from predd import launch
+    daemon = launch.start(os.path.join(rundir, f"f{latency_factor:g}"), "--dtype", args.dtype,
+                          "--device", args.device, "--latency-factor", str(latency_factor),
+                          "--threads", str(args.threads))
     os.chmod(daemon.rundir, 0o755)
     victim_uid = VICTIM_UID if os.geteuid() == 0 else os.geteuid()
     flood_uid = NOBODY if os.geteuid() == 0 else os.geteuid()

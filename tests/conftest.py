@@ -3,63 +3,33 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from predd import launch
+from predd.launch import Daemon
 
-
-@dataclass
-class Daemon:
-    proc: subprocess.Popen
-    addr: str
-    rundir: str
-    log: str
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def die_with_parent() -> None:
-    """preexec_fn: the daemon gets SIGTERM if the test process dies (no orphans)."""
-    import ctypes
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+ROOT = launch.ROOT
 
 
 def start_predd(rundir: str, *args: str, env: dict | None = None,
                 timeout: float = 120.0) -> Daemon:
-    """Start `python -m predd` and wait for its `ready <addr>` line. float32 unless the
-    caller names a dtype: tests compare with transformers' float32 logits and tokens."""
+    """A serving predd (`predd.launch.start`), float32 unless the caller names a dtype:
+    tests compare with transformers' float32 logits and tokens."""
     if "--dtype" not in args:
         args = ("--dtype", "float32", *args)
-    os.makedirs(rundir, exist_ok=True)
-    log = os.path.join(rundir, "predd.log")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "predd", "--rundir", rundir, *args],
-        stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True, cwd=ROOT,
-        env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
-    deadline = time.monotonic() + timeout
-    line = proc.stdout.readline()
-    while not line.startswith("ready ") and time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"predd exited {proc.returncode}: {open(log).read()[-2000:]}")
-        line = proc.stdout.readline()
-    if not line.startswith("ready "):
-        proc.kill()
-        raise RuntimeError("predd did not become ready")
-    return Daemon(proc, line.split()[1], rundir, log)
+    return launch.start(rundir, *args, env=env, timeout=timeout)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: without it they are skipped, saying so."""
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    import torch
+    if not torch.cuda.is_available():
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA (marked gpu)"))
 
 
 PREDD_ARGS = ("--kv-pages", "1024", "--max-step-tokens", "256", "--lease", "3")

@@ -1,5 +1,6 @@
-"""Reference fixtures shared by the integration tests: transformers' model loaded from
-the same GGUF file predd serves (loaded once per test session; ~15 s)."""
+"""Fixtures shared by the integration tests (pytest finds them here; no module imports
+them): a kvfsd mount over the shared predd, and the reference, transformers' model
+loaded from the same GGUF file predd serves (once per test session; ~15 s)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+
+from tests.integration.kvfs_fixtures import finish, start_kvfsd
+
+
+@pytest.fixture
+def kvfs(predd, lip, tmp_path, monkeypatch):
+    """kvfsd on a fresh mount over the shared predd; $KVFS_MOUNT points at it."""
+    k = start_kvfsd(predd.addr, str(tmp_path / "state"))
+    monkeypatch.setenv("KVFS_MOUNT", k.mount)
+    try:
+        yield k
+    finally:
+        code = finish(k)
+    assert code == 0, f"kvfsd exited {code}: {k.log_text()[-2000:]}"
 
 
 @pytest.fixture(scope="session")

@@ -24,11 +24,12 @@ def example_env(**extra: str) -> dict:
     return {**os.environ, "PATH": path, "LIP": LIP, **extra}
 
 
-def run_example(name: str, *args: str, report: str | None = None, timeout: float = 300,
+def run_example(name: str, *args: str, report: str | None = None, timeout: float = 240,
                 cwd: str | None = None, env: dict | None = None
                 ) -> tuple[subprocess.CompletedProcess, dict | None]:
     """Run mount_examples/NAME (a .py under this Python, a .sh under sh); its exit must be
-    0. Returns the process and the JSON it wrote to `report`, if asked for one."""
+    0. Returns the process and the JSON it wrote to `report`, if asked for one. `timeout`
+    stays under the 300 s every test gets, so a hang reports which program hung."""
     path = os.path.join(EXAMPLES, name)
     argv = [sys.executable, path] if name.endswith(".py") else ["sh", path]
     argv += list(args) + (["--report", report] if report else [])

@@ -13,13 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import httpx
 
 from liblip.client import Client
-from tests.conftest import ROOT, die_with_parent
+from predd.launch import die_with_parent, wait_ready
+from tests.conftest import ROOT
 from tests.integration.kvfs_fixtures import eventually as poll_until
 from tests.integration.kvfs_fixtures import force_unmount, is_mounted, make_mountpoint
 
@@ -70,7 +70,7 @@ class Serve:
             force_unmount(self.mount)
 
 
-def start_serve(tmp: str, *args: str, timeout: float = 300.0) -> Serve:
+def start_serve(tmp: str, *args: str, timeout: float = 240.0) -> Serve:
     """`symphony serve` with SERVE_ARGS and `args`; returns once it printed `ready`."""
     port = free_port()
     mount = make_mountpoint()
@@ -83,16 +83,12 @@ def start_serve(tmp: str, *args: str, timeout: float = 300.0) -> Serve:
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                             start_new_session=True, preexec_fn=die_with_parent)
     s = Serve(proc, f"http://127.0.0.1:{port}", mount, rundir, log)
-    deadline = time.monotonic() + timeout
-    line = ""
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("ready ") or proc.poll() is not None:
-            break
-    if not line.startswith("ready "):
+    url = wait_ready(proc, timeout)
+    if url is None:
         s.stop()
-        raise RuntimeError(f"symphony serve did not start:\n{s.log_text()[-3000:]}")
-    s.ready_line = line.rstrip("\n")
+        raise RuntimeError(f"symphony serve did not start in {timeout:g} s:\n"
+                           f"{s.log_text()[-3000:]}")
+    s.ready_line = f"ready {url}"
     return s
 
 

@@ -1,5 +1,6 @@
-"""Mount helpers for the kvfs tests: start kvfsd on a fresh mount point, and make sure no
-test — passing, failing or interrupted — ever leaves a mount behind.
+"""Mount helpers for the kvfs tests (the `kvfs` fixture itself is in conftest.py): start
+kvfsd on a fresh mount point, and make sure no test — passing, failing or interrupted —
+ever leaves a mount behind.
 
 Mount points live directly under /tmp (mode 0755), not under pytest's 0700 tmp_path, so
 that a second uid can reach them and a "Permission denied" comes from the file's mode.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import select
 import shutil
 import signal
 import sqlite3
@@ -19,9 +21,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-import pytest
-
-from tests.conftest import ROOT, die_with_parent
+from predd.launch import die_with_parent, wait_ready
+from tests.conftest import ROOT
 
 
 def is_mounted(mount: str) -> bool:
@@ -63,21 +64,18 @@ class Kvfs:
     def start(self, timeout: float = 30.0, clear_stale: bool = True) -> Kvfs:
         if clear_stale:
             force_unmount(self.mount)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfsd", self.mount, "--predd", self.addr,
-             "--state", self.state, *self.args],
-            stdout=subprocess.PIPE, stderr=open(self.log, "ab"), text=True, cwd=ROOT,
-            env={**os.environ, **self.env}, preexec_fn=die_with_parent)
-        deadline = time.monotonic() + timeout
-        line = ""
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("ready ") or self.proc.poll() is not None:
-                break
-        if not line.startswith("ready "):
+        with open(self.log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvfsd", self.mount, "--predd", self.addr,
+                 "--state", self.state, *self.args],
+                stdout=subprocess.PIPE, stderr=err, cwd=ROOT,
+                env={**os.environ, **self.env}, preexec_fn=die_with_parent)
+        mounted = wait_ready(self.proc, timeout)
+        if mounted is None:
             self.stop()
-            raise RuntimeError(f"kvfsd did not become ready: {self.log_text()[-2000:]}")
-        assert line.split()[1] == self.mount
+            raise RuntimeError(f"kvfsd did not become ready in {timeout:g} s: "
+                               f"{self.log_text()[-2000:]}")
+        assert mounted == self.mount
         return self
 
     def stop(self, timeout: float = 20.0) -> int | None:
@@ -144,18 +142,6 @@ def finish(kvfs: Kvfs, clear: bool = True) -> int | None:
         except OSError:
             pass
     return code
-
-
-@pytest.fixture
-def kvfs(predd, lip, tmp_path, monkeypatch):
-    """kvfsd on a fresh mount over the shared predd; $KVFS_MOUNT points at it."""
-    k = start_kvfsd(predd.addr, str(tmp_path / "state"))
-    monkeypatch.setenv("KVFS_MOUNT", k.mount)
-    try:
-        yield k
-    finally:
-        code = finish(k)
-    assert code == 0, f"kvfsd exited {code}: {k.log_text()[-2000:]}"
 
 
 # ---------------------------------------------------------------- small helpers
@@ -243,13 +229,14 @@ def fd(i: int) -> str:
     return f"<fd{i}>"
 
 
-def syscalls(*steps, uid: int = NOBODY, gid: int = NOBODY, cwd: str | None = None) -> list:
+def syscalls(*steps, uid: int = NOBODY, gid: int = NOBODY, cwd: str | None = None,
+             timeout: float = 60.0) -> list:
     """Run os calls as `uid` in a forked child of the test process and return, per step,
     its result (repr-able: ints, bytes, lists) or `-errno`. A step is `(name, *args)`
     naming a function of `os`; `FD` stands for the last opened descriptor and `fd(i)` for
     the i-th; an "open" step returns "fd". After setresuid the child only makes these
     calls (no imports: the venv's interpreter is not readable by other uids), then
-    _exit()s."""
+    _exit()s. A child still running after `timeout` seconds is killed (the test fails)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:                                            # the child: syscalls only
@@ -284,10 +271,19 @@ def syscalls(*steps, uid: int = NOBODY, gid: int = NOBODY, cwd: str | None = Non
             os._exit(0)
     os.close(w)
     chunks = []
-    while chunk := os.read(r, 1 << 16):
-        chunks.append(chunk)
-    os.close(r)
-    os.waitpid(pid, 0)
+    deadline = time.monotonic() + timeout
+    try:
+        while select.select([r], [], [], max(deadline - time.monotonic(), 0))[0]:
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"syscalls {steps} did not finish in {timeout:g} s")
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
     result = ast.literal_eval(b"".join(chunks).decode())
     assert isinstance(result, list), result
     return result

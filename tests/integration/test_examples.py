@@ -16,7 +16,7 @@ import torch
 
 from tests.integration.examples_fixtures import (EXAMPLES, LineReader, example_env,
                                                  load_example, run_example)
-from tests.integration.kvfs_fixtures import kvfs, sh  # noqa: F401
+from tests.integration.kvfs_fixtures import sh
 
 
 def greedy_reference(lip, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -46,6 +46,7 @@ def pages_free(lip) -> int:
 
 # ---------------------------------------------------------------- 1. basic decoding
 
+@pytest.mark.slow
 def test_basic_decoding_is_greedy_generate(lip, tmp_path):
     n = 16
     proc, r = run_example("basic_decoding.py", "Write a haiku about caches.",
@@ -66,6 +67,7 @@ def test_basic_decoding_is_greedy_generate(lip, tmp_path):
 QUESTIONS = ["What is a cache?", "Why fork a process?", "What does rm do?"]
 
 
+@pytest.mark.slow
 def test_prefix_parallel_computes_the_system_prompt_once(kvfs, lip, tmp_path):
     n = 8
     before = computed(lip)
@@ -94,6 +96,7 @@ def test_prefix_parallel_computes_the_system_prompt_once(kvfs, lip, tmp_path):
     assert again["answers"][0]["tokens"] == first["answers"][0]["tokens"]
 
 
+@pytest.mark.slow
 def test_prefix_parallel_without_kvfs(lip, tmp_path):
     _, r = run_example("prefix_parallel.py", *QUESTIONS[:2], "--no-kvfs", "--max-tokens", "2",
                        report=str(tmp_path / "r.json"))
@@ -124,6 +127,7 @@ def hf_beam_search(hf_model, prompt: list[int], width: int, steps: int, eos: set
     return done + live
 
 
+@pytest.mark.slow
 def test_beam_search_matches_a_reference_and_frees_pruned_beams(lip, hf_model, tmp_path):
     # a prompt whose beams finish early (at EOS) while others go on: live beams shrink
     # and grow back, and every count of caches follows
@@ -180,6 +184,7 @@ def validate(value, schema: dict, where: str = "$") -> None:
         raise AssertionError(f"validator does not know type {kind}")
 
 
+@pytest.mark.slow
 def test_constrained_json_always_follows_the_schema(lip, tmp_path):
     pytest.importorskip("llguidance")
     runs = 20
@@ -204,6 +209,7 @@ REPEAT = ("Repeat the following text exactly, twice: The cache is a file. A fork
           "copy. The cache is a file. A fork is a copy.")
 
 
+@pytest.mark.slow
 def test_speculative_decoding_is_greedy_in_fewer_calls(lip, tmp_path):
     n = 40
     proc, r = run_example("speculative.py", REPEAT, "--max-tokens", str(n),
@@ -221,6 +227,7 @@ def test_speculative_decoding_is_greedy_in_fewer_calls(lip, tmp_path):
 
 # ---------------------------------------------------------------- 6. watermark
 
+@pytest.mark.slow
 def test_watermark_z_score_separates_marked_from_plain(lip, tmp_path):
     prompt = "Tell me something surprising."
     common = ["--runs", "20", "--delta", "4", "--max-tokens", "24", "--min-tokens", "24"]
@@ -251,6 +258,7 @@ def test_watermark_z_score_separates_marked_from_plain(lip, tmp_path):
 
 # ---------------------------------------------------------------- 7. ReAct
 
+@pytest.mark.slow
 def test_react_agent_runs_tools_on_the_same_cache(lip, tmp_path):
     react = load_example("react_agent")
     proc, r = run_example("react_agent.py", "What is 37 * 43?", report=str(tmp_path / "r.json"))
@@ -283,6 +291,7 @@ def test_react_tools():
 
 # ---------------------------------------------------------------- 8. tree of thought
 
+@pytest.mark.slow
 def test_tree_of_thought_merges_the_best_branch(lip, tmp_path):
     branches, answer_tokens = 4, 12
     _, r = run_example("tree_of_thought.py",
@@ -315,6 +324,7 @@ RAG_QUERIES = [
 ]
 
 
+@pytest.mark.slow
 def test_rag_cache_keeps_popular_documents_under_a_budget(kvfs, lip, tmp_path):
     rag = load_example("rag_cache")
     page, bpp = lip.info()["page_size"], lip.info()["bytes_per_page"]
@@ -346,6 +356,7 @@ def test_rag_cache_keeps_popular_documents_under_a_budget(kvfs, lip, tmp_path):
 
 # ---------------------------------------------------------------- 10. shell workflows
 
+@pytest.mark.slow
 def test_agent_sh_retries_from_a_fork(kvfs, lip, tmp_path):
     # the checker rejects the second reply it sees: step 2's first try
     counter = tmp_path / "checks"
@@ -372,6 +383,7 @@ def test_agent_sh_retries_from_a_fork(kvfs, lip, tmp_path):
     assert spent == added[0] + added[1] + added[2]
 
 
+@pytest.mark.slow
 def test_undo_sh_restores_the_previous_cache_on_ctrl_z(kvfs, lip):
     proc = subprocess.Popen(["sh", os.path.join(EXAMPLES, "undo.sh"), "chat.kv"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,

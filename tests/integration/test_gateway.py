@@ -17,7 +17,8 @@ from tests.integration.gateway_fixtures import (LIPS, Event, checked_client, eve
 
 ALICE, BOB, CAROL = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdef", \
     "sk-carol-0123456789abcdef"
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="symphony serve needs root")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="symphony serve needs root"),
+              pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,8 @@
 """`stop` has one meaning in liblip and on the wire: None = the model's EOS ids,
 a list = exactly those ids and strings ([] = never stop early)."""
+import pytest
+
+pytestmark = pytest.mark.slow        # full-length generates
 
 
 def _chat_prompt(lip) -> list[int]:

@@ -14,9 +14,8 @@ import pytest
 
 from liblip import descriptor
 from tests.conftest import start_predd
-from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fd, fill,  # noqa: F401
-                                             finish,
-                                             is_mounted, kvfs, saved_state, sh, start_kvfsd,
+from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fd, fill, finish,
+                                             is_mounted, saved_state, sh, start_kvfsd,
                                              syscalls, xattr_int)
 
 TEXT = "Hostile users share this machine; each one's caches must stay their own. " * 4
@@ -257,6 +256,7 @@ def test_owners_and_modes_are_changed_only_as_posix_allows(kvfs, lip, victim):
     still_serving(kvfs, lip, victim)
 
 
+@pytest.mark.slow
 def test_xattrs_are_few_and_short(kvfs, lip, victim):
     own = nobody_file(kvfs, lip, "own.kv")
     assert syscalls(("setxattr", own, "user.kv.pin", b"1"),
@@ -402,6 +402,7 @@ PRIVATE_PREDD = ("--kv-pages", "64", "--max-step-tokens", "256", "--lease", "3",
                  "--uid-quota", "4")
 
 
+@pytest.mark.slow
 def test_caches_are_charged_to_the_user_and_edquot_reaches_the_syscall(tmp_path):
     """Files nobody makes (touch, cp) are charged to nobody, not to kvfsd's uid: with a
     4-page quota, nobody's second 3-page fork fails with EDQUOT at close."""

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import start_predd
-from tests.integration.kvfs_fixtures import (eventually, fill, finish, is_mounted,  # noqa: F401
-                                             kvfs, sh, start_kvfsd, xattr_int)
+from tests.integration.kvfs_fixtures import (eventually, fill, finish, is_mounted, sh,
+                                             start_kvfsd, xattr_int)
 
 PRIVATE_PREDD = ("--kv-pages", "128", "--max-step-tokens", "256", "--lease", "3")
 PROMPT = "Persistence test: the quick brown fox jumps over the lazy dog, twice over."
@@ -95,6 +95,7 @@ def test_kvfsd_restart_alone_loses_nothing(kvfs, lip):
     assert "lost" not in kvfs.log_text()
 
 
+@pytest.mark.slow
 def test_predd_killed_then_both_daemons_restarted(private):
     """One story, three predd processes at one address (a predd start is the slow part):
     1. predd is killed under a live mount: EIO at once, and nothing hangs;

@@ -8,10 +8,14 @@ import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from kvfsd.namespace import NAMES_PER_UID
 from tests.conftest import ROOT
-from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fill, kvfs,  # noqa: F401
-                                             saved_state, sh, syscalls, xattr_int)
+from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fill, saved_state, sh,
+                                             syscalls, xattr_int)
+
+pytestmark = pytest.mark.slow        # hundreds of forks, ten LIPs, ten thousand files
 
 PROMPT = ("You are a helpful assistant. Answer briefly.\n"
           "Question: What is the capital of France?\nAnswer:")

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tests.integration.kvfs_fixtures import kvfs  # noqa: F401  (fixture)
+import pytest
 
 LIP = [sys.executable, "-m", "liblip.cli"]
 
@@ -42,7 +42,8 @@ def test_errors_are_errno_named(lip, predd):
     assert proc.returncode == 1 and proc.stderr.startswith("lip: EIO:")
 
 
-def test_prefill_cat_generate_chat(lip, kvfs):  # noqa: F811
+@pytest.mark.slow
+def test_prefill_cat_generate_chat(lip, kvfs):
     lip_cmd("prefill", "sys.kv", "You are a terse assistant.", cwd=kvfs.mount)
     sys_tokens = lip.tokenize("You are a terse assistant.")
     assert lip_cmd("cat", "sys.kv").stdout == "You are a terse assistant."

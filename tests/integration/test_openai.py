@@ -11,7 +11,8 @@ import pytest
 
 from tests.integration.gateway_fixtures import checked_client, eventually, finish, start_serve
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="symphony serve needs root")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="symphony serve needs root"),
+              pytest.mark.slow]
 EOS = {0, 2}
 
 

@@ -140,6 +140,7 @@ def test_revoked_and_replayed_capabilities_are_ebadf_and_grants_die_with_theirs(
     still_serving(lip)
 
 
+@pytest.mark.slow
 def test_pool_exhaustion_is_enospc(tmp_path):
     import liblip
     small = start_predd(str(tmp_path / "small"), "--kv-pages", "8", "--lease", "3")
@@ -178,6 +179,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_client_killed_mid_pred_leaks_nothing(lip, predd):
     before = lip.stats()
     proc = subprocess.Popen([sys.executable, "-c", KILLED_LIP], stdout=subprocess.PIPE,

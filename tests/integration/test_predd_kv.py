@@ -4,6 +4,7 @@ cost figures prove reuse."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 
 def pages_used(lip) -> int:
@@ -11,6 +12,7 @@ def pages_used(lip) -> int:
     return s["pages_total"] - s["pages_free"]
 
 
+@pytest.mark.slow
 def test_fork_is_copy_on_write_and_exact(lip):
     start = pages_used(lip)
     prefix = lip.tokenize("In a paged KV cache, a fork shares every page. " * 90)[:1000]
@@ -137,6 +139,7 @@ def test_export_import_round_trip_is_bit_exact(lip):
     assert np.array_equal(a.logits, b.logits)
 
 
+@pytest.mark.slow
 def test_reads_do_not_wait_for_a_generation_on_the_object(lip):
     """stat/fork answer from the committed entries while a long generate runs on the
     same object (so `ls`/`cp` on a busy cache file never block)."""

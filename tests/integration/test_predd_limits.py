@@ -192,6 +192,7 @@ def test_each_bomb_gets_its_errno_and_takes_no_page(lip, peers):
 
 # ---------------------------------------------------------------- isolation
 
+@pytest.mark.slow
 def test_poison_from_one_client_leaves_a_concurrent_generate_exact(lip, peers):
     """A generate from one client is in flight (its first token streamed) when another
     client sends every poisoned request above; the generate's tokens are exactly its
@@ -252,6 +253,7 @@ def test_poison_from_one_client_leaves_a_concurrent_generate_exact(lip, peers):
 
 # ---------------------------------------------------------------- stop strings
 
+@pytest.mark.slow
 def test_stop_text_stops_at_the_first_token_whose_text_holds_it(lip):
     prompt = lip.tokenize("List the days of the week, separated by commas:")
     kv = lip.kv_create()

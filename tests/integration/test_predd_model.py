@@ -33,6 +33,7 @@ def hf_greedy(hf_model, tokens: list[int], n: int) -> list[int]:
     return out[0, len(tokens):].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "code", "chunked"])
 def test_logits_match_transformers(lip, hf_model, prompt):
     tokens = lip.tokenize(prompt)
@@ -49,6 +50,7 @@ def test_logits_match_transformers(lip, hf_model, prompt):
     lip.kv_close(kv)
 
 
+@pytest.mark.slow
 def test_greedy_pred_loop_and_generate_match_transformers(lip, hf_model):
     prompt = lip.chat_template([{"role": "user", "content": "Write a haiku about caches."}])
     expected = hf_greedy(hf_model, prompt, 64)
@@ -74,6 +76,7 @@ def test_greedy_pred_loop_and_generate_match_transformers(lip, hf_model):
     assert streamed == expected
 
 
+@pytest.mark.slow
 def test_generate_stops_at_eos(lip, hf_model):
     prompt = lip.chat_template([{"role": "user", "content": "Say only the word: yes"}])
     expected = hf_greedy(hf_model, prompt, 48)

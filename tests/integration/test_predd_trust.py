@@ -18,7 +18,7 @@ from liblip.client import Client, LipError
 from tests.conftest import ROOT, start_predd
 from tests.integration.uid_fixtures import AsUid, LipFailed, needs_root, open_rundir
 
-pytestmark = needs_root
+pytestmark = [needs_root, pytest.mark.slow]
 ALICE, BOB = 4001, 4002
 
 

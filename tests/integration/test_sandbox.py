@@ -15,7 +15,6 @@ import pytest
 
 from liblip.sandbox import cgroups, landlock
 from tests.conftest import ROOT
-from tests.integration.kvfs_fixtures import kvfs  # noqa: F401
 
 LIPS = os.path.join(os.path.dirname(__file__), "lips")
 PROBE = os.path.join(LIPS, "probe_sandbox.py")
@@ -309,6 +308,7 @@ def test_limits_need_sandbox():
 
 # ---------------------------------------------------------------- limits
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_wall_time_limit(form, lip):
     proc = sandbox("--wall-seconds", "2", *FORMS[form]("sleep"))
@@ -317,6 +317,7 @@ def test_wall_time_limit(form, lip):
     assert_predd_serves(lip)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_cpu_time_limit(form):
     proc = sandbox("--cpu-seconds", "1", *FORMS[form]("spin"))
@@ -324,6 +325,7 @@ def test_cpu_time_limit(form):
     assert proc.stderr == "lip: ETIME: sandbox: cpu time limit (1 s) reached\n"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not memory_cgroup(), reason="no writable memory cgroup here")
 def test_memory_limit_for_the_whole_run(lip):
     """Two processes of 64 MiB steps: each stays under RLIMIT_AS, together they pass the
@@ -335,6 +337,7 @@ def test_memory_limit_for_the_whole_run(lip):
     assert_predd_serves(lip)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", [
     ["--", sys.executable, HOSTILE_PY, "uid", "fork-bomb"],
     ["--", HOSTILE_SH, "uid", "fork-bomb"],

@@ -89,6 +89,7 @@ def test_predd_refusing_its_flags_stops_the_start(tmp_path):
         os.rmdir(mount)
 
 
+@pytest.mark.slow
 def test_ready_line_logs_and_clean_stop_on_ctrl_c(tmp_path):
     s = start_serve(str(tmp_path), "--programs", LIPS)
     try:
@@ -122,6 +123,7 @@ def test_ready_line_logs_and_clean_stop_on_ctrl_c(tmp_path):
         os.rmdir(s.mount)
 
 
+@pytest.mark.slow
 def test_a_part_that_dies_stops_the_rest(tmp_path):
     s = start_serve(str(tmp_path))
     try:

@@ -16,7 +16,8 @@ import tempfile
 
 import pytest
 
-from tests.conftest import ROOT, die_with_parent
+from predd.launch import die_with_parent, read_line
+from tests.conftest import ROOT
 
 AGENT = r"""
 import json, os, sys
@@ -43,6 +44,7 @@ for line in sys.stdin:
     print(json.dumps(out), flush=True)
 """
 
+ANSWER_S = 60          # the longest an agent may take to start or to answer one statement
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as other uids")
 
 
@@ -66,14 +68,14 @@ class AsUid:
             [sys.executable, "-c", AGENT, str(uid), addr], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=die_with_parent,
             env={**os.environ, "PYTHONPATH": ROOT})
-        hello = json.loads(self.proc.stdout.readline() or "{}")
+        hello = json.loads(read_line(self.proc, ANSWER_S) or "{}")
         assert hello == {"ready": uid}, hello
 
     def _ask(self, kind: str, code: str):
         self.proc.stdin.write(json.dumps([kind, code]) + "\n")
         self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"agent for uid {self.uid} died"
+        line = read_line(self.proc, ANSWER_S)
+        assert line, f"agent for uid {self.uid} died or gave no answer in {ANSWER_S} s"
         out = json.loads(line)
         if "errno" in out:
             raise LipFailed(out["errno"], out["message"])

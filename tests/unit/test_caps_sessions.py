@@ -8,6 +8,7 @@ import pytest
 from liblip.protocol import CAP_HEX_LEN, ProtocolError
 from predd.caps import Capabilities, short
 from predd.sessions import Sessions
+from tests.unit.helpers import code
 
 
 @pytest.fixture
@@ -16,12 +17,6 @@ def caps():
     table = Capabilities(freed.append)
     table.freed = freed
     return table
-
-
-def code(fn) -> str:
-    with pytest.raises(ProtocolError) as err:
-        fn()
-    return err.value.code
 
 
 # ---------------------------------------------------------------- capabilities

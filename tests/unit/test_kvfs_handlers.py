@@ -10,10 +10,10 @@ import pyfuse3
 import pytest
 import trio
 
-from kvfsd.backend import PreddError
 from kvfsd.fs import PRIVATE_MASK, KvFs
 from kvfsd.handles import Handle
 from kvfsd.namespace import ROOT, Namespace
+from kvfsd.predd_link import PreddError
 from liblip import descriptor
 
 CAP = "0123456789abcdef" * 2

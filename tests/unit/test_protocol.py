@@ -8,12 +8,7 @@ import pytest
 
 from liblip import protocol as p
 from liblip.protocol import ProtocolError, SampleParams, decode_frames, decode_request
-
-
-def code(fn) -> str:
-    with pytest.raises(ProtocolError) as err:
-        fn()
-    return err.value.code
+from tests.unit.helpers import code
 
 
 def roundtrip(obj) -> p.Request:

@@ -4,12 +4,11 @@ merge, import, free), O(1) checks, and `verify` catching a counter that drifted.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from liblip.protocol import ProtocolError
 from predd.kvstore import KVStore
 from predd.pool import Pool
 from predd.quota import QuotaConfig, Quotas
+from tests.unit.helpers import code
 from tests.unit.test_kvstore import FakePages, payload
 
 PS = 4          # tokens per page
@@ -94,12 +93,6 @@ def test_objects_not_charged_yet_are_not_counted():
     assert q.verify(store.objects) == [f"object {obj.oid} is charged to nobody"]
     new(store, q, obj, 1, 7)
     assert q.pages_of_uid == {7: 2} and q.verify(store.objects) == []
-
-
-def code(fn) -> str:
-    with pytest.raises(ProtocolError) as err:
-        fn()
-    return err.value.code
 
 
 def test_page_limits_per_session_and_uid():

@@ -4,17 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liblip.protocol import ProtocolError, SampleParams
+from liblip.protocol import SampleParams
 from predd import sampling
+from tests.unit.helpers import code
 
 LOGITS = torch.tensor([1.0, 3.0, 2.0, 0.0, -1.0, 2.5, 0.5, -2.0, 1.5, 0.25])  # V = 10
 V = LOGITS.numel()
-
-
-def code(fn) -> str:
-    with pytest.raises(ProtocolError) as err:
-        fn()
-    return err.value.code
 
 
 def allowed_ids(mask: torch.Tensor) -> list[int]:

@@ -48,7 +48,10 @@ class PreddError(LipError):
         return getattr(errno, self.code, errno.EIO)
 
 
-class Backend:
+class PreddLink:
+    """kvfsd's one link to predd: a liblip client used from trio, whether predd is up
+    (`up`), which predd process it is (`instance`), and its last `info` and `stats`."""
+
     def __init__(self, addr: str, log, timeouts: Timeouts = Timeouts()) -> None:
         self.addr = addr
         self.log = log

@@ -1,7 +1,8 @@
 """The runner on Hugging Face directories of each Llama-family architecture it claims
 (Llama with Llama-3 RoPE scaling, Qwen2 with q/k/v biases, Mistral), against
 transformers' own model on the same random weights: same logits for a prefill split
-across two chunks, and for a decode step over the paged cache."""
+across two chunks, and for a decode step over the paged cache. On CUDA too (`gpu`: the
+runner's device path against the same CPU reference)."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,13 +28,14 @@ FAMILIES = {
 }
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_matches_transformers(family, tmp_path):
+def test_family_matches_transformers(family, device, tmp_path):
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
     ref = model_cls(config_cls(**COMMON, **extra)).eval()
     ref.save_pretrained(tmp_path)
-    runner = Runner(RunnerConfig(str(tmp_path), kv_pages=16, page_size=4))
+    runner = Runner(RunnerConfig(str(tmp_path), device=device, kv_pages=16, page_size=4))
     if family == "qwen2":
         assert runner.model_config.attention_bias
     tokens = np.random.default_rng(0).integers(0, 512, size=23).astype(np.int32)

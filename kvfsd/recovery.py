@@ -1,0 +1,129 @@
+"""Recovery after a predd restart: the files get caches from the new predd, or go.
+
+A predd that restarts loses every KV object and every capability, kvfsd's persistent
+ones (a file's `Node.cap`) included. The rule:
+* kvfsd notices in one of two ways: the monitor sees a predd with another start time
+  (`PreddLink.poll`, every `poll_s`), or a call on a file's capability answers EBADF
+  (`Caches.on_cache` then re-validates once and retries the call).
+* Re-validation asks predd about every file's capability (`kv_stat`). A capability
+  predd does not know (EBADF, ENOENT) is replaced by importing the file's last fsync'd
+  snapshot, charged to the file's owner; a file without a snapshot, or whose snapshot
+  will not import, loses its names and its snapshot, with one log line. Any other
+  answer stops the pass; the monitor tries again at the next poll (`stale` stays set).
+* One pass at a time. A request that met a stale capability waits for a pass, and
+  starts none if one completed since it saw `generation`.
+* A file whose cache a writer replaced while its snapshot was importing keeps the
+  writer's cache; the import is freed.
+* Opens made before the restart keep their old grants, which predd no longer knows:
+  calls with them fail (EBADF). Cache operations through an open whose file lost its
+  cache (fsync, emptying) get ESTALE.
+* Frees predd did not confirm (`pending_free`) are retried after each pass.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pyfuse3
+import trio
+
+from kvfsd.node import Node
+from kvfsd.predd_link import PreddError
+
+if TYPE_CHECKING:
+    from kvfsd.caches import Caches
+
+
+class Recovery:
+    def __init__(self, caches: Caches) -> None:
+        self.caches = caches
+        self.predd = caches.predd
+        self.log = caches.log
+        self.generation = 0          # completed re-validations
+        self.stale = False           # predd restarted; caches not re-validated yet
+        self._revalidating = trio.Lock()
+
+    async def monitor(self) -> None:
+        """Follow predd: liveness, restarts (re-validate), deferred frees, and figures
+        not written to the state directory yet."""
+        next_poll = 0.0
+        while True:
+            try:                           # never let the monitor die
+                await self.predd.probe()
+                if trio.current_time() >= next_poll:
+                    next_poll = trio.current_time() + self.predd.t.poll_s
+                    await self.check_predd()
+                if self.caches.unsaved:
+                    await self.caches.commit()
+            except Exception as exc:
+                self.log(f"monitor: {type(exc).__name__}")
+            await trio.sleep(self.predd.t.probe_s)
+
+    async def check_predd(self) -> None:
+        """Poll predd; re-validate after a restart (until one succeeds); retry frees."""
+        first = self.predd.instance is None
+        why = ""
+        if await self.predd.poll():
+            self.stale = True
+            why = "first contact with predd" if first else "predd restarted"
+        if self.predd.up and (self.stale or self.caches.pending_free):
+            if await self.revalidate(None, why if self.stale else ""):
+                self.stale = False
+
+    async def revalidate(self, seen_generation: int | None = None, why: str = "") -> bool:
+        """Check every cache's capability with predd. A stale one is re-imported from
+        its fsync'd snapshot, or dropped with a log line. False when predd could not be
+        asked (try again later)."""
+        caches = self.caches
+        async with self._revalidating:
+            if seen_generation is not None and self.generation > seen_generation:
+                return True                   # someone re-validated meanwhile
+            if why:
+                self.log(f"re-validating caches: {why}")
+            for node in list(caches.ns.files()):
+                cap = node.cap
+                if cap is not None:
+                    try:
+                        caches.seen(node, await self.predd.call("kv_stat", cap=cap))
+                        continue
+                    except PreddError as exc:
+                        if exc.code not in ("EBADF", "ENOENT"):
+                            self.log(f"re-validation stopped: {exc.code}")
+                            return False
+                if node.cap == cap:           # else replaced meanwhile: fresh
+                    await self._restore(node, cap)
+            frees, caches.pending_free = caches.pending_free, []
+            for cap in frees:
+                await caches.free(cap)
+            self.generation += 1
+            await caches.commit()
+            return True
+
+    async def _restore(self, node: Node, stale: str | None) -> None:
+        caches = self.caches
+        path = caches.ns.path_of(node.ino)
+        if node.snapshot:
+            try:
+                blob = await trio.to_thread.run_sync(caches.state.read_snapshot, node.snapshot)
+                reply = await self.predd.call("kv_import", frames=(blob,), persist=True,
+                                              owner=node.uid, timeout=self.predd.t.bulk_s)
+            except (OSError, PreddError) as exc:
+                self.log(f"{path}: cannot restore its snapshot ({exc}); removing it")
+            else:
+                if node.cap != stale:         # raced with a replacement: keep that
+                    await caches.free(reply["cap"])
+                    return
+                node.cap = reply["cap"]
+                caches.seen(node, reply)
+                self.log(f"{path}: restored from its fsync'd snapshot "
+                         f"({node.tokens} tokens)")
+                return
+        else:
+            self.log(f"{path}: cache lost (predd restarted and it was never fsync'd); "
+                     "removing it")
+        node.cap = None
+        if node.snapshot:
+            caches.state.remove_snapshot(node.snapshot)
+            node.snapshot = None
+        for parent, name in caches.ns.drop_names(node.ino):
+            pyfuse3.invalidate_entry_async(parent, name, deleted=node.ino, ignore_enoent=True)
+        caches.ns.collect(node)

@@ -1,0 +1,24 @@
+"""Small helpers shared by the tests."""
+from __future__ import annotations
+
+import pytest
+
+from liblip.protocol import ProtocolError
+
+
+def code(fn) -> str:
+    """The errno name of the ProtocolError `fn()` raises (the test fails if it does not)."""
+    with pytest.raises(ProtocolError) as err:
+        fn()
+    return err.value.code
+
+
+def assert_same_weights(weights: dict, state_dict: dict, tied: bool) -> None:
+    """`weights` (predd.loader's) are transformers' `state_dict`, name for name, to 1e-6;
+    without `lm_head.weight` when the embeddings are `tied`."""
+    expected = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
+    assert sorted(weights) == sorted(expected)
+    for name, ref in expected.items():
+        got = weights[name]
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        assert (got - ref).abs().max().item() <= 1e-6, name
