@@ -66,21 +66,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         self.shape = (h, kv, d)
-        self.qkv_proj: nn.Linear | None = None
-
-    def fuse(self) -> None:
-        """One [C, (H + 2 Hkv) D] projection for q, k and v: one matmul instead of three."""
-        self.qkv_proj = _fused(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 layer: int, attend: StepAttention) -> torch.Tensor:
         h, kv, d = self.shape
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((h * d, kv * d, kv * d), dim=-1)
-        q = q.view(t, h, d)                       # q: [T, H, D]
-        k = k.view(t, kv, d)                      # k: [T, Hkv, D]
-        v = v.view(t, kv, d)
+        q = self.q_proj(x).view(t, h, d)          # q: [T, H, D]
+        k = self.k_proj(x).view(t, kv, d)         # k: [T, Hkv, D]
+        v = self.v_proj(x).view(t, kv, d)
         q = q * cos + rotate_half(q) * sin        # cos/sin: [T, 1, D]
         k = k * cos + rotate_half(k) * sin
         out = attend(layer, q, k, v)              # [T, H, D]
@@ -93,29 +86,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj: nn.Linear | None = None
-
-    def fuse(self) -> None:
-        """One projection for gate and up: one matmul instead of two."""
-        self.gate_up_proj = _fused(self.gate_proj, self.up_proj)
-        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-def _fused(*parts: nn.Linear) -> nn.Linear:
-    """A Linear whose output is the outputs of `parts`, concatenated."""
-    bias = parts[0].bias is not None
-    w = parts[0].weight
-    fused = nn.utils.skip_init(nn.Linear, w.shape[1], sum(p.out_features for p in parts),
-                               bias=bias, dtype=w.dtype, device=w.device)
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
-        if bias:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
-    return fused
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -154,9 +127,6 @@ class LlamaModel(nn.Module):
                              f"unexpected {unexpected[:5]}")
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        for layer in self.model.layers:   # loaded by Hugging Face's names, run fused
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, D/2]
