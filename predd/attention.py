@@ -39,13 +39,13 @@ class TorchAttention:
 
         if single:
             table = tables.padded(single)                           # [B, W]
-            width = table.shape[1] * ps
+            width = int(tables.kv_len[single].max())                # <= W * ps
             pages = torch.from_numpy(table.reshape(-1)).to(dev)
             single_q = torch.from_numpy(tables.qo_indptr[single].astype(np.int64)).to(dev)
             lengths = torch.from_numpy(tables.kv_len[single].astype(np.int64)).to(dev)
             single_pad = (torch.arange(width, device=dev)[None, :] >= lengths[:, None]
                           )[:, None, None, :]                       # [B, 1, 1, W*ps]
-            single_shape = (len(single), width, *cache.flat(0).shape[1:])   # [B, L, Hkv, D]
+            single_shape = (len(single), table.shape[1] * ps, *cache.flat(0).shape[1:])
 
         multi_parts = []
         for i in multi:
@@ -67,8 +67,8 @@ class TorchAttention:
             paged = cache.kv[layer]                        # [P, 2, ps, Hkv, D]
             out = torch.empty_like(q)                      # [T, H, D]
             if single:
-                ks = paged[:, 0].index_select(0, pages).view(single_shape)
-                vs = paged[:, 1].index_select(0, pages).view(single_shape)
+                ks = paged[:, 0].index_select(0, pages).view(single_shape)[:, :width]
+                vs = paged[:, 1].index_select(0, pages).view(single_shape)[:, :width]
                 out.index_copy_(0, single_q, self._decode(
                     q.index_select(0, single_q), ks, vs, single_pad))
             for start, n, pages_t, mask, kv_len in multi_parts:
