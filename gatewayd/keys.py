@@ -17,7 +17,7 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass, replace
 
-from liblip.protocol import read_private_file
+from liblip.protocol import match_secret, read_private_file
 
 MIN_KEY_LEN = 16
 MAX_UID = 2**32 - 2
@@ -96,9 +96,4 @@ class ApiKeys:
         return cls(entries)
 
     def lookup(self, key: str) -> Caller | None:
-        given = key.encode()
-        found = None
-        for k, caller in self._entries:
-            if hmac.compare_digest(given, k) and found is None:
-                found = caller
-        return found
+        return match_secret(self._entries, key)

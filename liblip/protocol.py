@@ -14,6 +14,7 @@ This module is pure Python (no torch, no zmq) so any process may import it.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import math
 import types
 import typing
@@ -745,3 +746,15 @@ def read_private_file(path: str, flag: str) -> str:
             raise ValueError(f"{flag} {path}: owned by uid {st.st_uid}, not by root or "
                              "this server's user")
         return f.read()
+
+
+def match_secret(entries: list[tuple[bytes, Any]], given: str) -> Any | None:
+    """The value paired with the secret `given` in `entries` ((secret, value) pairs), or
+    None. Every entry is compared, each in constant time, so the time taken says
+    nothing of which secret (or how much of one) matched."""
+    given_b = given.encode()
+    found = None
+    for secret, value in entries:
+        if hmac.compare_digest(given_b, secret) and found is None:
+            found = value
+    return found

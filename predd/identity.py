@@ -16,7 +16,7 @@ import hmac
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from liblip.protocol import ProtocolError, is_loopback_host, read_private_file
+from liblip.protocol import ProtocolError, is_loopback_host, match_secret, read_private_file
 
 NOBODY = 65534
 MAX_UID = 2**32 - 2          # (uid_t)-1 is "no uid" to the kernel
@@ -111,13 +111,8 @@ class AuthKeys:
         return cls(keys)
 
     def uid_of(self, token: str) -> int | None:
-        """The uid a token names, or None. Compares with every key in constant time."""
-        given = token.encode()
-        found = None
-        for key, uid in self._keys:
-            if hmac.compare_digest(given, key) and found is None:
-                found = uid
-        return found
+        """The uid a token names, or None (constant time: see match_secret)."""
+        return match_secret(self._keys, token)
 
 
 def check_endpoint(addr: str, keys: AuthKeys | None) -> None:

@@ -27,15 +27,23 @@ class Daemon:
     log: str
 
     def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM, then SIGKILL past `timeout` seconds; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc, timeout)
+
+
+def terminate(proc: subprocess.Popen, timeout: float, group: bool = False) -> int:
+    """SIGTERM, then SIGKILL (to its whole process group with `group`) past `timeout`
+    seconds; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def die_with_parent() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 
 from liblip.client import Client
-from predd.launch import die_with_parent, wait_ready
+from predd.launch import die_with_parent, terminate, wait_ready
 from tests.conftest import ROOT
 from tests.integration.kvfs_fixtures import eventually as poll_until
 from tests.integration.kvfs_fixtures import force_unmount, is_mounted, make_mountpoint
@@ -57,14 +56,7 @@ class Serve:
     def stop(self, timeout: float = 90.0) -> int:
         """SIGTERM and wait; whatever happens, nothing stays mounted or running."""
         try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                    self.proc.wait()
-            return self.proc.returncode
+            return terminate(self.proc, timeout, group=True)
         finally:
             self.proc.stdout.close()
             force_unmount(self.mount)

@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from predd.launch import die_with_parent, wait_ready
+from predd.launch import die_with_parent, terminate, wait_ready
 from tests.conftest import ROOT
 
 
@@ -82,14 +82,7 @@ class Kvfs:
         """SIGTERM, wait, SIGKILL if need be; the mount is gone afterwards in every case."""
         code = None
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-            code = self.proc.returncode
+            code = terminate(self.proc, timeout)
             self.proc.stdout.close()
         force_unmount(self.mount)
         return code
@@ -293,3 +286,11 @@ def err(code: int) -> int:
     """What `syscalls` reports for a step that failed with `code`."""
     return -code
 
+
+def revoked(lip, cap: str) -> bool:
+    """Whether predd answers EBADF for `cap` (revoked, or never issued)."""
+    try:
+        lip.kv_stat(lip.KV.from_capability(cap))
+    except lip.LipError as exc:
+        return exc.code == "EBADF"
+    return False

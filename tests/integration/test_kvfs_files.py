@@ -8,8 +8,8 @@ import time
 import pytest
 
 from liblip import descriptor
-from tests.integration.kvfs_fixtures import (eventually, fill, saved_state, sh, tiled_export,
-                                             xattr_int)
+from tests.integration.kvfs_fixtures import (eventually, fill, revoked, saved_state, sh,
+                                             tiled_export, xattr_int)
 
 TEXT = "The KV cache file system shows predd's caches as ordinary files. " * 6
 
@@ -102,14 +102,6 @@ def test_a_grant_ends_at_the_last_close_of_its_open_not_at_each_close(kvfs, lip)
     assert eventually(lambda: revoked(lip, held.cap) and revoked(lip, regrant.cap))
     assert lip.kv_tokens(fork) == tokens
     lip.kv_close(fork)
-
-
-def revoked(lip, cap: str) -> bool:
-    try:
-        lip.kv_stat(lip.KV.from_capability(cap))
-    except lip.LipError as exc:
-        return exc.code == "EBADF"
-    return False
 
 
 def test_cp_forks_copy_on_write(kvfs, lip):

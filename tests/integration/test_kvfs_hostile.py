@@ -15,7 +15,7 @@ import pytest
 from liblip import descriptor
 from tests.conftest import start_predd
 from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fd, fill, finish,
-                                             is_mounted, saved_state, sh, start_kvfsd,
+                                             is_mounted, revoked, saved_state, sh, start_kvfsd,
                                              syscalls, xattr_int)
 
 TEXT = "Hostile users share this machine; each one's caches must stay their own. " * 4
@@ -113,7 +113,7 @@ def test_bad_descriptors_are_einval_and_leave_the_file_as_it_was(kvfs, lip, vict
     # A revoked capability: nobody's own earlier open, released since.
     stale = syscalls(("open", own, os.O_RDONLY), ("read", FD, 4096), ("close", FD))[1]
     cap = descriptor.parse(stale).cap
-    assert eventually(lambda: _revoked(lip, cap))
+    assert eventually(lambda: revoked(lip, cap))
     assert write_then_close(stale) == ["fd", len(stale), -E.EINVAL]
     # A live capability, but a descriptor for another model.
     with lip.kv_open(own) as kv:
@@ -122,14 +122,6 @@ def test_bad_descriptors_are_einval_and_leave_the_file_as_it_was(kvfs, lip, vict
     assert tokens_of(lip, target) == mine[:3]
     assert tokens_of(lip, own) == mine
     still_serving(kvfs, lip, victim)
-
-
-def _revoked(lip, cap: str) -> bool:
-    try:
-        lip.kv_stat(lip.KV.from_capability(cap))
-    except lip.LipError as exc:
-        return exc.code == "EBADF"
-    return False
 
 
 def test_a_stale_descriptor_written_over_a_file_keeps_its_old_cache(kvfs, lip, victim):
@@ -152,7 +144,7 @@ def test_a_stale_descriptor_written_over_a_file_keeps_its_old_cache(kvfs, lip, v
 
 def _stale_descriptor_attacks(kvfs, lip, victim, stale: str, old: list[int]) -> None:
     m = kvfs.mount
-    assert eventually(lambda: _revoked(lip, descriptor.parse(open(stale).read()).cap))
+    assert eventually(lambda: revoked(lip, descriptor.parse(open(stale).read()).cap))
     held = lip.kv_open(f"{m}/b.kv", write=True)      # a LIP extending b.kv in place
     objects, free = lip.stats()["objects"], lip.stats()["pages_free"]
     for cmd in (f"cat {stale} > b.kv", f"cp {stale} b.kv", f"cat {stale} >> b.kv"):
@@ -197,7 +189,7 @@ def test_new_files_are_private_and_grants_follow_the_mode(kvfs, lip, victim):
     out = syscalls(("open", path, os.O_RDONLY), ("read", FD, 4096), ("close", FD))
     grant = descriptor.parse(out[1])
     assert (grant.rights, grant.tokens) == ("r", len(victim))
-    assert eventually(lambda: _revoked(lip, grant.cap))
+    assert eventually(lambda: revoked(lip, grant.cap))
     assert lip.kv_stat(held)["tokens"] == len(victim)
     # Not shared any more: a new open by another uid is refused by the kernel.
     os.chmod(path, 0o600)
@@ -223,7 +215,7 @@ def test_a_revoked_grant_counts_only_for_a_writer_holding_its_own_open(kvfs, lip
     mine = nobody_file(kvfs, lip, "mine.kv")
     with lip.kv_open(shared) as root_open:           # root's open, released at once
         released = descriptor.Descriptor(root_open.cap, "r").encode()
-    assert eventually(lambda: _revoked(lip, root_open.cap))
+    assert eventually(lambda: revoked(lip, root_open.cap))
     wt = os.O_WRONLY | os.O_TRUNC
     # Without an open of shared.kv of its own: a revoked capability, refused.
     assert syscalls(("open", mine, wt), ("write", FD, released), ("close", FD)) == \

@@ -1,6 +1,8 @@
 """Small helpers shared by the tests."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from liblip.protocol import ProtocolError
@@ -22,3 +24,11 @@ def assert_same_weights(weights: dict, state_dict: dict, tied: bool) -> None:
         got = weights[name]
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
         assert (got - ref).abs().max().item() <= 1e-6, name
+
+
+def secrets_file(tmp_path, text: str, mode: int = 0o600) -> str:
+    """A keys file (predd's --auth-keys, the gateway's --api-keys) with `text`, `mode`."""
+    path = tmp_path / "keys"
+    path.write_text(text)
+    os.chmod(path, mode)
+    return str(path)

@@ -13,6 +13,7 @@ from gatewayd.keys import ApiKeys, Limits
 from gatewayd.launcher import Launcher, check_env
 from gatewayd.programs import Programs, classify, save_upload
 from gatewayd.serve import is_loopback, parse_listen
+from tests.unit.helpers import secrets_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "mount_examples"))
 from openai_requests import RequestError, parse  # noqa: E402
@@ -21,15 +22,8 @@ from prefix_cache import common_prefix  # noqa: E402
 KEY = "sk-alice-0123456789abcdef"
 
 
-def keys_file(tmp_path, text: str, mode: int = 0o600) -> str:
-    path = tmp_path / "keys"
-    path.write_text(text)
-    os.chmod(path, mode)
-    return str(path)
-
-
 def test_keys_map_to_callers_with_limits(tmp_path):
-    path = keys_file(tmp_path, f"# comment\n\n{KEY} 1001 alice runs=2 wall=30\n"
+    path = secrets_file(tmp_path, f"# comment\n\n{KEY} 1001 alice runs=2 wall=30\n"
                                "sk-bob-0123456789abcdef 1002\n")
     keys = ApiKeys.load(path, Limits(runs=4, wall=600, pages=7))
     alice = keys.lookup(KEY)
@@ -54,16 +48,16 @@ def test_keys_map_to_callers_with_limits(tmp_path):
 ])
 def test_bad_keys_files_are_refused(tmp_path, text, message):
     with pytest.raises(ValueError) as err:
-        ApiKeys.load(keys_file(tmp_path, text), Limits())
+        ApiKeys.load(secrets_file(tmp_path, text), Limits())
     assert message in str(err.value)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="owner check needs root to chown")
 def test_keys_file_must_be_private(tmp_path):
     with pytest.raises(ValueError) as err:
-        ApiKeys.load(keys_file(tmp_path, f"{KEY} 1001\n", 0o640), Limits())
+        ApiKeys.load(secrets_file(tmp_path, f"{KEY} 1001\n", 0o640), Limits())
     assert "mode 0640 lets group or others read it (chmod 600)" in str(err.value)
-    path = keys_file(tmp_path, f"{KEY} 1001\n")
+    path = secrets_file(tmp_path, f"{KEY} 1001\n")
     os.chown(path, 1234, 1234)
     with pytest.raises(ValueError) as err:
         ApiKeys.load(path, Limits())

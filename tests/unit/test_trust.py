@@ -20,6 +20,7 @@ from predd.identity import (NOBODY, AuthKeys, Peer, check_endpoint, is_loopback,
 from predd.quota import QuotaConfig
 from predd.runner import RunnerConfig
 from predd.scheduler import SchedulerConfig
+from tests.unit.helpers import secrets_file
 from tests.unit.test_kvstore import FakePages
 
 ME = 0            # predd's own uid in these tests (trusted)
@@ -130,15 +131,8 @@ def test_loopback_and_endpoint_policy():
             check_endpoint(addr, None)
 
 
-def write_keys(tmp_path, text: str, mode: int = 0o600) -> str:
-    path = tmp_path / "keys"
-    path.write_text(text)
-    os.chmod(path, mode)
-    return str(path)
-
-
 def test_auth_keys_file(tmp_path):
-    keys = AuthKeys.load(write_keys(tmp_path, f"# comment\n\n{TOKEN} 1000 alice\n"
+    keys = AuthKeys.load(secrets_file(tmp_path, f"# comment\n\n{TOKEN} 1000 alice\n"
                                               "another-token-of-length 2000\n"))
     assert len(keys) == 2
     assert keys.uid_of(TOKEN) == 1000 and keys.uid_of("another-token-of-length") == 2000
@@ -158,13 +152,13 @@ def test_auth_keys_file(tmp_path):
 ])
 def test_auth_keys_file_is_refused(tmp_path, text, mode, message):
     with pytest.raises(ValueError, match=message):
-        AuthKeys.load(write_keys(tmp_path, text, mode))
+        AuthKeys.load(secrets_file(tmp_path, text, mode))
 
 
 def test_auth_keys_file_must_be_a_regular_file(tmp_path):
     with pytest.raises(ValueError, match="No such file"):
         AuthKeys.load(str(tmp_path / "missing"))
-    target = write_keys(tmp_path, f"{TOKEN} 1\n")
+    target = secrets_file(tmp_path, f"{TOKEN} 1\n")
     os.symlink(target, tmp_path / "link")
     with pytest.raises(ValueError):
         AuthKeys.load(str(tmp_path / "link"))            # O_NOFOLLOW
