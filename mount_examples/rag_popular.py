@@ -28,6 +28,7 @@ With --no-cache every request prefills its document into a fresh cache (the base
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -81,9 +82,9 @@ class DocCache:
     """The documents' files and the memory they and the requests hold, in pages.
 
     `used` counts the files' pages, `reserved` the running requests' own pages
-    (question, answer, a copied last page). A request starts when its own pages and,
-    on a miss, its document's fit `capacity`, all at once (a waiting request holds
-    nothing, so waits end); the coldest idle unpinned files are removed to make room
+    (question, answer, a copied last page). Requests start in arrival order, each
+    when its own pages and, on a miss, its document's fit `capacity`, all at once (a
+    waiting request holds nothing, so waits end); the coldest idle unpinned files are removed to make room
     (a file a request's fork shares is never removed: its pages would not come back
     before the request ends). All fields are guarded by `cond`."""
 
@@ -100,6 +101,7 @@ class DocCache:
         self.tick = 0
         self.used = 0
         self.reserved = 0
+        self.line: collections.deque = collections.deque()   # tickets of waiting requests
         self.cond = threading.Condition()
         self.counters = {"hits": 0, "misses": 0, "removed": 0, "enospc_retries": 0,
                          "max_pages": 0, "pin_calls": 0, "room_waits": 0}
@@ -123,16 +125,27 @@ class DocCache:
             self._remove(min(idle, key=lambda c: self._heat(c.name)))
         return True
 
-    def _wait(self, need: int, deadline: float) -> None:
-        """Wait for a request to end; ENOSPC if none is running (nothing would change)
-        or past the deadline. A waiting request holds no pages."""
-        left = deadline - time.monotonic()
-        if self.reserved == 0 or left <= 0:
-            raise lip.LipError("ENOSPC", f"{need} pages do not fit: {self.used} in files "
-                               f"({self.pin_pages} may be pinned), {self.reserved} held "
-                               f"by requests, of {self.capacity}")
-        self.counters["room_waits"] += 1
-        self.cond.wait(left)
+    def _admit(self, need, keep: str = "") -> None:
+        """Wait until this request is the first in line and `need()` pages fit, then
+        leave the line; ENOSPC if no request is running (nothing would change) or
+        after ROOM_WAIT_S. First come, first served: requests that need less do not
+        starve one that needs more. A waiting request holds no pages."""
+        ticket = object()
+        self.line.append(ticket)
+        deadline = time.monotonic() + ROOM_WAIT_S
+        try:
+            while self.line[0] is not ticket or not self._room(need(), keep):
+                left = deadline - time.monotonic()
+                if self.line[0] is ticket and (self.reserved == 0 or left <= 0):
+                    raise lip.LipError(
+                        "ENOSPC", f"{need()} pages do not fit: {self.used} in files "
+                        f"({self.pin_pages} may be pinned), {self.reserved} held by "
+                        f"requests, of {self.capacity}")
+                self.counters["room_waits"] += 1
+                self.cond.wait(max(left, 0.01))
+        finally:
+            self.line.remove(ticket)
+            self.cond.notify_all()
 
     def _remove(self, c: Cached) -> None:
         """`rm` the file. Emptying it first gives its pages back now: the kernel sends
@@ -167,9 +180,7 @@ class DocCache:
     def begin(self, own: int) -> None:
         """Hold `own` pages for a request that uses no file (--no-cache)."""
         with self.cond:
-            deadline = time.monotonic() + ROOM_WAIT_S
-            while not self._room(own):
-                self._wait(own, deadline)
+            self._admit(lambda: own)
             self.reserved += own
             self._high_water()
 
@@ -189,17 +200,13 @@ class DocCache:
             self.tick += 1
             self.uses[name] = self.uses.get(name, 0) + 1
             self.last[name] = self.tick
-            deadline = time.monotonic() + ROOM_WAIT_S
-            while True:
-                c = self.files.get(name)
-                need = own + (0 if c else pages(len(doc), self.page))
-                if self._room(need, keep=name):
-                    break
-                self._wait(need, deadline)
+            doc_pages = pages(len(doc), self.page)
+            self._admit(lambda: own + (0 if name in self.files else doc_pages), keep=name)
             self.reserved += own
+            c = self.files.get(name)
             mine = c is None
             if mine:
-                c = self.files[name] = Cached(name, need - own)
+                c = self.files[name] = Cached(name, doc_pages)
                 self.used += c.pages
             c.readers += 1
             self._high_water()
@@ -280,7 +287,7 @@ class Server:
         self.args = args
         info = lip.info()
         self.page = info["page_size"]
-        self.tiers = "host_pages" in info
+        self.tiers = bool(info.get("host_pages") or info.get("disk_pages"))
         capacity = args.pool_pages or (info["pages_total"] + info.get("host_pages", 0)
                                        + info.get("disk_pages", 0))
         root = args.dir if os.path.isabs(args.dir) else os.path.join(default_mount(), args.dir)

@@ -449,7 +449,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=32, help="untimed requests per alpha first")
     ap.add_argument("--kv-share", type=float, default=0.25,
                     help="KV memory, as a share of all documents' tokens")
-    ap.add_argument("--variants", default="base,host,disk")
+    ap.add_argument("--variants", help="of base,host,disk (default all; --quick: base)")
     ap.add_argument("--systems", default="symphony,symphony_nocache,vllm")
     ap.add_argument("--vllm-offload", action="store_true",
                     help="host variant: vLLM's native KV offloading for the host tier")
@@ -458,13 +458,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 16 documents of ~96 tokens, 4 clients, alphas 1,4, "
-                         "8+16 requests, 8 new tokens, base variant")
+                         "8+16 requests, 8 new tokens, the base variant unless --variants")
     args = ap.parse_args()
     if args.quick:
         args.docs, args.doc_tokens, args.clients, args.alphas = 16, 96, 4, "1,4"
-        args.warmup, args.requests, args.new_tokens, args.variants = 8, 16, 8, "base"
+        args.warmup, args.requests, args.new_tokens = 8, 16, 8
+    args.variants = (args.variants or ("base" if args.quick else "base,host,disk")).split(",")
     args.alphas = [float(a) for a in args.alphas.split(",")]
-    args.variants = args.variants.split(",")
     args.systems = args.systems.split(",")
     bad = (set(args.variants) - {"base", "host", "disk"}) | (set(args.systems) - {
         "symphony", "symphony_nocache", "vllm"})
