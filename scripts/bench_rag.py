@@ -121,7 +121,7 @@ def make_workload(args) -> Workload:
         def doc_text(n: int, seed: float = seed) -> str:
             return _words(random.Random(seed), n).capitalize() + "."
         n, toks = _grow(lambda n: rag_popular.prompt(doc_text(n), "?")[0],
-                        args.doc_tokens, max(1, int(args.doc_tokens * 0.8)))
+                        args.doc_tokens, max(1, int(args.doc_tokens * 0.7)))
         name = f"d{i:02d}"
         docs[name], doc_tokens[name] = doc_text(n), toks
     work = Workload(docs, doc_tokens)
@@ -138,8 +138,9 @@ def make_workload(args) -> Workload:
 
                 def question(n: int, qseed: float = qseed) -> str:
                     return f"What does the document say about {_words(random.Random(qseed), n)}?"
-                n, qt = _grow(lambda n: rag_popular.prompt(docs[name], question(n))[1],
-                              args.question_tokens, 2)
+                n, qt = _grow(lambda n: rag_popular.prompt(
+                    docs[name], question(n), doc_tokens[name])[1],
+                    args.question_tokens, max(1, args.question_tokens // 2 - 6))
                 reqs.append(Request(name, question(n), tuple(doc_tokens[name]), tuple(qt)))
             phases.append(reqs)
         work.runs[alpha] = (phases[0], phases[1])
@@ -316,13 +317,6 @@ def measure_symphony(args, work: Workload, budget: Budget, systems: list[str]) -
                          "--max-step-tokens", str(args.step_tokens))
     try:
         import liblip as lip
-        lip.connect(daemon.addr)
-        info = lip.info()
-        lip.client().close()
-        if budget.name != "base" and "host_pages" not in info:
-            log(f"bench: skipping the {budget.name} variant: this predd has no tiers "
-                "(`info` has no host_pages; issue 11's --host-pages/--disk-pages)")
-            return out
         docs_dir = tempfile.mkdtemp(prefix="rag-docs-")
         for name, text in work.docs.items():
             with open(os.path.join(docs_dir, f"{name}.txt"), "w") as f:
@@ -478,10 +472,15 @@ def main() -> int:
         import liblip as lip
         lip.connect(daemon.addr)
         work = make_workload(args)
-        token_bytes = lip.info()["bytes_per_page"] / PAGE
+        info = lip.info()
         lip.client().close()
     finally:
         daemon.stop()
+    token_bytes = info["bytes_per_page"] / PAGE
+    if "host_pages" not in info and set(args.variants) - {"base"}:
+        log("bench: skipping the host and disk variants: this predd has no tiers (its "
+            "`info` has no host_pages: issue 11's --host-pages/--disk-pages)")
+        args.variants = [v for v in args.variants if v == "base"]
     lengths = sorted(len(t) for t in work.doc_tokens.values())
     qlens = sorted(len(r.question_tokens) for a in args.alphas for r in work.runs[a][1])
     log(f"bench: {args.docs} documents of {lengths[0]}..{lengths[-1]} tokens (mean "
