@@ -91,8 +91,9 @@ class LipProcess:
         with self.lock:
             rid = self.next_id = self.next_id + 1
             self.waiting[rid] = box
-            self.proc.stdin.write(json.dumps({"id": rid, "doc": r.doc, "question": r.question,
-                                              "max_tokens": max_tokens}) + "\n")
+            self.proc.stdin.write(json.dumps({     # token ids, as vLLM gets them
+                "id": rid, "doc": r.doc, "question_tokens": r.question_tokens,
+                "max_tokens": max_tokens}) + "\n")
             self.proc.stdin.flush()
         reply = box.get(timeout=TIMEOUT_S)
         if "error" in reply:
