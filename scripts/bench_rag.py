@@ -206,7 +206,9 @@ class SymphonyRig:
             warm, timed = self.work.runs[alpha]
             submit = lambda r: lip_proc.submit(r, self.args.new_tokens)  # noqa: E731
             closed_loop(warm, self.args.clients, submit)
+            before = self.stats()
             run = closed_loop(timed, self.args.clients, submit)
+            engine = {k: v - before[k] for k, v in self.stats().items()}
         finally:
             report = lip_proc.close()
             shutil.rmtree(cache_dir, ignore_errors=True)
@@ -215,9 +217,23 @@ class SymphonyRig:
         log(f"bench: {self.budget.name} {system} alpha {alpha}: {run.seconds:.1f}s, "
             f"{run.rate():.2f} req/s, p50 {percentile(run.latencies, 50):.2f}s p99 "
             f"{percentile(run.latencies, 99):.2f}s, hits {hits}/{len(timed)}, swapped in "
-            f"{sum(r['swapped_in'] for r in run.replies)} tokens, policy "
-            f"{ {k: v for k, v in report.items() if k != 'uses'} }")
+            f"{sum(r['swapped_in'] for r in run.replies)} tokens; predd {engine['steps']} "
+            f"steps, mean batch {engine['calls'] / max(engine['steps'], 1):.1f}, step "
+            f"{engine['step_ms'] / max(engine['steps'], 1):.0f} ms, launch wait "
+            f"{engine['launch_wait_ms']:.0f} ms, {engine['tokens_computed']} tokens computed; "
+            f"policy { {k: v for k, v in report.items() if k != 'uses'} }")
         return run, report
+
+    def stats(self) -> dict:
+        """predd's counters that a run moves."""
+        import liblip as lip
+        lip.connect(self.daemon.addr)
+        try:
+            s = lip.stats()
+        finally:
+            lip.client().close()
+        return {k: s[k] for k in ("steps", "calls", "step_ms", "launch_wait_ms",
+                                  "tokens_computed")}
 
     def close(self) -> None:
         if hasattr(self, "mount"):
