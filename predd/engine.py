@@ -39,12 +39,14 @@ from predd.handlers import HANDLERS
 from predd.identity import AuthKeys, Peer, identify
 from predd.kvstore import KVStore
 from predd.limits import Limits
+from predd.memory import Memory, MemoryConfig, NoRoom
 from predd.metrics import Counters
 from predd.pool import Pool
 from predd.quota import QuotaConfig, Quotas, check_limit
 from predd.runner import Chunk, Runner
 from predd.scheduler import Plan, PlanItem, Scheduler, SchedulerConfig
 from predd.sessions import Session, Sessions
+from predd.tiers import TierStore
 from predd.tokenizer import Tokenizer
 
 Send = Callable[[bytes, dict, list[bytes]], None]
@@ -60,6 +62,7 @@ class EngineConfig:
     limits: Limits = Limits()
     trusted_uid: int = field(default_factory=os.geteuid)   # predd's own: kvfsd, the operator
     auth: AuthKeys | None = None                             # tcp tokens (--auth-keys)
+    memory: MemoryConfig = MemoryConfig()                     # tiers, pins, admission
 
 
 class Engine:
@@ -70,12 +73,17 @@ class Engine:
         self.config = config
         self.send = send
         self.log = log
-        self.pool = Pool(runner.config.kv_pages, runner.config.page_size)
-        self.quotas = Quotas(config.quota, self.pool.num_pages, config.trusted_uid)
-        self.store = KVStore(self.pool, runner.cache, on_resize=self.quotas.resized)
+        m = config.memory
+        self.pool = Pool(runner.config.kv_pages, runner.config.page_size, m.host_pages,
+                         m.disk_pages)
+        self.quotas = Quotas(config.quota, sum(self.pool.capacity), config.trusted_uid)
+        self.tiers = TierStore(self.pool, runner.cache, m.swap_dir)
+        self.store = KVStore(self.pool, self.tiers, on_resize=self.quotas.resized)
         self.caps = Capabilities(self._free_object)
         self.sessions = Sessions(config.lease_s)
-        self.scheduler = Scheduler(config.scheduler)
+        self.scheduler = Scheduler(config.scheduler, on_leave=self._left)
+        self.memory = Memory(m, self.store, self.tiers, self.scheduler.admitted,
+                             lambda oid: self.quotas.charges[oid].uid)
         self.deferred = Deferred()
         self.counters = Counters()
         self.vocab: int = runner.model_config.vocab_size
@@ -237,15 +245,30 @@ class Engine:
         problems += self.quotas.verify(self.store.objects)
         problems += self.scheduler.check()
         problems += self.deferred.check(self.sessions)
+        problems += self.memory.check()
+        held = sum(c.promised for c in self.scheduler.all_calls())
+        if held != self.pool.held:
+            problems.append(f"{self.pool.held} pages held back, calls promised {held}")
         return problems
 
     # ------------------------------------------------------------ calls
 
-    def _admit(self, call: Call) -> bool:
-        """Reserve what the call needs, all or nothing; on any error reply it to this
-        call alone (the object is as it was) and refuse it."""
+    def _admit(self, call: Call) -> bool | None:
+        """Reserve what the call needs, all or nothing. With no room on the device yet
+        it waits (None: asked again next step) up to `admit_wait_s` from its arrival;
+        then, or on any other error, reply it to this call alone (the object is as it
+        was) and refuse it."""
         try:
-            calls.admit(call, self.store, self.quotas, self.limits)
+            calls.admit(call, self.store, self.quotas, self.limits, self.memory)
+        except NoRoom as exc:
+            waited = time.monotonic() - call.arrival
+            if not exc.permanent and waited < self.config.memory.admit_wait_s:
+                if not call.waited:
+                    call.waited = True
+                    self.counters.admission_waits += 1
+                return None
+            self._reply(call.identity, call.rid, ErrorReply.of(exc))
+            return False
         except Exception as exc:
             self._reply(call.identity, call.rid, self._errno(exc, f"call {call.rid}"))
             return False
@@ -257,6 +280,11 @@ class Engine:
         self.counters.queue_wait_s += waited
         self.counters.queue_hist.observe(waited * 1e3)
         return True
+
+    def _left(self, call: Call) -> None:
+        """A call left the queue (done, failed, dropped): its unused promise is free."""
+        self.memory.draw(call.promised)
+        call.promised = 0
 
     def _fail(self, call: Call, exc: Exception) -> None:
         """Fail one call alone: it leaves the queue with its error, and its object is put
@@ -386,7 +414,7 @@ class Engine:
         reason = outputs.stop_reason(call, token, self.tokenizer.decode,
                                      full=obj.length + 1 > self.limits.context)
         if reason is None:
-            reason = calls.extend(call, token, self.store, self.quotas)
+            reason = calls.extend(call, token, self.store, self.quotas, self.memory)
         if reason is None:
             if call.stream:
                 self._reply(call.identity, call.rid,

@@ -36,5 +36,6 @@ class Counters:
     requests: int = 0
     errors: int = 0
     throttled: int = 0        # EAGAIN replies (rate, calls in flight, sessions)
+    admission_waits: int = 0  # calls that waited for room on the device
     queue_hist: Histogram = field(default_factory=Histogram)   # per admitted call
     step_hist: Histogram = field(default_factory=Histogram)    # per forward pass

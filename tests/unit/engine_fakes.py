@@ -32,6 +32,11 @@ ME = Peer(f"localhost:{os.geteuid()}:{os.getegid()}:{os.getpid()}",
 CONTEXT = 256
 
 
+def still(stat: dict) -> dict:
+    """A kv_stat reply without its clock (`idle_s`): what must not change."""
+    return {k: v for k, v in stat.items() if k != "idle_s"}
+
+
 class FakeCache(FakePages):
     bytes_per_page = 1024
 
