@@ -164,7 +164,7 @@ class Harness:
 
     def kv_of(self, cap: str) -> np.ndarray:
         obj = self.engine.store.get(self.engine.caps.lookup(cap).oid)
-        return self.runner.cache.read_slots(self.engine.store.slots(obj))
+        return self.engine.tiers.read_slots(self.engine.store.slots(obj))
 
     def free_pages(self) -> int:
         return self.engine.pool.free_pages
