@@ -1,6 +1,7 @@
 """`predd`: serve a model's pred() to LIPs over ZeroMQ.
 
-    predd [--model PATH] [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--kv-pages N]
+    predd [--model PATH] [--device cpu|cuda] [--dtype auto|float32|bfloat16]
+          [--attention auto|torch|flashinfer] [--kv-pages N]
           [--page-size N] [--addr ADDR] [--rundir DIR] [--max-step-tokens N]
           [--max-batch N] [--lease S] [--threads N] [--session-quota PAGES]
           [--uid-quota PAGES] [--latency-factor F] [--auth-keys FILE]
@@ -22,7 +23,7 @@ from predd.identity import AuthKeys, check_endpoint
 from predd.loader import default_model_path
 from predd.memory import MemoryConfig
 from predd.quota import QuotaConfig
-from predd import dtype
+from predd import attention, dtype
 from predd.dtype import DTYPES
 from predd.runner import Runner, RunnerConfig
 from predd.scheduler import SchedulerConfig
@@ -38,6 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                     help="auto (default): bfloat16 where the hardware computes it "
                     "natively, float32 otherwise")
+    ap.add_argument("--attention", default="auto", choices=attention.CHOICES,
+                    help="attention backend; auto (default): flashinfer on CUDA where it "
+                    "is installed and the dtype is bf16/fp16, torch otherwise")
     ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")
@@ -108,8 +112,15 @@ def main(argv: list[str] | None = None) -> int:
         log(f"--model {model_path}: no such file or directory (ENOENT)")
         return 2
     dtype_name, dtype_reason = dtype.resolve(args.dtype, args.device)
+    try:
+        backend, backend_reason = attention.resolve(args.attention, args.device, dtype_name)
+    except ValueError as exc:
+        log(str(exc))
+        return 2
+    log(f"attention {backend} ({backend_reason})")
     runner = Runner(RunnerConfig(model_path, args.device, dtype_name, dtype_reason,
-                                 args.kv_pages, args.page_size, threads=args.threads),
+                                 args.kv_pages, args.page_size, backend,
+                                 threads=args.threads),
                     progress=log)
     tokenizer = load_tokenizer(model_path)
     config = EngineConfig(args.lease,
