@@ -159,9 +159,11 @@ class KvPolicy(Request):
 
 @dataclass
 class IoWait(Request):
-    """The session waits on I/O (`on`) or is back: while it waits, the objects it holds
-    capabilities to are the first to move down a tier."""
+    """The session waits on I/O (`on`) or is back: while it waits, the objects of `caps`
+    (by default every object the session holds a capability to) are the first to move
+    down a tier; a call on one ends its wait."""
     on: bool = True
+    caps: list[str] = field(default_factory=list)
     op: ClassVar[str] = "io_wait"
 
 

@@ -183,7 +183,9 @@ def kv_policy(e: Engine, s: Session, r: p.KvPolicy, extra: list[bytes],
 
 def io_wait(e: Engine, s: Session, r: p.IoWait, extra: list[bytes],
             now: float) -> p.EmptyReply:
-    oids = {cap.oid for cap in e.caps.of_session(s.sid)}
+    e.limits.count("io_wait.caps", r.caps, e.limits.merge_caps)
+    oids = {e.caps.lookup(token).oid for token in r.caps} if r.caps else \
+        {cap.oid for cap in e.caps.of_session(s.sid)}
     e.memory.io_wait([e.store.get(oid) for oid in oids], r.on)
     return p.EmptyReply()
 

@@ -160,6 +160,17 @@ def test_caches_of_a_session_waiting_on_io_move_down_first(tmp_path):
     h.clean()
 
 
+def test_io_wait_naming_caches_marks_those_alone(tmp_path):
+    h = tiered(tmp_path)
+    old = cache(h, A, doc(0))
+    named = cache(h, A, doc(1))
+    h.ok(A, "io_wait", on=True, caps=[named])
+    cache(h, A, doc(2))
+    assert tiers_of(h, named) == [HOST] * 4 and tiers_of(h, old) == [DEVICE] * 4
+    assert h.call(A, "io_wait", on=True, caps=["f" * 32])["error"]["code"] == "EBADF"
+    h.clean()
+
+
 def test_a_call_with_no_room_waits_in_the_queue_and_runs_when_room_comes():
     h = Harness(kv_pages=4, page_size=4)
     kv_a = cache(h, A, doc(0))                               # all 4 pages
