@@ -69,8 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="where the disk tier's file goes (default RUNDIR/swap); it is "
                     "unlinked as soon as it is opened")
     ap.add_argument("--pin-quota", type=int, default=None, metavar="PAGES",
-                    help="device pages one uid may pin (default: half the pool; "
-                    "EDQUOT beyond)")
+                    help="device pages one uid may pin (default: a quarter of the pool; "
+                    "all uids together at most half; EDQUOT beyond)")
     ap.add_argument("--admit-wait", type=float, default=10.0, metavar="S",
                     help="seconds a call waits for room on the device before it fails "
                     "with ENOSPC (default 10)")

@@ -14,8 +14,10 @@ Rules (the pool and the tier store do the moves; this module decides them):
   used (a page is as recent as its most recent holder); once one page of an object is
   chosen, the rest of that object's go with it.
 * Pins: a pinned object is brought to the device and never moves down. A uid may pin
-  at most `pin_pages` device pages (EDQUOT beyond, at pin time; a pinned object may
-  still grow by its own calls).
+  at most `pin_pages` device pages (default a quarter of the pool), and all uids
+  together half the pool (EDQUOT beyond, at pin time; a pinned object may still grow by
+  its own calls): half the device always stays movable, so pins cannot wedge the calls
+  of others.
 * Promises: a generate is admitted only if the device can hold everything it may still
   write (`promise`); those pages are held back from every other allocation (`pool.held`)
   and drawn as it grows, so two admitted calls never wait on each other for memory.
@@ -38,7 +40,7 @@ class MemoryConfig:
     host_pages: int = 0
     disk_pages: int = 0
     swap_dir: str | None = None       # where the disk tier's file goes (None: $TMPDIR)
-    pin_pages: int | None = None      # device pages one uid may pin; None: half the pool
+    pin_pages: int | None = None      # device pages one uid may pin; None: a quarter
     admit_wait_s: float = 10.0        # a call waits this long for memory, then ENOSPC
 
 
@@ -68,8 +70,9 @@ class Memory:
         self.tiers = tiers
         self.in_flight = in_flight
         self.uid_of = uid_of
-        self.pin_pages = (self.pool.num_pages // 2 if config.pin_pages is None
+        self.pin_pages = (self.pool.num_pages // 4 if config.pin_pages is None
                           else config.pin_pages)
+        self.pin_total = self.pool.num_pages // 2
         self.protected: set[int] = set()
         self.moves = Moves()
         self.pool.reclaim = self.reclaim
@@ -208,12 +211,17 @@ class Memory:
             obj.pinned = on
             return
         uid = self.uid_of(obj.oid)
-        pinned = sum(len(o.pages) for o in self.store.objects.values()
-                     if o.pinned and self.uid_of(o.oid) == uid)
-        if pinned + len(obj.pages) > self.pin_pages:
-            raise ProtocolError("EDQUOT", f"uid {uid} has {pinned} pages pinned; pinning "
+        pinned = [o for o in self.store.objects.values() if o.pinned]
+        mine = sum(len(o.pages) for o in pinned if self.uid_of(o.oid) == uid)
+        if mine + len(obj.pages) > self.pin_pages:
+            raise ProtocolError("EDQUOT", f"uid {uid} has {mine} pages pinned; pinning "
                                 f"{len(obj.pages)} more passes the pin quota of "
                                 f"{self.pin_pages}")
+        total = sum(len(o.pages) for o in pinned)
+        if total + len(obj.pages) > self.pin_total:
+            raise ProtocolError("EDQUOT", f"{total} pages are pinned; pinning "
+                                f"{len(obj.pages)} more passes the limit of {self.pin_total}"
+                                " (half the device pool) for all users together")
         self.bring_in(obj)
         obj.pinned = True
 

@@ -92,10 +92,10 @@ def test_evict_then_pred_gives_bit_exact_logits_and_reports_the_swap(small):
 def test_a_pinned_cache_stays_on_the_device_under_pressure(small):
     lip = small
     hot = lip.kv_create()
-    lip.prefill(hot, doc(20))
+    lip.prefill(hot, doc(20)[:120])         # 8 pages: the pin quota, a quarter of 32
     assert lip.kv_policy(hot, pin=True)["pinned"] is True
     others = []
-    for i in range(3):                      # 48 more pages through a 32-page device
+    for i in range(3):                      # 48 more pages through the 24 left
         kv = lip.kv_create()
         lip.prefill(kv, doc(21 + i))
         others.append(kv)
@@ -103,7 +103,7 @@ def test_a_pinned_cache_stays_on_the_device_under_pressure(small):
     with pytest.raises(liblip.LipError) as err:
         lip.kv_policy(hot, evict=True)
     assert err.value.code == "EBUSY"
-    with pytest.raises(liblip.LipError) as err:   # 16 pinned + 16 > 16, half the pool
+    with pytest.raises(liblip.LipError) as err:   # 8 pinned + 16 > 8, a quarter
         lip.kv_policy(others[-1], pin=True)
     assert err.value.code == "EDQUOT"
     lip.kv_policy(hot, pin=False)

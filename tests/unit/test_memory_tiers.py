@@ -135,6 +135,22 @@ def test_pinned_caches_never_move_and_pins_past_the_quota_get_edquot(tmp_path):
     h.clean()
 
 
+def test_a_pin_flood_stops_at_half_the_pool_and_the_others_keep_being_served(tmp_path):
+    h = tiered(tmp_path, pin_pages=8)                       # the uid may pin all 8...
+    first = cache(h, A, doc(0))
+    h.ok(A, "kv_policy", cap=first, pin=True)
+    flood = [cache(h, A, doc(i)) for i in range(1, 4)]
+    for kv in flood:                                        # ...but all uids only 4
+        assert h.call(A, "kv_policy", cap=kv, pin=True)["error"] == {
+            "code": "EDQUOT", "message": "4 pages are pinned; pinning 4 more passes the "
+            "limit of 4 (half the device pool) for all users together"}
+    kv_b = cache(h, B, doc(9))                              # B is served: room is made
+    assert h.ok(B, "generate", cap=kv_b, tokens=[1], max_tokens=2, stop=[],
+                stream=False)["generated"] == 2
+    assert tiers_of(h, first) == [DEVICE] * 4
+    h.clean()
+
+
 def test_pin_needs_a_writable_capability_and_evict_needs_somewhere_to_go(tmp_path):
     h = Harness(kv_pages=8, page_size=4)
     kv = cache(h, A, doc(0))
