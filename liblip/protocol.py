@@ -399,6 +399,7 @@ class StatsReply(Reply):
     pages_moved_down: int
     pages_moved_up: int
     bytes_moved: int
+    time_ms: dict              # {schedule, prepare, forward, outputs, requests}: B4's split
     queue_wait_hist: dict      # {le_ms: [bounds], cumulative: [counts..., +inf], sum_ms}
     step_hist: dict
     uptime_s: float

@@ -101,6 +101,13 @@ class Engine:
 
     def handle(self, identity: bytes, frames: list[bytes], now: float, peer: Peer) -> None:
         """Answer one raw message from `peer` (or queue it); never raises."""
+        started = time.perf_counter()
+        try:
+            self._handle(identity, frames, now, peer)
+        finally:
+            self.counters.time_s["requests"] += time.perf_counter() - started
+
+    def _handle(self, identity: bytes, frames: list[bytes], now: float, peer: Peer) -> None:
         self.counters.requests += 1
         rid = None
         try:
@@ -307,7 +314,9 @@ class Engine:
 
     def step(self) -> bool:
         """Run one batch if any call is ready; whether one ran."""
+        started = time.perf_counter()
         plan = self.scheduler.schedule(self._admit)
+        self.counters.time_s["schedule"] += time.perf_counter() - started
         if not plan.items:
             self.replay_deferred(time.monotonic())
             return False
@@ -329,6 +338,8 @@ class Engine:
         """Run a plan, commit what completed, reply. A call that fails (building its
         chunk, in the forward pass, picking its token) fails alone; `settled` collects
         the calls answered for good."""
+        times = self.counters.time_s
+        prepared = time.perf_counter()
         items, chunks = [], []
         for item in plan.items:
             try:
@@ -338,8 +349,11 @@ class Engine:
                 settled.add(item.call.cid)
                 self._fail(item.call, exc)
         started = time.monotonic()
+        times["prepare"] += time.perf_counter() - prepared
         results = self._execute(chunks)
         elapsed = time.monotonic() - started
+        times["forward"] += elapsed
+        finishing = time.perf_counter()
         ran: list[PlanItem] = []
         for item, out in zip(items, results):
             call = item.call
@@ -368,6 +382,7 @@ class Engine:
         ran = [i for i in ran if i.call.cid not in failed]
         self._count_step(ran, elapsed)
         self.scheduler.update(Plan(ran), finished, time.monotonic(), elapsed)
+        times["outputs"] += time.perf_counter() - finishing
 
     def _chunk(self, item: PlanItem) -> Chunk:
         """The runner's view of one call's chunk: it attends to the object's entries, the

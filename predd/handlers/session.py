@@ -73,6 +73,7 @@ def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> 
         admission_waits=c.admission_waits, tiers=e.memory.stats(),
         pages_moved_down=e.memory.moves.down, pages_moved_up=e.memory.moves.up,
         bytes_moved=e.memory.moves.bytes,
+        time_ms={k: round(v * 1e3, 3) for k, v in c.time_s.items()},
         queue_wait_hist=c.queue_hist.wire(), step_hist=c.step_hist.wire(),
         uptime_s=round(time.monotonic() - e.started, 3))
 
