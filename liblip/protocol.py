@@ -149,8 +149,8 @@ class KvStat(Request):
 
 @dataclass
 class KvPolicy(Request):
-    """Memory policy for an object: pin it on the device (rights rw), unpin it, or move
-    it down a tier now (`evict`, rights r)."""
+    """Memory policy for an object (rights rw): pin it on the device, unpin it, or move
+    it down a tier now (`evict`)."""
     cap: str = ""
     pin: bool | None = None
     evict: bool = False

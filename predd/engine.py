@@ -238,6 +238,7 @@ class Engine:
             self._reply(held.identity, held.request.rid, freed)
         self.scheduler.forget(oid)
         self.quotas.forget(oid)
+        self.memory.forget(oid)
         self.store.free(oid)
 
     def fsck(self) -> list[str]:

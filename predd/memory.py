@@ -74,6 +74,7 @@ class Memory:
                           else config.pin_pages)
         self.pin_total = self.pool.num_pages // 2
         self.protected: set[int] = set()
+        self.pinned: dict[int, KVObject] = {}   # oid -> pinned object
         self.moves = Moves()
         self.pool.reclaim = self.reclaim
 
@@ -209,9 +210,11 @@ class Memory:
     def pin(self, obj: KVObject, on: bool) -> None:
         if not on or obj.pinned:
             obj.pinned = on
+            if not on:
+                self.pinned.pop(obj.oid, None)
             return
         uid = self.uid_of(obj.oid)
-        pinned = [o for o in self.store.objects.values() if o.pinned]
+        pinned = list(self.pinned.values())
         mine = sum(len(o.pages) for o in pinned if self.uid_of(o.oid) == uid)
         if mine + len(obj.pages) > self.pin_pages:
             raise ProtocolError("EDQUOT", f"uid {uid} has {mine} pages pinned; pinning "
@@ -224,6 +227,11 @@ class Memory:
                                 " (half the device pool) for all users together")
         self.bring_in(obj)
         obj.pinned = True
+        self.pinned[obj.oid] = obj
+
+    def forget(self, oid: int) -> None:
+        """An object is freed."""
+        self.pinned.pop(oid, None)
 
     def io_wait(self, objs: list[KVObject], on: bool) -> None:
         for obj in objs:
@@ -243,5 +251,9 @@ class Memory:
                 for t, name in enumerate(TIER_NAMES)}
 
     def check(self) -> list[str]:
-        return [f"pinned object {o.oid} has pages off the device"
-                for o in self.store.objects.values() if o.pinned and self.off_device(o)]
+        pinned = {o.oid for o in self.store.objects.values() if o.pinned}
+        problems = [f"pinned object {oid} has pages off the device"
+                    for oid in pinned if self.off_device(self.store.objects[oid])]
+        if pinned != set(self.pinned):
+            problems.append(f"pinned objects {sorted(pinned)}, listed {sorted(self.pinned)}")
+        return problems

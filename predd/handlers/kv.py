@@ -169,8 +169,9 @@ def kv_import(e: Engine, s: Session, r: p.KvImport, extra: list[bytes],
 
 def kv_policy(e: Engine, s: Session, r: p.KvPolicy, extra: list[bytes],
               now: float) -> p.KvReply:
-    """Pin (rw), unpin (rw) or evict (r) an object: predd/memory.py."""
-    cap = e.caps.lookup(r.cap, write=r.pin is not None)
+    """Pin, unpin or evict an object (rw: it changes where others' shared pages live
+    too): predd/memory.py."""
+    cap = e.caps.lookup(r.cap, write=True)
     if r.pin is not None and r.evict:
         raise ProtocolError("EINVAL", "kv_policy: pin and evict together")
     obj = e.store.get(cap.oid)

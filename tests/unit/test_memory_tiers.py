@@ -151,11 +151,12 @@ def test_a_pin_flood_stops_at_half_the_pool_and_the_others_keep_being_served(tmp
     h.clean()
 
 
-def test_pin_needs_a_writable_capability_and_evict_needs_somewhere_to_go(tmp_path):
+def test_policy_needs_a_writable_capability_and_evict_needs_somewhere_to_go(tmp_path):
     h = Harness(kv_pages=8, page_size=4)
     kv = cache(h, A, doc(0))
     ro = h.ok(A, "kv_fork", cap=kv, rights="r")["cap"]
     assert h.call(A, "kv_policy", cap=ro, pin=True)["error"]["code"] == "EACCES"
+    assert h.call(A, "kv_policy", cap=ro, evict=True)["error"]["code"] == "EACCES"
     assert h.call(A, "kv_policy", cap=kv, pin=True, evict=True)["error"]["code"] == "EINVAL"
     assert h.call(A, "kv_policy", cap=kv, evict=True)["error"] == {
         "code": "ENOSPC", "message": "no host or disk tier to move the cache to "
