@@ -33,7 +33,7 @@ def test_a_cache_on_disk_is_fsynced_and_restored_bit_exact(tmp_path):
         with lip.kv_open(f"{m}/a.kv", write=True) as kv:
             lip.prefill(kv, tokens)
         want = logits_of(lip, f"{m}/a.kv", 42)
-        with lip.kv_open(f"{m}/a.kv") as kv:
+        with lip.kv_open(f"{m}/a.kv", write=True) as kv:
             assert lip.kv_policy(kv, evict=True)["tier"] == "disk"
         assert sh("sync a.kv", cwd=m).returncode == 0       # exported from the disk tier
         finish(kvfs, clear=False)
