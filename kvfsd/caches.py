@@ -243,7 +243,7 @@ class Caches:
                 if handle.backup is None:
                     await self._swap_in_empty(node, handle)
                 else:
-                    await self._empty(node)
+                    await self._truncate(node, 0)
 
     async def _fork_into(self, node: Node, desc: descriptor.Descriptor,
                          handle: Handle) -> None:
@@ -297,16 +297,17 @@ class Caches:
         node.touch()
         await self.commit()
 
-    async def _empty(self, node: Node) -> None:
-        header, _ = await self.on_cache(node, "kv_truncate", length=0)
+    async def _truncate(self, node: Node, length: int) -> None:
+        header, _ = await self.on_cache(node, "kv_truncate", length=length)
         self.seen(node, header)
         node.touch()
         await self.commit()
 
-    async def empty(self, node: Node) -> None:
-        """truncate(2) to 0."""
+    async def truncate(self, node: Node, length: int) -> None:
+        """truncate(2) to `length`: keep the cache's first `length` entries, in place
+        (predd answers EINVAL past the cache's length)."""
         async with self.locks[node.ino]:
-            await self._empty(node)
+            await self._truncate(node, length)
 
     async def restore_backup(self, handle: Handle) -> None:
         """Garbage was written after a flush emptied the cache (a shell's `echo x > a.kv`

@@ -7,7 +7,9 @@ What the calls mean (see docs/kvfs.md):
 * Writing a descriptor into a file and closing it (`cp`, `lip.kv_save`) makes the file's
   cache a copy-on-write fork of the descriptor's, at `flush`, so an error reaches
   close(2). Anything else gets EINVAL (EFBIG past 4096 bytes) and the file is left as
-  it was. `O_TRUNC` without a descriptor, or truncate(2) to 0, empties it.
+  it was. `O_TRUNC` without a descriptor empties it; truncate(2) to N keeps the
+  cache's first N entries (EINVAL past its length), while `st_size` stays the
+  descriptor's length.
 * `fsync` writes a snapshot into the state directory.
 Namespace-only calls (mkdir, rename, chmod, xattrs...) never wait for predd.
 
@@ -153,12 +155,10 @@ class KvFs(pyfuse3.Operations):
         if fields.update_size:
             if not node.is_file:
                 raise pyfuse3.FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
-            if attr.st_size == 0:
-                await self.caches.empty(node)
-                if fh in self.handles:
-                    self.handles[fh].truncate = False
-            elif attr.st_size != self._size(node):
-                raise pyfuse3.FUSEError(errno.EINVAL)   # only emptying has a meaning
+            # st_size counts entries here, not descriptor bytes: keep the first N.
+            await self.caches.truncate(node, attr.st_size)
+            if attr.st_size == 0 and fh in self.handles:
+                self.handles[fh].truncate = False     # an O_TRUNC open: emptied already
         if fields.update_mode:
             self.ns.chmod(node, attr.st_mode)
         if fields.update_uid or fields.update_gid:
