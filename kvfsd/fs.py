@@ -368,7 +368,7 @@ class KvFs(pyfuse3.Operations):
             info = self.predd.info
             value = {b"user.kv.tokens": node.tokens, b"user.kv.bytes": node.bytes,
                      b"user.kv.pages": node.pages, b"user.kv.model": info.get("model", ""),
-                     b"user.kv.tier": info.get("device", "")}[name]
+                     b"user.kv.tier": node.tier or "device"}[name]
             return str(value).encode()
         return self.ns.getxattr(node, name)
 
@@ -379,12 +379,25 @@ class KvFs(pyfuse3.Operations):
 
     @errno_boundary
     async def setxattr(self, inode, name, value, ctx):
-        self.ns.setxattr(self._node(inode), name, value)
+        node = self._node(inode)
+        xattrs.check(name, value)
+        xattrs.check_room(node.xattrs, name, node.is_file)
+        if name == xattrs.EVICT:
+            await self.caches.policy.evict(node)      # an action: nothing is stored
+            return
+        if name == xattrs.PIN:                        # predd first: a refusal stores nothing
+            await self.caches.policy.pin(node, value.strip() == b"1")
+        self.ns.setxattr(node, name, value)
+        if name == xattrs.TTL:
+            self.caches.expiry.watch(node)
         await self.commit()
 
     @errno_boundary
     async def removexattr(self, inode, name, ctx):
-        self.ns.removexattr(self._node(inode), name)
+        node = self._node(inode)
+        if name == xattrs.PIN and name in node.xattrs:
+            await self.caches.policy.pin(node, False)
+        self.ns.removexattr(node, name)
         await self.commit()
 
 

@@ -390,6 +390,8 @@ class Namespace:
 
     def setxattr(self, node: Node, name: bytes, value: bytes) -> None:
         xattrs.check(name, value)
+        if name in xattrs.ACTIONS:
+            raise _err(errno.EOPNOTSUPP, f"{show(name)} is an action, never stored")
         xattrs.check_room(node.xattrs, name, node.is_file)
         node.xattrs[name] = bytes(value)
         self.dirty.add(node.ino)              # changed in place: journal it explicitly

@@ -21,7 +21,8 @@ ROOT = 1
 
 _UNSET = object()
 # Fields that are runtime state or derived on load: changing them is not a change to save.
-UNJOURNALED = frozenset({"lookups", "opens", "journal", "order", "parent", "links"})
+UNJOURNALED = frozenset({"lookups", "opens", "journal", "order", "parent", "links",
+                         "closed_at", "tier"})
 
 
 def now_ns() -> int:
@@ -54,6 +55,8 @@ class Node:
     # runtime only
     lookups: int = 0
     opens: int = 0
+    closed_at: float = 0.0     # time.monotonic() of the release of its last open
+    tier: str = ""             # predd's tier of the cache, as last seen
     links: dict[tuple[int, bytes], None] = field(default_factory=dict)  # (dir, name)s
     journal: set[int] | None = field(default=None, repr=False, compare=False)
 

@@ -172,7 +172,9 @@ def test_xattr_rules(ns):
     assert err(ns.setxattr, a, b"user.kv.ttl", b"-1") == errno.EINVAL
     assert err(ns.setxattr, a, b"user.kv.ttl", "\u0663".encode()) == errno.EINVAL
     # In user.kv.* only the known names; outside user.* nothing.
-    assert err(ns.setxattr, a, b"user.kv.evict", b"1") == errno.EOPNOTSUPP   # reserved
+    assert err(ns.setxattr, a, b"user.kv.evict", b"1") == errno.EOPNOTSUPP   # not stored
+    check_xattr(b"user.kv.evict", b"1")                  # the FUSE layer carries it out
+    assert err(check_xattr, b"user.kv.evict", b"0") == errno.EINVAL
     assert err(ns.setxattr, a, b"user.kv.other", b"1") == errno.EOPNOTSUPP
     assert err(ns.setxattr, a, b"trusted.x", b"1") == errno.EOPNOTSUPP
     assert err(ns.setxattr, a, b"security.x", b"1") == errno.EOPNOTSUPP
