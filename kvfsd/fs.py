@@ -11,7 +11,9 @@ What the calls mean (see docs/kvfs.md):
   cache's first N entries (EINVAL past its length), while `st_size` stays the
   descriptor's length.
 * `fsync` writes a snapshot into the state directory.
-Namespace-only calls (mkdir, rename, chmod, xattrs...) never wait for predd.
+* `user.kv.pin` and `user.kv.evict` are carried out by predd (kvfsd/policy.py),
+  `user.kv.ttl` by kvfsd's timer (kvfsd/expiry.py).
+Namespace-only calls (mkdir, rename, chmod, other xattrs...) never wait for predd.
 
 Every handler goes through `errno_boundary`: whatever one request raises becomes an
 errno for that request alone (unexpected exceptions: EIO and a log line), so no input
@@ -386,8 +388,9 @@ class KvFs(pyfuse3.Operations):
             await self.caches.policy.evict(node)      # an action: nothing is stored
             return
         if name == xattrs.PIN:                        # predd first: a refusal stores nothing
-            await self.caches.policy.pin(node, value.strip() == b"1")
-        self.ns.setxattr(node, name, value)
+            await self.caches.policy.set_pin(node, value)
+        else:
+            self.ns.setxattr(node, name, value)
         if name == xattrs.TTL:
             self.caches.expiry.watch(node)
         await self.commit()
@@ -396,8 +399,9 @@ class KvFs(pyfuse3.Operations):
     async def removexattr(self, inode, name, ctx):
         node = self._node(inode)
         if name == xattrs.PIN and name in node.xattrs:
-            await self.caches.policy.pin(node, False)
-        self.ns.removexattr(node, name)
+            await self.caches.policy.set_pin(node, None)
+        else:
+            self.ns.removexattr(node, name)
         await self.commit()
 
 

@@ -37,13 +37,22 @@ class Policy:
     def __init__(self, caches: Caches) -> None:
         self.caches = caches
 
-    async def pin(self, node: Node, on: bool) -> None:
-        """Pin or unpin the file's cache (before the xattr is stored or removed)."""
-        try:
-            await self.caches.on_cache(node, "kv_policy", pin=on)
-        except pyfuse3.FUSEError as exc:
-            if exc.errno != errno.ENOSYS:
-                raise                      # ENOSYS: an older predd; a hint only
+    async def set_pin(self, node: Node, value: bytes | None) -> None:
+        """Set user.kv.pin to `value` (checked already), or remove it (None): predd
+        first, then the namespace, under the file's lock, so a cache swapped in
+        meanwhile (which takes the lock) sees the pin as it ends up."""
+        async with self.caches.locks[node.ino]:
+            if value is not None or pinned(node):
+                try:
+                    await self.caches.on_cache(node, "kv_policy",
+                                               pin=value is not None and value.strip() == b"1")
+                except pyfuse3.FUSEError as exc:
+                    if exc.errno != errno.ENOSYS:
+                        raise              # ENOSYS: an older predd; a hint only
+            if value is None:
+                self.caches.ns.removexattr(node, PIN)
+            else:
+                self.caches.ns.setxattr(node, PIN, value)
 
     async def evict(self, node: Node) -> None:
         try:
