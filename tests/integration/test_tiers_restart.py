@@ -35,6 +35,7 @@ def test_a_cache_on_disk_is_fsynced_and_restored_bit_exact(tmp_path):
         want = logits_of(lip, f"{m}/a.kv", 42)
         with lip.kv_open(f"{m}/a.kv", write=True) as kv:
             assert lip.kv_policy(kv, evict=True)["tier"] == "disk"
+        assert sh("getfattr -n user.kv.tier --only-values a.kv", cwd=m).stdout == "disk"
         assert sh("sync a.kv", cwd=m).returncode == 0       # exported from the disk tier
         finish(kvfs, clear=False)
         lip.client().close()
