@@ -35,9 +35,13 @@ demo: setup
 bench-setup: setup
 	bash scripts/bench_setup.sh
 
+# B2 (RAG) runs as its --quick smoke: its full run (`$(PY) scripts/bench_rag.py`) takes
+# well over 15 minutes on a 2-core CPU. B3 (fork) runs in full.
 bench: setup
 	$(PY) scripts/bench_completion.py
 	$(PY) scripts/bench_fairness.py
+	$(PY) scripts/bench_rag.py --quick
+	$(PY) scripts/bench_fork.py
 
 # Caches and build output only; run/ is skipped since it may hold a live mount.
 clean:

@@ -23,13 +23,10 @@ per comparison: ratios, not timed asserts.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import platform
 import random
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -38,12 +35,13 @@ from typing import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench_vllm  # noqa: E402  (scripts/, beside this file)
+from bench_common import best_of, log, machine, start_predd  # noqa: E402
+from bench_common import result as emit  # noqa: E402
 
 WORDS = ("the a cache page token model program fork kernel batch prompt system user "
          "river mountain city music memory garden light window story number").split()
 KV_PAGES, PAGE_SIZE, STEP_TOKENS = 1024, 16, 2048    # predd's; vLLM gets the same budget
 START_TIMEOUT_S = 600
-log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
 
 def make_prompts(n: int, seed: int = 0) -> list[str]:
@@ -180,10 +178,6 @@ def vllm_http(url: str, n_new: int) -> Workload:
     return Workload(lambda: None, prepare)
 
 
-def best_of(repeat: int, measure: Callable[[], tuple[float, list]]) -> tuple[float, list]:
-    return min((measure() for _ in range(repeat)), key=lambda r: r[0])
-
-
 # ------------------------------------------------------------------ the systems
 
 def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
@@ -291,12 +285,8 @@ def measure_transformers(args, prompts: list[list[int]]) -> dict:
 # ------------------------------------------------------------------ report
 
 def result(args, bench: str, ours: float, baseline: str, theirs: float, **extra) -> None:
-    print("RESULT " + json.dumps({
-        "bench": bench, "metric": "tokens_per_s", "symphony": round(ours, 1),
-        "baseline": baseline, "baseline_value": round(theirs, 1),
-        "ratio": round(ours / theirs, 3), **extra, "dtype": args.dtype,
-        "new_tokens": args.new_tokens, "hardware": f"{platform.machine()} {os.cpu_count()} cpu"}),
-        flush=True)
+    emit(bench, "tokens_per_s", ours, baseline, theirs, **extra,
+         dtype=args.dtype, new_tokens=args.new_tokens)
 
 
 def report(args, ours: dict, vllm: dict, hf: dict) -> None:
@@ -355,16 +345,12 @@ def main() -> int:
     if bad or min(args.programs) < 1:
         ap.error(f"unknown or bad values: {sorted(bad) or args.programs}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from predd import dtype, launch
-    args.dtype, why = dtype.resolve(args.dtype, "cpu")
-    flags = sorted(f for f in dtype.cpu_flags() if f.startswith(("avx", "amx")))
-    log(f"bench: dtype {args.dtype} ({why}); CPU flags: {' '.join(flags)}")
+    args.dtype = machine(args.dtype)
 
     log(f"bench: starting predd ({args.dtype}) ...")
-    daemon = launch.start(tempfile.mkdtemp(prefix="symphony-bench-"), "--dtype", args.dtype,
-                          "--kv-pages", str(KV_PAGES), "--page-size", str(PAGE_SIZE),
-                          "--max-step-tokens", str(STEP_TOKENS),
-                          "--max-batch", str(max(64, *args.programs)))
+    daemon = start_predd("--dtype", args.dtype, "--kv-pages", str(KV_PAGES),
+                         "--page-size", str(PAGE_SIZE), "--max-step-tokens", str(STEP_TOKENS),
+                         "--max-batch", str(max(64, *args.programs)))
     try:
         import liblip as lip
         lip.connect(daemon.addr)

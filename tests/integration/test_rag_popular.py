@@ -1,0 +1,148 @@
+"""mount_examples/rag_popular.py (the B2 benchmark's LIP) as a real process on a real
+predd and a real kvfsd mount: its policy (count uses, pin the hot, rm the cold), one
+prefill per document however many requests race for it, and what its answers cost."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.examples_fixtures import EXAMPLES, LineReader, example_env
+from tests.integration.kvfs_fixtures import eventually
+
+DOCS = {          # about five pages each; gamma no longer than beta
+    "alpha": "The harbor opens at dawn. Boats bring fish, salt and copper to the market, "
+             "and the traders weigh every crate on the old iron scale by the gate. By "
+             "noon the square is full of voices, carts and gulls, and the bells ring twice.",
+    "beta": "Glaciers move slowly down the valley, carving the rock and leaving long ridges "
+            "of stones behind them. In spring the meltwater fills the lakes below, and the "
+            "shepherds lead their flocks up to the high meadows until the first snow.",
+    "gamma": "The archive keeps old maps of the canyon and letters from the first pilots. "
+             "Visitors may read them in the quiet hall on the second floor, where the "
+             "lamps stay lit all night and the clerks write down every request.",
+}
+QUESTION = "What does the document describe?"
+NEW = 4
+
+
+class Lip:
+    """rag_popular.py, started on the mount; one JSON line per request."""
+
+    def __init__(self, tmp_path, kvfs, *args: str) -> None:
+        docs = tmp_path / "docs"
+        docs.mkdir(exist_ok=True)
+        for name, text in DOCS.items():
+            (docs / f"{name}.txt").write_text(text)
+        self.report = tmp_path / "report.json"
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(EXAMPLES, "rag_popular.py"), "--docs", str(docs),
+             "--dir", kvfs.path("rag"), "--report", str(self.report), *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=example_env())
+        self.out = LineReader(self.proc.stdout)
+        self.answers: dict[int, dict] = {}
+
+    def send(self, rid: int, **fields) -> None:
+        self.proc.stdin.write(json.dumps({"id": rid, **fields}) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, rid: int) -> dict:
+        """The answer to request `rid` (answers come in the order they finish)."""
+        while rid not in self.answers:
+            msg = json.loads(self.out.wait_for('"id":'))
+            self.answers[msg["id"]] = msg
+        return self.answers.pop(rid)
+
+    def ask(self, rid: int, doc: str) -> dict:
+        self.send(rid, doc=doc, question=QUESTION, max_tokens=NEW)
+        return self.reply(rid)
+
+    def close(self) -> dict:
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=60) == 0
+        return json.loads(self.report.read_text())
+
+
+def sizes(lip) -> tuple[dict, int, int]:
+    """Each document's tokens, the question's tokens, the page size."""
+    if EXAMPLES not in sys.path:          # imported by name: its dataclasses need that
+        sys.path.insert(0, EXAMPLES)
+    import rag_popular as rag
+    docs = {n: rag.prompt(t, QUESTION) for n, t in DOCS.items()}
+    q = {len(qt) for _, qt in docs.values()}
+    assert len(q) == 1
+    return {n: len(d) for n, (d, _) in docs.items()}, q.pop(), lip.info()["page_size"]
+
+
+@pytest.mark.slow
+def test_keeps_the_popular_documents_and_removes_the_cold(kvfs, lip, tmp_path):
+    tokens, q, page = sizes(lip)
+    pages = {n: -(-t // page) for n, t in tokens.items()}
+    own = -(-(page - 1 + q + NEW) // page)
+    pool = pages["alpha"] + pages["beta"] + own            # room for two documents
+    assert pages["alpha"] <= pool // 2 < pages["alpha"] + pages["gamma"] <= pool - own
+    assert pages["gamma"] <= pages["beta"]
+    used = lip.stats()["pages_used"]
+    rag = Lip(tmp_path, kvfs, "--pool-pages", str(pool), "--pin", "0.5")
+    order = ["alpha", "alpha", "beta", "gamma", "beta", "alpha"]
+    replies = [rag.ask(i, doc) for i, doc in enumerate(order)]
+    report = rag.close()
+
+    assert [r["hit"] for r in replies] == [False, True, False, False, False, True]
+    assert [r["doc_computed"] for r in replies] == [
+        tokens["alpha"], 0, tokens["beta"], tokens["gamma"], tokens["beta"], 0]
+    for r, doc in zip(replies, order):
+        assert (r["doc_tokens"], r["question_tokens"]) == (tokens[doc], q)
+        assert r["computed"] == q + NEW - 1                # the question and the answer only
+        assert len(r["tokens"]) == NEW
+    # gamma pushed out beta (1 use; alpha, 2 uses, pinned), then beta pushed out gamma
+    assert report["removed"] == 2
+    assert (report["hits"], report["misses"]) == (2, 4)
+    assert report["uses"] == {"alpha": 3, "beta": 2, "gamma": 1}
+    assert report["pinned"] == ["alpha"]
+    assert report["files"] == ["alpha", "beta"]
+    assert report["max_pages"] <= pool
+    assert sorted(os.listdir(kvfs.path("rag"))) == ["alpha.kv", "beta.kv"]
+    assert int(os.getxattr(kvfs.path("rag", "beta.kv"), "user.kv.tokens")) == tokens["beta"]
+    # what is left in predd is the two files' caches, nothing of the requests
+    want = used + pages["alpha"] + pages["beta"]
+    assert eventually(lambda: lip.stats()["pages_used"] == want), lip.stats()["pages_used"]
+
+
+@pytest.mark.slow
+def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip, tmp_path):
+    tokens, q, _ = sizes(lip)
+    rag = Lip(tmp_path, kvfs)
+    for rid in range(4):                                    # all in flight at once
+        rag.send(rid, doc="gamma", question=QUESTION, max_tokens=NEW)
+    replies = [rag.reply(rid) for rid in range(4)]
+    rag.send(10, doc="nope", question=QUESTION)
+    rag.send(11, doc=3, question=QUESTION)
+    rag.send(12, doc="gamma", question=QUESTION, max_tokens=0)
+    errors = [rag.reply(rid) for rid in (10, 11, 12)]
+    after = rag.ask(13, "gamma")
+    report = rag.close()
+
+    assert sorted(r["doc_computed"] for r in replies) == [0, 0, 0, tokens["gamma"]]
+    assert sum(r["hit"] for r in replies) == 3
+    assert len({tuple(r["tokens"]) for r in replies}) == 1     # the same question, greedy
+    assert [e["error"] for e in errors] == ["ENOENT", "EINVAL", "EINVAL"]
+    assert (after["hit"], after["doc_computed"], after["tokens"]) == \
+        (True, 0, replies[0]["tokens"])
+    assert (report["hits"], report["misses"], report["removed"]) == (4, 1, 0)
+
+
+@pytest.mark.slow
+def test_no_cache_prefills_every_request(kvfs, lip, tmp_path):
+    tokens, q, _ = sizes(lip)
+    rag = Lip(tmp_path, kvfs, "--no-cache")
+    replies = [rag.ask(i, "alpha") for i in range(2)]
+    report = rag.close()
+    for r in replies:
+        assert (r["hit"], r["doc_computed"]) == (False, tokens["alpha"])
+        assert r["computed"] == tokens["alpha"] + q + NEW - 1
+    assert replies[0]["tokens"] == replies[1]["tokens"]
+    assert not os.path.exists(kvfs.path("rag"))
+    assert report["files"] == [] and report["misses"] == 0
