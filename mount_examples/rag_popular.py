@@ -5,6 +5,7 @@ A long-running LIP: requests as JSON lines on stdin, answers as JSON lines on st
 one thread per request:
 
     in:  {"id": 7, "doc": "d12", "question": "What ...?", "max_tokens": 32}
+         ("question_tokens": [...] instead of "question": its user turn, tokenized)
     out: {"id": 7, "tokens": [...], "hit": true, "doc_tokens": 402,
           "question_tokens": 21, "doc_computed": 0, "computed": 52, "swapped_in": 0}
          {"id": 7, "error": "ENOSPC", "message": "..."}
@@ -306,36 +307,56 @@ class Server:
             sys.stdout.write(line)
             sys.stdout.flush()
 
-    def tokens(self, name: str, question: str) -> tuple[list[int], list[int]]:
+    def tokens(self, msg: dict) -> tuple[str, list[int], list[int]]:
+        """The request's document name, the document's tokens (templated once) and the
+        question's: `question_tokens` as given (a front end that tokenized them), or
+        `question` templated here."""
+        name, question, given = msg.get("doc"), msg.get("question"), msg.get("question_tokens")
+        if not isinstance(name, str) or not (isinstance(question, str) or (
+                isinstance(given, list) and all(isinstance(t, int) for t in given))):
+            raise lip.LipError("EINVAL", "want doc: str and question: str or "
+                               "question_tokens: [int]")
         if name not in self.docs:
             raise lip.LipError("ENOENT", f"no document {name!r}")
         with self.lock:
             known = self.doc_tokens.get(name)
-        doc, q = prompt(self.docs[name], question, known)
-        with self.lock:
-            self.doc_tokens.setdefault(name, doc)
-        return doc, q
+        if known is None:
+            known = system_prefix(system_for(self.docs[name]))
+            with self.lock:
+                self.doc_tokens.setdefault(name, known)
+        if isinstance(given, list):
+            return name, known, given
+        return name, *prompt(self.docs[name], question, known)
 
     def handle(self, msg: dict) -> None:
         rid = msg.get("id")
+        sent = False
+
+        def reply(obj: dict) -> None:
+            nonlocal sent
+            sent = True
+            self.send({"id": rid, **obj})
         try:
-            self.send({"id": rid, **self.answer(msg)})
-        except lip.LipError as exc:
-            self.send({"id": rid, "error": exc.code, "message": str(exc)})
+            self.answer(msg, reply)
         except Exception as exc:     # noqa: BLE001 - one request fails, not the program
-            self.send({"id": rid, "error": "EIO", "message": f"{type(exc).__name__}: {exc}"})
+            code = exc.code if isinstance(exc, lip.LipError) else "EIO"
+            text = str(exc) if isinstance(exc, lip.LipError) else f"{type(exc).__name__}: {exc}"
+            if not sent:
+                reply({"error": code, "message": text})
+            else:                    # answered; its clean-up failed
+                print(f"rag_popular: request {rid}: {code}: {text}", file=sys.stderr)
         finally:
             self.slots.release()
 
-    def answer(self, msg: dict) -> dict:
-        name, question = msg.get("doc"), msg.get("question")
+    def answer(self, msg: dict, reply) -> None:
+        """Answer one request with reply(); then free what it used (after the answer,
+        off the request's latency)."""
         max_tokens = msg.get("max_tokens", 32)
-        if not isinstance(name, str) or not isinstance(question, str) or \
-                not isinstance(max_tokens, int) or max_tokens < 1:
-            raise lip.LipError("EINVAL", "want doc: str, question: str, max_tokens: int > 0")
-        doc, q = self.tokens(name, question)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise lip.LipError("EINVAL", "max_tokens: an int > 0")
+        name, doc, q = self.tokens(msg)
         if self.no_cache:
-            return self.uncached(doc, q, max_tokens)
+            return self.uncached(doc, q, max_tokens, reply)
         own = pages(self.page - 1 + len(q) + max_tokens, self.page)
         c, hit = self.cache.acquire(name, doc, own)
         try:
@@ -344,26 +365,26 @@ class Server:
                 out = self.cache.retry(
                     lambda: lip.generate(kv, q, max_tokens=max_tokens, ignore_eos=True),
                     undo=lambda: lip.kv_truncate(kv, len(doc)))
+                reply({"tokens": list(out), "hit": hit, "doc_tokens": len(doc),
+                       "question_tokens": len(q), "doc_computed": 0 if hit else c.computed,
+                       "computed": out.cost.get("computed", 0),
+                       "swapped_in": out.cost.get("swapped_in", 0)})
             finally:
                 lip.kv_close(kv)
         finally:
             self.cache.release(c, own)
-        return {"tokens": list(out), "hit": hit, "doc_tokens": len(doc),
-                "question_tokens": len(q), "doc_computed": 0 if hit else c.computed,
-                "computed": out.cost.get("computed", 0),
-                "swapped_in": out.cost.get("swapped_in", 0)}
 
-    def uncached(self, doc: list[int], q: list[int], max_tokens: int) -> dict:
+    def uncached(self, doc: list[int], q: list[int], max_tokens: int, reply) -> None:
         own = pages(len(doc) + len(q) + max_tokens, self.page)
         self.cache.begin(own)
         try:
             with lip.kv_create() as kv:
                 out = lip.generate(kv, doc + q, max_tokens=max_tokens, ignore_eos=True)
+                reply({"tokens": list(out), "hit": False, "doc_tokens": len(doc),
+                       "question_tokens": len(q), "doc_computed": len(doc),
+                       "computed": out.cost.get("computed", 0), "swapped_in": 0})
         finally:
             self.cache.end(own)
-        return {"tokens": list(out), "hit": False, "doc_tokens": len(doc),
-                "question_tokens": len(q), "doc_computed": len(doc),
-                "computed": out.cost.get("computed", 0), "swapped_in": 0}
 
     def serve(self) -> None:
         threads = []

@@ -34,165 +34,30 @@ GPUs"), so by default it gets the total as blocks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
-import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "mount_examples"))
 import bench_vllm  # noqa: E402
 from bench_common import Mount, log, machine, percentile, result, start_predd  # noqa: E402
+from rag_workload import Request, Run, Workload, closed_loop, make_workload  # noqa: E402
 
 PAGE = 16                     # predd's page, in tokens
 VLLM_BLOCK = 32               # the smallest block vLLM's CPU attention takes
 LIP = os.path.join(ROOT, "mount_examples", "rag_popular.py")
 TIMEOUT_S = 900
-WORDS = ("river mountain city music memory garden light window story number cache page "
-         "token model program kernel batch system user harbor winter copper signal lantern "
-         "meadow archive pilot orbit canyon violet engine ledger falcon thunder marble "
-         "quartz velvet compass glacier ember tunnel beacon saddle prism harvest cobalt "
-         "willow summit atlas cipher mosaic nectar orchard pebble quiver raven sketch "
-         "timber umbra vessel whistle yonder zephyr").split()
-
-
-# ------------------------------------------------------------------ workload
-
-@dataclass(frozen=True)
-class Request:
-    doc: str
-    question: str
-    doc_tokens: tuple[int, ...]
-    question_tokens: tuple[int, ...]
-
-    @property
-    def prompt(self) -> list[int]:
-        return [*self.doc_tokens, *self.question_tokens]
-
-
-@dataclass
-class Workload:
-    docs: dict[str, str]                       # name -> text
-    doc_tokens: dict[str, list[int]]
-    runs: dict[float, tuple[list[Request], list[Request]]] = field(default_factory=dict)
-
-
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def _grow(make: Callable[[int], list[int]], target: int, start: int) -> tuple[int, list[int]]:
-    """The fewest words n (from `start`, up or down) for which make(n) has at least
-    `target` tokens, and those tokens."""
-    n, toks = start, make(start)
-    while len(toks) < target:
-        n += 1
-        toks = make(n)
-    while n > 1 and len(shorter := make(n - 1)) >= target:
-        n, toks = n - 1, shorter
-    return n, toks
-
-
-def pareto_ranks(alpha: float, n: int, count: int, rng: random.Random) -> list[int]:
-    """`count` ranks in 0..n-1: rank k (1-based) with probability proportional to
-    k^-alpha - (k+1)^-alpha (a Pareto(alpha) variable's integer part), truncated at n."""
-    weights = [k ** -alpha - (k + 1) ** -alpha for k in range(1, n + 1)]
-    return rng.choices(range(n), weights, k=count)
-
-
-def make_workload(args) -> Workload:
-    """Documents, and per alpha the warm-up and timed requests, all seeded, tokenized
-    by the predd the process is connected to (the LIP counts the same way)."""
-    import rag_popular
-    rng = random.Random(args.seed)
-    docs, doc_tokens = {}, {}
-    for i in range(args.docs):
-        seed = rng.random()
-
-        def doc_text(n: int, seed: float = seed) -> str:
-            return _words(random.Random(seed), n).capitalize() + "."
-        n, toks = _grow(lambda n: rag_popular.prompt(doc_text(n), "?")[0],
-                        args.doc_tokens, max(1, int(args.doc_tokens * 0.8)))
-        name = f"d{i:02d}"
-        docs[name], doc_tokens[name] = doc_text(n), toks
-    work = Workload(docs, doc_tokens)
-    order = sorted(docs)
-    random.Random(args.seed + 1).shuffle(order)       # popularity rank -> document
-    for alpha in args.alphas:
-        arng = random.Random(f"{args.seed}/{alpha}")
-        phases = []
-        for count in (args.warmup, args.requests):
-            reqs = []
-            for rank in pareto_ranks(alpha, len(order), count, arng):
-                name = order[rank]
-                qseed = arng.random()
-
-                def question(n: int, qseed: float = qseed) -> str:
-                    return f"What does the document say about {_words(random.Random(qseed), n)}?"
-                n, qt = _grow(lambda n: rag_popular.prompt(docs[name], question(n))[1],
-                              args.question_tokens, 2)
-                reqs.append(Request(name, question(n), tuple(doc_tokens[name]), tuple(qt)))
-            phases.append(reqs)
-        work.runs[alpha] = (phases[0], phases[1])
-    return work
-
-
-# ------------------------------------------------------------------ clients
-
-@dataclass
-class Run:
-    seconds: float
-    latencies: list[float]
-    outputs: list[list[int]]
-    replies: list[dict]
-
-    def rate(self) -> float:
-        return len(self.latencies) / self.seconds
-
-
-def closed_loop(requests: list[Request], clients: int,
-                submit: Callable[[Request], dict]) -> Run:
-    """`clients` threads, each sending its next request when its last is answered;
-    the requests are taken in order. Seconds from the first send to the last answer."""
-    todo: queue.SimpleQueue = queue.SimpleQueue()
-    for i, r in enumerate(requests):
-        todo.put((i, r))
-    lat: list[float] = [0.0] * len(requests)
-    replies: list[dict] = [{}] * len(requests)
-    errors: list[str] = []
-
-    def client() -> None:
-        while not errors:
-            try:
-                i, r = todo.get_nowait()
-            except queue.Empty:
-                return
-            t0 = time.perf_counter()
-            try:
-                replies[i] = submit(r)
-            except Exception as exc:     # noqa: BLE001 - reported once, below
-                errors.append(f"{type(exc).__name__}: {exc}")
-                return
-            lat[i] = time.perf_counter() - t0
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"a request failed: {errors[0]}")
-    return Run(time.perf_counter() - t0, lat, [list(r["tokens"]) for r in replies], replies)
-
+# ------------------------------------------------------------------ systems
 
 class LipProcess:
     """rag_popular.py as a process: requests written as JSON lines, answers read by a
@@ -226,8 +91,9 @@ class LipProcess:
         with self.lock:
             rid = self.next_id = self.next_id + 1
             self.waiting[rid] = box
-            self.proc.stdin.write(json.dumps({"id": rid, "doc": r.doc, "question": r.question,
-                                              "max_tokens": max_tokens}) + "\n")
+            self.proc.stdin.write(json.dumps({     # token ids, as vLLM gets them
+                "id": rid, "doc": r.doc, "question_tokens": r.question_tokens,
+                "max_tokens": max_tokens}) + "\n")
             self.proc.stdin.flush()
         reply = box.get(timeout=TIMEOUT_S)
         if "error" in reply:
@@ -309,95 +175,131 @@ def drained(addr: str, timeout: float = 60.0) -> None:
         lip.client().close()
 
 
-def measure_symphony(args, work: Workload, budget: Budget, systems: list[str]) -> dict:
-    """(system, alpha) -> (Run, the LIP's report); predd and kvfsd stopped after."""
-    out: dict = {}
-    daemon = start_predd("--dtype", args.dtype, *budget.predd_args(),
-                         "--max-step-tokens", str(args.step_tokens))
-    try:
+class SymphonyRig:
+    """predd with one variant's pools, kvfsd on a private mount, the documents as
+    files; `run` starts rag_popular.py on a cold cache directory for one alpha."""
+
+    def __init__(self, args, work: Workload, budget: Budget) -> None:
         import liblip as lip
-        lip.connect(daemon.addr)
-        info = lip.info()
-        lip.client().close()
-        if budget.name != "base" and "host_pages" not in info:
-            log(f"bench: skipping the {budget.name} variant: this predd has no tiers "
-                "(`info` has no host_pages; issue 11's --host-pages/--disk-pages)")
-            return out
-        docs_dir = tempfile.mkdtemp(prefix="rag-docs-")
-        for name, text in work.docs.items():
-            with open(os.path.join(docs_dir, f"{name}.txt"), "w") as f:
-                f.write(text)
-        with Mount(daemon.addr) as mount:
-            env = {**os.environ, "PREDD_ADDR": daemon.addr, "KVFS_MOUNT": mount.path,
-                   "PYTHONPATH": os.path.dirname(os.path.dirname(lip.__file__))}
+        self.args, self.work, self.budget = args, work, budget
+        self.daemon = start_predd("--dtype", args.dtype, *budget.predd_args(),
+                                  "--max-step-tokens", str(args.step_tokens))
+        self.docs = tempfile.mkdtemp(prefix="rag-docs-")
+        try:
+            for name, text in work.docs.items():
+                with open(os.path.join(self.docs, f"{name}.txt"), "w") as f:
+                    f.write(text)
+            self.mount = Mount(self.daemon.addr)
+        except BaseException:
+            self.close()
+            raise
+        self.env = {**os.environ, "PREDD_ADDR": self.daemon.addr,
+                    "KVFS_MOUNT": self.mount.path,
+                    "PYTHONPATH": os.path.dirname(os.path.dirname(lip.__file__))}
+
+    def run(self, system: str, alpha: float) -> tuple[Run, dict]:
+        """(the timed run, the LIP's report)."""
+        flags = ["--no-cache"] if system == "symphony_nocache" else []
+        cache_dir = os.path.join(self.mount.path, f"rag-{alpha}")
+        lip_proc = LipProcess(self.env, "--docs", self.docs, "--dir", cache_dir, *flags)
+        try:
+            warm, timed = self.work.runs[alpha]
+            submit = lambda r: lip_proc.submit(r, self.args.new_tokens)  # noqa: E731
+            closed_loop(warm, self.args.clients, submit)
+            run = closed_loop(timed, self.args.clients, submit)
+        finally:
+            report = lip_proc.close()
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            drained(self.daemon.addr)
+        hits = sum(r["hit"] for r in run.replies)
+        log(f"bench: {self.budget.name} {system} alpha {alpha}: {run.seconds:.1f}s, "
+            f"{run.rate():.2f} req/s, p50 {percentile(run.latencies, 50):.2f}s p99 "
+            f"{percentile(run.latencies, 99):.2f}s, hits {hits}/{len(timed)}, swapped in "
+            f"{sum(r['swapped_in'] for r in run.replies)} tokens, policy "
+            f"{ {k: v for k, v in report.items() if k != 'uses'} }")
+        return run, report
+
+    def close(self) -> None:
+        if hasattr(self, "mount"):
+            self.mount.close()
+        self.daemon.stop()
+        shutil.rmtree(self.docs, ignore_errors=True)
+
+
+class VllmRig:
+    """vLLM's OpenAI server with automatic prefix caching and `blocks` KV blocks;
+    `run` resets its prefix cache and sends one alpha's requests."""
+
+    def __init__(self, args, work: Workload, blocks: int, offload_gib: float | None) -> None:
+        self.args, self.work, self.blocks = args, work, blocks
+        self.server = bench_vllm.Server(args.dtype, blocks * VLLM_BLOCK, args.clients,
+                                        args.step_tokens, log=log, prefix_caching=True,
+                                        block_tokens=VLLM_BLOCK, offload_gib=offload_gib)
+        self.local = threading.local()
+
+    def submit(self, r: Request) -> dict:
+        import httpx
+        if not hasattr(self.local, "client"):          # one connection per client thread
+            self.local.client = httpx.Client(base_url=self.server.url, timeout=TIMEOUT_S)
+        reply = self.local.client.post("/v1/completions", json=bench_vllm.completion_request(
+            r.prompt, self.args.new_tokens))
+        reply.raise_for_status()
+        ids = bench_vllm.completion_ids(reply.json())
+        if len(ids) != self.args.new_tokens:
+            raise RuntimeError(f"vLLM returned {len(ids)} ids, not {self.args.new_tokens}")
+        return {"tokens": ids}
+
+    def run(self, alpha: float) -> tuple[Run, float]:
+        """(the timed run, its prefix-cache hit rate in prompt tokens)."""
+        self.server.reset_prefix_cache()
+        warm, timed = self.work.runs[alpha]
+        closed_loop(warm, self.args.clients, self.submit)
+        before = self.server.metrics()
+        run = closed_loop(timed, self.args.clients, self.submit)
+        after = self.server.metrics()
+        queries, hits = (after.get(f"vllm:prefix_cache_{k}_total", 0) -
+                         before.get(f"vllm:prefix_cache_{k}_total", 0) for k in ("queries", "hits"))
+        hit_rate = hits / queries if queries else float("nan")
+        log(f"bench: vllm ({self.blocks} blocks) alpha {alpha}: {run.seconds:.1f}s, "
+            f"{run.rate():.2f} req/s, p50 {percentile(run.latencies, 50):.2f}s p99 "
+            f"{percentile(run.latencies, 99):.2f}s, prefix cache hit rate "
+            f"{hit_rate:.3f} of {queries:.0f} prompt tokens")
+        return run, hit_rate
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def measure(args, work: Workload, budget: Budget, systems: list[str],
+            vllm_blocks: int | None, offload_gib: float | None) -> tuple[dict, dict]:
+    """Every system up at once, then per alpha one run of each in turn: a shared
+    machine's load drifts, and interleaving spreads it over all of them. Idle, none
+    takes the CPU from the others (measured here: predd and kvfsd 0.04 s, vLLM's
+    server at most 1 s of CPU in 15 s). Returns ((system, alpha) -> (Run, report),
+    alpha -> (Run, hit rate))."""
+    ours: dict = {}
+    vllm: dict = {}
+    with contextlib.ExitStack() as stack:
+        rig = stack.enter_context(contextlib.closing(SymphonyRig(args, work, budget))) \
+            if systems else None
+        base = None
+        if vllm_blocks is not None:
+            try:
+                base = stack.enter_context(contextlib.closing(
+                    VllmRig(args, work, vllm_blocks, offload_gib)))
+            except bench_vllm.Unavailable as e:
+                log(f"bench: vLLM baseline unavailable: {str(e)[-2000:]}")
+        for alpha in args.alphas:
+            if base is not None:
+                try:
+                    vllm[alpha] = base.run(alpha)
+                except Exception as e:      # noqa: BLE001 - the bench goes on without it
+                    log(f"bench: vLLM baseline failed at alpha {alpha}: {e}; going on "
+                        f"without it (log {base.server.log_path})")
+                    base = None
             for system in systems:
-                for alpha in args.alphas:
-                    flags = ["--no-cache"] if system == "symphony_nocache" else []
-                    cache_dir = os.path.join(mount.path, f"rag-{alpha}")
-                    lip_proc = LipProcess(env, "--docs", docs_dir, "--dir", cache_dir, *flags)
-                    try:
-                        warm, timed = work.runs[alpha]
-                        submit = lambda r: lip_proc.submit(r, args.new_tokens)  # noqa: E731
-                        closed_loop(warm, args.clients, submit)
-                        run = closed_loop(timed, args.clients, submit)
-                    finally:
-                        report = lip_proc.close()
-                        shutil.rmtree(cache_dir, ignore_errors=True)
-                        drained(daemon.addr)
-                    hits = sum(r["hit"] for r in run.replies)
-                    log(f"bench: {budget.name} {system} alpha {alpha}: {run.seconds:.1f}s, "
-                        f"{run.rate():.2f} req/s, p50 {percentile(run.latencies, 50):.2f}s "
-                        f"p99 {percentile(run.latencies, 99):.2f}s, hits {hits}/"
-                        f"{len(timed)}, swapped in "
-                        f"{sum(r['swapped_in'] for r in run.replies)} tokens, policy "
-                        f"{ {k: v for k, v in report.items() if k != 'uses'} }")
-                    out[(system, alpha)] = (run, report)
-        shutil.rmtree(docs_dir, ignore_errors=True)
-    finally:
-        daemon.stop()
-    return out
-
-
-def measure_vllm(args, work: Workload, blocks: int, offload_gib: float | None) -> dict:
-    """alpha -> (Run, prefix-cache hit rate of the timed part); empty if vLLM can't."""
-    import httpx
-    out: dict = {}
-    try:
-        with bench_vllm.Server(args.dtype, blocks * VLLM_BLOCK, args.clients,
-                               args.step_tokens, log=log, prefix_caching=True,
-                               block_tokens=VLLM_BLOCK, offload_gib=offload_gib) as server:
-            local = threading.local()
-
-            def submit(r: Request) -> dict:
-                if not hasattr(local, "client"):
-                    local.client = httpx.Client(base_url=server.url, timeout=TIMEOUT_S)
-                reply = local.client.post("/v1/completions", json=bench_vllm.completion_request(
-                    r.prompt, args.new_tokens))
-                reply.raise_for_status()
-                ids = bench_vllm.completion_ids(reply.json())
-                if len(ids) != args.new_tokens:
-                    raise RuntimeError(f"vLLM returned {len(ids)} ids, not {args.new_tokens}")
-                return {"tokens": ids}
-            for alpha in args.alphas:
-                server.reset_prefix_cache()
-                warm, timed = work.runs[alpha]
-                closed_loop(warm, args.clients, submit)
-                before = server.metrics()
-                run = closed_loop(timed, args.clients, submit)
-                after = server.metrics()
-                queries = after.get("vllm:prefix_cache_queries_total", 0) - \
-                    before.get("vllm:prefix_cache_queries_total", 0)
-                hits = after.get("vllm:prefix_cache_hits_total", 0) - \
-                    before.get("vllm:prefix_cache_hits_total", 0)
-                hit_rate = hits / queries if queries else float("nan")
-                log(f"bench: vllm ({blocks} blocks) alpha {alpha}: {run.seconds:.1f}s, "
-                    f"{run.rate():.2f} req/s, p50 {percentile(run.latencies, 50):.2f}s p99 "
-                    f"{percentile(run.latencies, 99):.2f}s, prefix cache hit rate "
-                    f"{hit_rate:.3f} of {queries:.0f} prompt tokens")
-                out[alpha] = (run, hit_rate)
-    except bench_vllm.Unavailable as e:
-        log(f"bench: vLLM baseline unavailable ({blocks} blocks): {str(e)[-2000:]}")
-    return out
+                ours[(system, alpha)] = rig.run(system, alpha)
+    return ours, vllm
 
 
 # ------------------------------------------------------------------ report
@@ -478,10 +380,15 @@ def main() -> int:
         import liblip as lip
         lip.connect(daemon.addr)
         work = make_workload(args)
-        token_bytes = lip.info()["bytes_per_page"] / PAGE
+        info = lip.info()
         lip.client().close()
     finally:
         daemon.stop()
+    token_bytes = info["bytes_per_page"] / PAGE
+    if "host_pages" not in info and set(args.variants) - {"base"}:
+        log("bench: skipping the host and disk variants: this predd has no tiers (its "
+            "`info` has no host_pages: issue 11's --host-pages/--disk-pages)")
+        args.variants = [v for v in args.variants if v == "base"]
     lengths = sorted(len(t) for t in work.doc_tokens.values())
     qlens = sorted(len(r.question_tokens) for a in args.alphas for r in work.runs[a][1])
     log(f"bench: {args.docs} documents of {lengths[0]}..{lengths[-1]} tokens (mean "
@@ -494,24 +401,21 @@ def main() -> int:
             f"the timed requests; the top one has {max(sum(r.doc == d for r in timed) for d in work.docs)}")
     plans = budgets(args, work)
     symphony_systems = [s for s in args.systems if s.startswith("symphony")]
-    vllm_runs: dict[tuple, dict] = {}
+    vllm_done: dict[tuple, dict] = {}
     for variant in args.variants:
         budget = plans[variant]
         log(f"bench: KV memory, {budget.describe()}")
         systems = symphony_systems if variant == "base" else \
             [s for s in symphony_systems if s == "symphony"]
-        ours = measure_symphony(args, work, budget, systems) if systems else {}
-        if variant != "base" and not ours:
-            continue
-        vllm: dict = {}
         blocks, offload = budget.vllm_blocks, None
-        if "vllm" in args.systems:
-            if variant == "host" and args.vllm_offload:
-                blocks = plans["base"].vllm_blocks
-                offload = budget.host_pages * PAGE * token_bytes / 2 ** 30
-            if (blocks, offload) not in vllm_runs:     # disk's vLLM is base's
-                vllm_runs[(blocks, offload)] = measure_vllm(args, work, blocks, offload)
-            vllm = vllm_runs[(blocks, offload)]
+        if variant == "host" and args.vllm_offload:
+            blocks = plans["base"].vllm_blocks
+            offload = budget.host_pages * PAGE * token_bytes / 2 ** 30
+        again = "vllm" not in args.systems or (blocks, offload) in vllm_done
+        if again and "vllm" in args.systems:
+            log(f"bench: vLLM with {blocks} blocks was measured with an earlier variant")
+        ours, vllm = measure(args, work, budget, systems, None if again else blocks, offload)
+        vllm = vllm_done.setdefault((blocks, offload), vllm) if "vllm" in args.systems else {}
         report(args, work, budget, ours, vllm, blocks)
     return 0
 

@@ -66,7 +66,7 @@ class Lip:
 
 
 def sizes(lip) -> tuple[dict, int, int]:
-    """Each document's tokens, the question's tokens, the page size."""
+    """Each document's tokens, the question's tokens, the page size (counts)."""
     if EXAMPLES not in sys.path:          # imported by name: its dataclasses need that
         sys.path.insert(0, EXAMPLES)
     import rag_popular as rag
@@ -74,6 +74,11 @@ def sizes(lip) -> tuple[dict, int, int]:
     q = {len(qt) for _, qt in docs.values()}
     assert len(q) == 1
     return {n: len(d) for n, (d, _) in docs.items()}, q.pop(), lip.info()["page_size"]
+
+
+def question_tokens(doc: str) -> list[int]:
+    import rag_popular
+    return rag_popular.prompt(DOCS[doc], QUESTION)[1]
 
 
 @pytest.mark.slow
@@ -123,6 +128,8 @@ def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip
     rag.send(12, doc="gamma", question=QUESTION, max_tokens=0)
     errors = [rag.reply(rid) for rid in (10, 11, 12)]
     after = rag.ask(13, "gamma")
+    rag.send(14, doc="gamma", question_tokens=question_tokens("gamma"), max_tokens=NEW)
+    pretokenized = rag.reply(14)
     report = rag.close()
 
     assert sorted(r["doc_computed"] for r in replies) == [0, 0, 0, tokens["gamma"]]
@@ -131,7 +138,9 @@ def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip
     assert [e["error"] for e in errors] == ["ENOENT", "EINVAL", "EINVAL"]
     assert (after["hit"], after["doc_computed"], after["tokens"]) == \
         (True, 0, replies[0]["tokens"])
-    assert (report["hits"], report["misses"], report["removed"]) == (4, 1, 0)
+    assert (pretokenized["hit"], pretokenized["question_tokens"], pretokenized["tokens"]) == \
+        (True, q, replies[0]["tokens"])
+    assert (report["hits"], report["misses"], report["removed"]) == (5, 1, 0)
 
 
 @pytest.mark.slow
