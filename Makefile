@@ -42,6 +42,7 @@ bench: setup
 	$(PY) scripts/bench_fairness.py
 	$(PY) scripts/bench_rag.py --quick
 	$(PY) scripts/bench_fork.py
+	$(PY) scripts/bench_overhead.py
 
 # Caches and build output only; run/ is skipped since it may hold a live mount.
 clean:

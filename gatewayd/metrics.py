@@ -61,6 +61,22 @@ class PreddCollector:
             h = s.get(key)
             if h:
                 yield _histogram(name, doc, h)
+        tiers = GaugeMetricFamily("symphony_kv_tier_pages", "KV pages per memory tier, "
+                                  "total and used", labels=["tier", "state"])
+        for tier, figures in (s.get("tiers") or {}).items():
+            tiers.add_metric([tier, "total"], figures.get("pages_total", 0))
+            tiers.add_metric([tier, "used"], figures.get("pages_used", 0))
+        yield tiers
+        moved = CounterMetricFamily("symphony_kv_pages_moved", "KV pages moved between "
+                                    "tiers, down (evicted) or up (brought back)",
+                                    labels=["direction"])
+        moved.add_metric(["down"], s.get("pages_moved_down", 0))
+        moved.add_metric(["up"], s.get("pages_moved_up", 0))
+        yield moved
+        yield CounterMetricFamily("symphony_kv_bytes_moved", "bytes of K/V copied between "
+                                  "tiers", value=s.get("bytes_moved", 0))
+        yield CounterMetricFamily("symphony_admission_waits", "calls that waited for room "
+                                  "on the device", value=s.get("admission_waits", 0))
         yield CounterMetricFamily("symphony_launch_wait_seconds",
                                   "time predd held a step for more calls (adaptive launch)",
                                   value=s.get("launch_wait_ms", 0.0) / 1e3)

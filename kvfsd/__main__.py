@@ -72,6 +72,7 @@ async def serve(fs: KvFs, mountpoint: str) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             nursery.start_soon(pyfuse3.main)
             nursery.start_soon(fs.caches.recovery.monitor)
+            nursery.start_soon(fs.caches.expiry.run)
             print(f"ready {mountpoint}", flush=True)
             async for signum in sigs:
                 log(f"{signal.Signals(signum).name}: unmounting")
@@ -88,6 +89,7 @@ async def prepare(caches: Caches) -> None:
         log(f"predd at {caches.predd.addr} is not answering yet; caches are checked "
             "when it does")
     caches.remove_unused_snapshots()
+    caches.expiry.watch_all()
 
 
 async def finish(fs: KvFs) -> None:

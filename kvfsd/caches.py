@@ -25,14 +25,17 @@ Lifetime rules:
 from __future__ import annotations
 
 import errno
+import time
 from collections import OrderedDict, defaultdict
 
 import pyfuse3
 import trio
 
+from kvfsd.expiry import Expiry
 from kvfsd.handles import Handle
 from kvfsd.namespace import FORMAT, Changes, Namespace
 from kvfsd.node import Node
+from kvfsd.policy import Policy
 from kvfsd.predd_link import PreddError, PreddLink
 from kvfsd.recovery import Recovery
 from kvfsd.state import StateDir
@@ -68,6 +71,8 @@ class Caches:
         self._writing = trio.Lock()
         self._refreshing: dict[int, trio.Event] = {}     # kv_stat in flight, per inode
         self.recovery = Recovery(self)
+        self.policy = Policy(self)
+        self.expiry = Expiry(self)
 
     # ------------------------------------------------------------ persistence
 
@@ -131,6 +136,8 @@ class Caches:
         tokens = int(reply.get("tokens", node.tokens))
         node.pages = int(reply.get("pages", node.pages))
         node.bytes = int(reply.get("bytes", node.bytes))
+        if "tier" in reply:
+            node.tier = str(reply["tier"])
         if tokens != node.tokens:
             node.tokens = tokens
             node.touch()
@@ -243,7 +250,7 @@ class Caches:
                 if handle.backup is None:
                     await self._swap_in_empty(node, handle)
                 else:
-                    await self._empty(node)
+                    await self._truncate(node, 0)
 
     async def _fork_into(self, node: Node, desc: descriptor.Descriptor,
                          handle: Handle) -> None:
@@ -266,6 +273,7 @@ class Caches:
                                               persist=True, owner=handle.uid)
             except PreddError as exc2:
                 raise fuse_error(exc2) from None
+        await self._carry_pin(node, reply["cap"])
         old, node.cap = node.cap, reply["cap"]
         self.seen(node, reply)
         node.touch()
@@ -290,6 +298,7 @@ class Caches:
         if node.cap is None:
             raise pyfuse3.FUSEError(errno.ESTALE)
         reply = await self.create(owner=handle.uid)
+        await self._carry_pin(node, reply["cap"])
         handle.backup, node.cap = node.cap, reply["cap"]
         handle.installed = reply["cap"]
         self._backups.add(handle.backup)
@@ -297,16 +306,26 @@ class Caches:
         node.touch()
         await self.commit()
 
-    async def _empty(self, node: Node) -> None:
-        header, _ = await self.on_cache(node, "kv_truncate", length=0)
+    async def _carry_pin(self, node: Node, cap: str) -> None:
+        """A pinned file's new cache is pinned before it is installed; if predd refuses,
+        the new cache is freed and the file left as it was."""
+        try:
+            await self.policy.carry_pin(node, cap)
+        except PreddError as exc:
+            await self.free(cap)
+            raise fuse_error(exc) from None
+
+    async def _truncate(self, node: Node, length: int) -> None:
+        header, _ = await self.on_cache(node, "kv_truncate", length=length)
         self.seen(node, header)
         node.touch()
         await self.commit()
 
-    async def empty(self, node: Node) -> None:
-        """truncate(2) to 0."""
+    async def truncate(self, node: Node, length: int) -> None:
+        """truncate(2) to `length`: keep the cache's first `length` entries, in place
+        (predd answers EINVAL past the cache's length)."""
         async with self.locks[node.ino]:
-            await self._empty(node)
+            await self._truncate(node, length)
 
     async def restore_backup(self, handle: Handle) -> None:
         """Garbage was written after a flush emptied the cache (a shell's `echo x > a.kv`
@@ -364,6 +383,8 @@ class Caches:
                     handle.backup = None
             finally:
                 node.opens -= 1
+                if node.opens == 0:
+                    node.closed_at = time.monotonic()
                 await self.maybe_free(node)
 
     async def release_all(self, handles: list[Handle]) -> None:

@@ -7,9 +7,13 @@ What the calls mean (see docs/kvfs.md):
 * Writing a descriptor into a file and closing it (`cp`, `lip.kv_save`) makes the file's
   cache a copy-on-write fork of the descriptor's, at `flush`, so an error reaches
   close(2). Anything else gets EINVAL (EFBIG past 4096 bytes) and the file is left as
-  it was. `O_TRUNC` without a descriptor, or truncate(2) to 0, empties it.
+  it was. `O_TRUNC` without a descriptor empties it; truncate(2) to N keeps the
+  cache's first N entries (EINVAL past its length), while `st_size` stays the
+  descriptor's length.
 * `fsync` writes a snapshot into the state directory.
-Namespace-only calls (mkdir, rename, chmod, xattrs...) never wait for predd.
+* `user.kv.pin` and `user.kv.evict` are carried out by predd (kvfsd/policy.py),
+  `user.kv.ttl` by kvfsd's timer (kvfsd/expiry.py).
+Namespace-only calls (mkdir, rename, chmod, other xattrs...) never wait for predd.
 
 Every handler goes through `errno_boundary`: whatever one request raises becomes an
 errno for that request alone (unexpected exceptions: EIO and a log line), so no input
@@ -153,12 +157,10 @@ class KvFs(pyfuse3.Operations):
         if fields.update_size:
             if not node.is_file:
                 raise pyfuse3.FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
-            if attr.st_size == 0:
-                await self.caches.empty(node)
-                if fh in self.handles:
-                    self.handles[fh].truncate = False
-            elif attr.st_size != self._size(node):
-                raise pyfuse3.FUSEError(errno.EINVAL)   # only emptying has a meaning
+            # st_size counts entries here, not descriptor bytes: keep the first N.
+            await self.caches.truncate(node, attr.st_size)
+            if attr.st_size == 0 and fh in self.handles:
+                self.handles[fh].truncate = False     # an O_TRUNC open: emptied already
         if fields.update_mode:
             self.ns.chmod(node, attr.st_mode)
         if fields.update_uid or fields.update_gid:
@@ -368,7 +370,7 @@ class KvFs(pyfuse3.Operations):
             info = self.predd.info
             value = {b"user.kv.tokens": node.tokens, b"user.kv.bytes": node.bytes,
                      b"user.kv.pages": node.pages, b"user.kv.model": info.get("model", ""),
-                     b"user.kv.tier": info.get("device", "")}[name]
+                     b"user.kv.tier": node.tier or "device"}[name]
             return str(value).encode()
         return self.ns.getxattr(node, name)
 
@@ -379,12 +381,27 @@ class KvFs(pyfuse3.Operations):
 
     @errno_boundary
     async def setxattr(self, inode, name, value, ctx):
-        self.ns.setxattr(self._node(inode), name, value)
+        node = self._node(inode)
+        xattrs.check(name, value)
+        xattrs.check_room(node.xattrs, name, node.is_file)
+        if name == xattrs.EVICT:
+            await self.caches.policy.evict(node)      # an action: nothing is stored
+            return
+        if name == xattrs.PIN:                        # predd first: a refusal stores nothing
+            await self.caches.policy.set_pin(node, value)
+        else:
+            self.ns.setxattr(node, name, value)
+        if name == xattrs.TTL:
+            self.caches.expiry.watch(node)
         await self.commit()
 
     @errno_boundary
     async def removexattr(self, inode, name, ctx):
-        self.ns.removexattr(self._node(inode), name)
+        node = self._node(inode)
+        if name == xattrs.PIN and name in node.xattrs:
+            await self.caches.policy.set_pin(node, None)
+        else:
+            self.ns.removexattr(node, name)
         await self.commit()
 
 

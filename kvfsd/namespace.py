@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvfsd import xattrs
+from kvfsd.listing import Listing
 from kvfsd.node import ROOT, Node, node_from_dict, node_row, node_to_dict, now_ns, show
 
 NAME_MAX = 255
@@ -66,7 +67,7 @@ class Namespace:
                  names_per_uid: int = NAMES_PER_UID) -> None:
         t = now_ns()
         root = Node(ROOT, ROOT_MODE, root_uid, root_gid, t, t, t, nlink=2,
-                    entries={}, order={}, parent=ROOT)
+                    entries={}, order=Listing(), parent=ROOT)
         self.nodes: dict[int, Node] = {}
         self.next_ino = ROOT + 1
         self.names_per_uid = names_per_uid
@@ -111,42 +112,37 @@ class Namespace:
 
     def listdir(self, ino: int, after: int = 0) -> Iterator[tuple[int, bytes, Node]]:
         """(position, name, node) of the entries past `after`, in a stable order, with
-        "." and ".." at positions 1 and 2. Lazy, and without sorting: a directory's
-        `order` is kept in increasing position order (names are only ever appended),
-        so a readdir batch costs what it returns plus a skip, not a sort of the whole
-        directory. Do not change the directory while iterating."""
+        "." and ".." at positions 1 and 2. Lazy: a readdir batch costs what it
+        returns (kvfsd/listing.py), never a walk or a sort of the whole directory. Do not
+        change the directory while iterating."""
         d = self.dir(ino)
         if after < 1:
             yield 1, b".", d
         if after < 2:
             yield 2, b"..", self.get(d.parent)
-        for name, pos in d.order.items():
-            if pos > after:
-                yield pos, name, self.nodes[d.entries[name]]
+        for pos, name in d.order.after(after):
+            yield pos, name, self.nodes[d.entries[name]]
 
     def files(self) -> Iterator[Node]:
-        """Linked cache files."""
+        """Linked cache files (a walk of the whole namespace: for start-up and
+        re-validation after a predd restart, never for one request)."""
         return (n for n in list(self.nodes.values()) if n.is_file and n.nlink > 0)
 
     def names_of(self, ino: int) -> list[tuple[int, bytes]]:
         """(directory, name) pairs under which `ino` is linked."""
-        return [(d.ino, name) for d in self.nodes.values() if d.is_dir
-                for name, i in d.entries.items() if i == ino]
+        node = self.nodes.get(ino)
+        return list(node.links) if node is not None else []
 
     def path_of(self, ino: int) -> str:
         """One path of a node, for log lines ("/a/b.kv"; "?" if unlinked)."""
-        if ino == ROOT:
-            return "/"
-        names = self.names_of(ino)
-        if not names:
-            return "?"
-        parent, name = names[0]
-        parts = [show(name)]
-        while parent != ROOT:            # directories have one name and know their parent
-            d = self.nodes[parent]
-            up = self.nodes[d.parent]
-            parts.append(next((show(n) for n, i in up.entries.items() if i == parent), "?"))
-            parent = up.ino
+        parts = []
+        node = self.nodes.get(ino)
+        while node is not None and node.ino != ROOT:
+            if not node.links:
+                return "?"
+            parent, name = next(iter(node.links))      # a directory has one name
+            parts.append(show(name))
+            node = self.nodes.get(parent)
         return "/" + "/".join(reversed(parts))
 
     # ------------------------------------------------------------ creating
@@ -178,10 +174,18 @@ class Namespace:
 
     def _insert(self, d: Node, name: bytes, node: Node) -> None:
         d.entries[name] = node.ino
-        d.order[name] = d.next_pos
-        d.next_pos += 1
+        d.order.add(name)
+        node.links[d.ino, name] = None
         self.dirty_entries.add((d.ino, name))
         d.touch()
+
+    def _remove_entry(self, d: Node, name: bytes) -> Node:
+        """Take `name` out of directory `d` (its node's counts are the caller's)."""
+        node = self.nodes[d.entries.pop(name)]
+        d.order.remove(name)
+        del node.links[d.ino, name]
+        self.dirty_entries.add((d.ino, name))
+        return node
 
     def add(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
             target: bytes = b"") -> Node:
@@ -201,7 +205,7 @@ class Namespace:
         node = Node(self.next_ino, kind | perm, uid, gid, t, t, t, nlink=1, target=target)
         self.next_ino += 1
         if kind == stat.S_IFDIR:
-            node.nlink, node.entries, node.order, node.parent = 2, {}, {}, d.ino
+            node.nlink, node.entries, node.order, node.parent = 2, {}, Listing(), d.ino
             d.nlink += 1
         self._adopt(node)
         self._insert(d, name, node)
@@ -226,9 +230,7 @@ class Namespace:
     # ------------------------------------------------------------ removing
 
     def _detach(self, d: Node, name: bytes) -> Node:
-        node = self.nodes[d.entries.pop(name)]
-        del d.order[name]
-        self.dirty_entries.add((d.ino, name))
+        node = self._remove_entry(d, name)
         d.touch()
         if node.is_dir:
             node.nlink = 0
@@ -276,9 +278,13 @@ class Namespace:
         if exchange:
             if other is None:
                 raise _err(errno.ENOENT, show(new_name))
+            if other is node:
+                return None          # two names of one file: nothing to exchange
             if other.is_dir and self._is_within(src_dir.ino, other.ino):
                 raise _err(errno.EINVAL, "a directory cannot move into itself")
             src_dir.entries[old_name], dst_dir.entries[new_name] = other.ino, node.ino
+            del node.links[src_dir.ino, old_name], other.links[dst_dir.ino, new_name]
+            node.links[dst_dir.ino, new_name] = other.links[src_dir.ino, old_name] = None
             self.dirty_entries |= {(src_dir.ino, old_name), (dst_dir.ino, new_name)}
             for n, d in ((node, dst_dir), (other, src_dir)):
                 if n.is_dir and n.parent != d.ino:
@@ -301,8 +307,7 @@ class Namespace:
             if other.is_dir and other.entries:
                 raise _err(errno.ENOTEMPTY)
             self._detach(dst_dir, new_name)
-        del src_dir.entries[old_name], src_dir.order[old_name]
-        self.dirty_entries.add((src_dir.ino, old_name))
+        self._remove_entry(src_dir, old_name)
         self._insert(dst_dir, new_name, node)
         if node.is_dir and src_dir is not dst_dir:
             src_dir.nlink -= 1
@@ -385,6 +390,8 @@ class Namespace:
 
     def setxattr(self, node: Node, name: bytes, value: bytes) -> None:
         xattrs.check(name, value)
+        if name in xattrs.ACTIONS:
+            raise _err(errno.EOPNOTSUPP, f"{show(name)} is an action, never stored")
         xattrs.check_room(node.xattrs, name, node.is_file)
         node.xattrs[name] = bytes(value)
         self.dirty.add(node.ino)              # changed in place: journal it explicitly
@@ -422,7 +429,7 @@ class Namespace:
             d = self.nodes.get(d_ino)
             ino = pos = None
             if d is not None and d.is_dir and self.linked(d) and name in d.entries:
-                ino, pos = d.entries[name], d.order[name]
+                ino, pos = d.entries[name], d.order.position(name)
             entries.append((d_ino, name, ino, pos))
         return Changes(rows, gone, entries, inos)
 
@@ -486,10 +493,10 @@ class Namespace:
             node.nlink = 2 if node.is_dir else 0
         for d in ns.nodes.values():
             if d.is_dir:
-                d.order = {name: pos for pos, name in enumerate(d.entries, start=3)}
-                d.next_pos = len(d.entries) + 3
-                for ino in d.entries.values():
+                d.order = Listing(d.entries)
+                for name, ino in d.entries.items():
                     child = ns.nodes[ino]
+                    child.links[d.ino, name] = None
                     if child.is_dir:
                         d.nlink += 1
                     else:

@@ -4,6 +4,8 @@ A node journals its own changes: assigning a persisted field a different value a
 its inode to `journal` (the namespace's dirty set), so the state directory is written
 in O(changes). Runtime and derived fields (`UNJOURNALED`) are not journaled. Changes
 made in place (`xattrs`, a directory's `entries`) are journaled by the namespace.
+`links` (every (directory, name) naming the node) is a runtime index the namespace
+keeps, so a node's names are found in O(its names), never by a scan.
 """
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import time
 from dataclasses import dataclass, field
 
 from kvfsd import xattrs
+from kvfsd.listing import Listing
 
 ROOT = 1
 
 _UNSET = object()
 # Fields that are runtime state or derived on load: changing them is not a change to save.
-UNJOURNALED = frozenset({"lookups", "opens", "journal", "order", "next_pos", "parent"})
+UNJOURNALED = frozenset({"lookups", "opens", "journal", "order", "parent", "links",
+                         "closed_at", "tier"})
 
 
 def now_ns() -> int:
@@ -38,8 +42,7 @@ class Node:
     xattrs: dict[bytes, bytes] = field(default_factory=dict)
     # directories
     entries: dict[bytes, int] | None = None     # name -> inode
-    order: dict[bytes, int] | None = None       # name -> readdir position (stable)
-    next_pos: int = 3                           # 1 and 2 are "." and ".."
+    order: Listing | None = None                # readdir positions of the names
     parent: int = ROOT
     # symbolic links
     target: bytes = b""
@@ -52,6 +55,9 @@ class Node:
     # runtime only
     lookups: int = 0
     opens: int = 0
+    closed_at: float = 0.0     # time.monotonic() of the release of its last open
+    tier: str = ""             # predd's tier of the cache, as last seen
+    links: dict[tuple[int, bytes], None] = field(default_factory=dict)  # (dir, name)s
     journal: set[int] | None = field(default=None, repr=False, compare=False)
 
     def __setattr__(self, name: str, value) -> None:
@@ -91,8 +97,7 @@ def b64(data: bytes) -> str:
 def node_to_dict(n: Node) -> dict:
     out = node_row(n)
     if n.is_dir:
-        out["entries"] = [[b64(name), ino] for name, ino in
-                          sorted(n.entries.items(), key=lambda kv: n.order[kv[0]])]
+        out["entries"] = [[b64(name), n.entries[name]] for _, name in n.order.after(0)]
     return out
 
 
@@ -117,7 +122,7 @@ def node_from_dict(raw: dict) -> Node:
                                  for k, v in raw.get("xattrs", {}).items()}, node.is_file)
     if node.is_dir:
         node.entries = {base64.b64decode(name): int(ino) for name, ino in raw.get("entries", [])}
-        node.order = {}
+        node.order = Listing()
     elif node.is_symlink:
         node.target = base64.b64decode(raw.get("target", ""))
     else:

@@ -18,6 +18,8 @@ ones (a file's `Node.cap`) included. The rule:
   calls with them fail (EBADF). Cache operations through an open whose file lost its
   cache (fsync, emptying) get ESTALE.
 * Frees predd did not confirm (`pending_free`) are retried after each pass.
+* Each pass pins the pinned files again (kvfsd/policy.py): a cache imported from a
+  snapshot is a new object, and a pin predd refuses now is dropped with a log line.
 """
 from __future__ import annotations
 
@@ -91,6 +93,10 @@ class Recovery:
                             return False
                 if node.cap == cap:           # else replaced meanwhile: fresh
                     await self._restore(node, cap)
+            for node in list(caches.ns.files()):
+                if not await caches.policy.reapply(node):
+                    self.log("re-validation stopped: predd did not answer a pin")
+                    return False
             frees, caches.pending_free = caches.pending_free, []
             for cap in frees:
                 await caches.free(cap)

@@ -1,10 +1,12 @@
 """Which extended attributes a kvfs node has, and their bounds.
 
 * `user.kv.tokens/bytes/pages/model/tier`: computed from predd's figures (files only),
-  read-only (EPERM).
-* `user.kv.pin`, `user.kv.ttl`: policy hints (files only), short and well-formed.
-* `user.kv.evict`: reserved for a later policy; any other `user.kv.*`, and any name
-  outside `user.*`: EOPNOTSUPP.
+  read-only (EPERM). `tier` is where predd keeps the cache's lowest page: device, host
+  or disk.
+* `user.kv.pin` (0 or 1) and `user.kv.ttl` (whole seconds): policy, stored (files only),
+  carried out by kvfsd/policy.py and kvfsd/expiry.py.
+* `user.kv.evict` (1): an action (files only), carried out and never stored.
+* Any other `user.kv.*`, and any name outside `user.*`: EOPNOTSUPP.
 * Any other `user.*`: the application's own (mount_examples/rag_cache.py keeps its hit
   counts there), at most `APP_MAX` per node (ENOSPC beyond).
 Names and values are at most 64 bytes (E2BIG): a node's xattrs are bounded, and with
@@ -17,8 +19,9 @@ import errno
 KV_PREFIX = b"user.kv."
 COMPUTED = (b"user.kv.tokens", b"user.kv.bytes", b"user.kv.pages", b"user.kv.model",
             b"user.kv.tier")
-POLICY = (b"user.kv.pin", b"user.kv.ttl")
-RESERVED = (b"user.kv.evict",)
+PIN, TTL, EVICT = b"user.kv.pin", b"user.kv.ttl", b"user.kv.evict"
+POLICY = (PIN, TTL)        # stored
+ACTIONS = (EVICT,)         # done, not stored
 NAME_MAX = 64          # bytes, "user." included
 VALUE_MAX = 64         # bytes
 APP_MAX = 8            # application attributes per file or directory
@@ -39,17 +42,18 @@ def check(name: bytes, value: bytes) -> None:
     if name in COMPUTED:
         raise _err(errno.EPERM, f"{_show(name)} is read-only")
     if not name.startswith(b"user.") or (name.startswith(KV_PREFIX)
-                                         and name not in POLICY):
-        what = "reserved" if name in RESERVED else "not supported"
-        raise _err(errno.EOPNOTSUPP, f"{_show(name)}: {what}")
+                                         and name not in POLICY + ACTIONS):
+        raise _err(errno.EOPNOTSUPP, f"{_show(name)}: not supported")
     if len(name) > NAME_MAX or len(value) > VALUE_MAX:
         raise _err(errno.E2BIG, f"{_show(name)}: name or value over "
                    f"{NAME_MAX}/{VALUE_MAX} bytes")
     text = value.strip()
-    if name == b"user.kv.pin" and text not in (b"0", b"1"):
+    if name == PIN and text not in (b"0", b"1"):
         raise _err(errno.EINVAL, "user.kv.pin is 0 or 1")
-    if name == b"user.kv.ttl" and not (text.isdigit() and text.isascii()):
+    if name == TTL and not (text.isdigit() and text.isascii()):
         raise _err(errno.EINVAL, "user.kv.ttl is a whole number of seconds")
+    if name == EVICT and text != b"1":
+        raise _err(errno.EINVAL, "user.kv.evict is 1")
 
 
 def _valid(name: bytes, value: bytes) -> bool:
@@ -62,7 +66,7 @@ def _valid(name: bytes, value: bytes) -> bool:
 
 def check_room(existing: dict[bytes, bytes], name: bytes, is_file: bool) -> None:
     """Whether a node with `existing` xattrs may take `name` (after `check`)."""
-    if name in POLICY and not is_file:
+    if name in POLICY + ACTIONS and not is_file:
         raise _err(errno.EOPNOTSUPP, f"{_show(name)}: cache files only")
     if not name.startswith(KV_PREFIX) and name not in existing \
             and sum(not n.startswith(KV_PREFIX) for n in existing) >= APP_MAX:
@@ -72,7 +76,7 @@ def check_room(existing: dict[bytes, bytes], name: bytes, is_file: bool) -> None
 def loaded(stored: dict[bytes, bytes], is_file: bool) -> dict[bytes, bytes]:
     """The xattrs of a stored node that are still allowed (a state written before these
     bounds may hold more: the excess is dropped)."""
-    valid = [(k, v) for k, v in stored.items() if _valid(k, v)]
+    valid = [(k, v) for k, v in stored.items() if _valid(k, v) and k not in ACTIONS]
     policy = [(k, v) for k, v in valid if k.startswith(KV_PREFIX)
               and (k not in POLICY or is_file)]
     app = [(k, v) for k, v in valid if not k.startswith(KV_PREFIX)][:APP_MAX]

@@ -12,7 +12,9 @@ import atexit
 import os
 import sys
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from liblip import descriptor
@@ -48,6 +50,9 @@ def connect(addr: str | None = None, **kwargs) -> Client:
 
 # ---------------------------------------------------------------- handles
 
+_live: weakref.WeakValueDictionary[int, KV] = weakref.WeakValueDictionary()
+
+
 @dataclass(eq=False)
 class KV:
     """A capability to a KV object. `path`/`fd` are set when it came from a file."""
@@ -60,6 +65,9 @@ class KV:
     @classmethod
     def from_capability(cls, cap: str, rights: str = "rw") -> KV:
         return cls(cap, rights)
+
+    def __post_init__(self) -> None:
+        _live[id(self)] = self
 
     def __repr__(self) -> str:   # capabilities are secrets: never print them whole
         where = f" {self.path}" if self.path else ""
@@ -217,6 +225,28 @@ def kv_open(path: str, write: bool = False, create: bool = False) -> KV:
         os.close(fd)
         raise LipError("EINVAL", f"{full}: not a KV cache file ({exc})") from None
     return KV(desc.cap, desc.rights, path=full, fd=fd)
+
+
+# ---------------------------------------------------------------- memory policy
+
+def kv_policy(kv: KV, pin: bool | None = None, evict: bool = False) -> dict:
+    """Pin a cache on the device (`pin=True`, needs rw; EDQUOT past the pin quota),
+    unpin it, or move it down a tier now (`evict=True`). Returns its kv_stat."""
+    return _strip(client().call("kv_policy", cap=kv.cap, pin=pin, evict=evict))
+
+
+@contextmanager
+def io_wait(*kvs: KV) -> Iterator[None]:
+    """Say the program waits on I/O (a tool, a user) for the block: `kvs` (by default
+    every handle it holds open: caches it made, forked or opened as files) are the
+    first to move down a tier while it waits, and come back when it calls on them."""
+    handles = list(kvs) or [kv for kv in list(_live.values()) if not kv.closed]
+    c = client()
+    c.call("io_wait", on=True, caps=[kv.cap for kv in handles])
+    try:
+        yield
+    finally:   # handles closed in the block have no capability left to name
+        c.call("io_wait", on=False, caps=[kv.cap for kv in handles if not kv.closed])
 
 
 def kv_save(kv: KV, path: str) -> None:

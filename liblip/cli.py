@@ -100,7 +100,14 @@ def cmd_chat(args) -> int:
             lip.prefill(kv, tail)
         else:
             lip.prefill(kv, reply[-1:] + tail)
+        _between_turns(kv)
     return 0
+
+
+def _between_turns(kv: lip.KV) -> None:
+    """The turn is done and the script goes on to I/O (a tool, the user): the file's
+    cache is the first to move down a tier until the next turn uses it."""
+    lip.client().call("io_wait", on=True, caps=[kv.cap])
 
 
 def cmd_generate(args) -> int:
@@ -112,6 +119,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write("\n")
         if out:
             lip.prefill(kv, out[-1:])   # keep the whole output in the file's cache
+        _between_turns(kv)
     return 0
 
 
@@ -123,6 +131,7 @@ def cmd_prefill(args) -> int:
             cost = lip.prefill(kv, tokens)
             print(f"{args.file}: +{len(tokens)} tokens ({cost.get('computed', 0)} computed, "
                   f"{cost.get('reused', 0)} reused)", file=sys.stderr)
+        _between_turns(kv)
     return 0
 
 

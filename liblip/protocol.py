@@ -148,6 +148,26 @@ class KvStat(Request):
 
 
 @dataclass
+class KvPolicy(Request):
+    """Memory policy for an object (rights rw): pin it on the device, unpin it, or move
+    it down a tier now (`evict`)."""
+    cap: str = ""
+    pin: bool | None = None
+    evict: bool = False
+    op: ClassVar[str] = "kv_policy"
+
+
+@dataclass
+class IoWait(Request):
+    """The session waits on I/O (`on`) or is back: while it waits, the objects of `caps`
+    (by default every object the session holds a capability to) are the first to move
+    down a tier; a call on one ends its wait."""
+    on: bool = True
+    caps: list[str] = field(default_factory=list)
+    op: ClassVar[str] = "io_wait"
+
+
+@dataclass
 class KvTokens(Request):
     cap: str = ""
     start: int = 0
@@ -221,7 +241,7 @@ REQUESTS: dict[str, type[Request]] = {
     cls.op: cls for cls in (
         Hello, Bye, Ping, Info, Stats, Ps, Fsck, Tokenize, Detokenize, ChatTemplate,
         KvCreate, KvFork, KvGrant, KvFree, KvStat, KvTokens, KvTruncate, KvExtract,
-        KvMerge, KvExport, KvImport, Pred, Generate)
+        KvMerge, KvExport, KvImport, KvPolicy, IoWait, Pred, Generate)
 }
 
 SAMPLE_KEYS = {"temperature": float, "top_p": float, "top_k": int, "seed": int}
@@ -349,6 +369,8 @@ class InfoReply(Reply):
     num_layers: int
     version: int
     max_message_bytes: int
+    host_pages: int = 0        # the host tier (0: none)
+    disk_pages: int = 0        # the disk tier (0: none)
 
 
 @dataclass(kw_only=True)
@@ -372,6 +394,12 @@ class StatsReply(Reply):
     errors: int
     throttled: int             # EAGAIN replies
     capped_steps: int          # steps the latency bound made smaller
+    admission_waits: int       # calls that waited for room on the device
+    tiers: dict                # {device|host|disk: {pages_total, pages_used}}
+    pages_moved_down: int
+    pages_moved_up: int
+    bytes_moved: int
+    time_ms: dict              # {schedule, prepare, forward, outputs, requests}: B4's split
     queue_wait_hist: dict      # {le_ms: [bounds], cumulative: [counts..., +inf], sum_ms}
     step_hist: dict
     uptime_s: float
@@ -419,12 +447,16 @@ class KvReply(Reply):
     bytes: int                 # pages * bytes_per_page
     last_position: int         # -1 when empty
     model: str
+    tier: str = "device"       # the lowest tier holding one of its pages
+    pinned: bool = False
+    idle_s: float = 0.0        # since its last pred, generate, fork or export
     cap: str = ""
     rights: str = ""
 
     def fields(self) -> dict:
         out = {"tokens": self.tokens, "pages": self.pages, "bytes": self.bytes,
-               "last_position": self.last_position, "model": self.model}
+               "last_position": self.last_position, "model": self.model,
+               "tier": self.tier, "pinned": self.pinned, "idle_s": self.idle_s}
         if self.cap:
             out["cap"] = self.cap
         if self.rights:
@@ -464,6 +496,8 @@ class Cost:
     pages: int
     queue_ms: float
     step_ms: float
+    swapped_in: int = 0        # entries brought back to the device for this call
+    swap_ms: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -543,6 +577,7 @@ REPLIES: dict[type[Request], type[Reply]] = {
     Hello: HelloReply, Bye: EmptyReply, Ping: EmptyReply, Info: InfoReply,
     Stats: StatsReply, Ps: PsReply, Fsck: FsckReply, Tokenize: TokenizeReply,
     Detokenize: DetokenizeReply, ChatTemplate: ChatTemplateReply, KvCreate: KvReply,
+    KvPolicy: KvReply, IoWait: EmptyReply,
     KvFork: KvReply, KvGrant: KvReply, KvFree: EmptyReply, KvStat: KvReply,
     KvTokens: KvTokensReply, KvTruncate: KvReply, KvExtract: KvReply, KvMerge: KvReply,
     KvExport: KvExportReply, KvImport: KvReply, Pred: PredReply, Generate: GenerateReply,

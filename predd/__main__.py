@@ -1,9 +1,12 @@
 """`predd`: serve a model's pred() to LIPs over ZeroMQ.
 
-    predd [--model PATH] [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--kv-pages N]
+    predd [--model PATH] [--device cpu|cuda] [--dtype auto|float32|bfloat16]
+          [--attention auto|torch|flashinfer] [--kv-pages N]
           [--page-size N] [--addr ADDR] [--rundir DIR] [--max-step-tokens N]
           [--max-batch N] [--lease S] [--threads N] [--session-quota PAGES]
           [--uid-quota PAGES] [--latency-factor F] [--auth-keys FILE]
+          [--host-pages N] [--disk-pages N] [--swap-dir DIR] [--pin-quota PAGES]
+          [--admit-wait S]
 
 Prints `ready <addr>` on stdout once it serves; progress and logs go to stderr.
 A tcp:// address off loopback needs --auth-keys (docs/identity.md).
@@ -18,8 +21,9 @@ from liblip.protocol import default_addr, default_rundir
 from predd.engine import Engine, EngineConfig
 from predd.identity import AuthKeys, check_endpoint
 from predd.loader import default_model_path
+from predd.memory import MemoryConfig
 from predd.quota import QuotaConfig
-from predd import dtype
+from predd import attention, dtype
 from predd.dtype import DTYPES
 from predd.runner import Runner, RunnerConfig
 from predd.scheduler import SchedulerConfig
@@ -35,6 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                     help="auto (default): bfloat16 where the hardware computes it "
                     "natively, float32 otherwise")
+    ap.add_argument("--attention", default="auto", choices=attention.CHOICES,
+                    help="attention backend; auto (default): flashinfer on CUDA where it "
+                    "is installed and the dtype is bf16/fp16, torch otherwise")
     ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")
@@ -53,13 +60,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--latency-factor", type=float, default=2.0, metavar="F",
                     help="while several uids have work, a step may take at most F times "
                     "as long as the smallest one's alone (0: no bound)")
+    ap.add_argument("--host-pages", type=int, default=0, metavar="N",
+                    help="a host-memory tier of N pages below the device pool: cold "
+                    "caches move there instead of being lost (default 0: none)")
+    ap.add_argument("--disk-pages", type=int, default=0, metavar="N",
+                    help="a disk tier of N pages below the host tier (default 0: none)")
+    ap.add_argument("--swap-dir", metavar="DIR",
+                    help="where the disk tier's file goes (default RUNDIR/swap); it is "
+                    "unlinked as soon as it is opened")
+    ap.add_argument("--pin-quota", type=int, default=None, metavar="PAGES",
+                    help="device pages one uid may pin (default: a quarter of the pool; "
+                    "all uids together at most half; EDQUOT beyond)")
+    ap.add_argument("--admit-wait", type=float, default=10.0, metavar="S",
+                    help="seconds a call waits for room on the device before it fails "
+                    "with ENOSPC (default 10)")
     ap.add_argument("--auth-keys", metavar="FILE",
                     help="tokens for tcp clients: lines `TOKEN UID [comment]`, mode 0600")
     args = ap.parse_args(argv)
     for name in ("kv_pages", "page_size", "max_step_tokens", "max_batch"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("session_quota", "uid_quota", "threads", "latency_factor"):
+    for name in ("session_quota", "uid_quota", "threads", "latency_factor", "host_pages",
+                 "disk_pages", "pin_quota", "admit_wait"):
         if (getattr(args, name) or 0) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.lease <= 0:
@@ -90,15 +112,25 @@ def main(argv: list[str] | None = None) -> int:
         log(f"--model {model_path}: no such file or directory (ENOENT)")
         return 2
     dtype_name, dtype_reason = dtype.resolve(args.dtype, args.device)
+    try:
+        backend, backend_reason = attention.resolve(args.attention, args.device, dtype_name)
+    except ValueError as exc:
+        log(str(exc))
+        return 2
+    log(f"attention {backend} ({backend_reason})")
     runner = Runner(RunnerConfig(model_path, args.device, dtype_name, dtype_reason,
-                                 args.kv_pages, args.page_size, threads=args.threads),
+                                 args.kv_pages, args.page_size, backend,
+                                 threads=args.threads),
                     progress=log)
     tokenizer = load_tokenizer(model_path)
     config = EngineConfig(args.lease,
                           SchedulerConfig(args.max_step_tokens, args.max_batch,
                                           latency_factor=args.latency_factor),
                           QuotaConfig(args.session_quota, args.uid_quota),
-                          trusted_uid=os.geteuid(), auth=keys)
+                          trusted_uid=os.geteuid(), auth=keys,
+                          memory=MemoryConfig(args.host_pages, args.disk_pages,
+                                              args.swap_dir or os.path.join(rundir, "swap"),
+                                              args.pin_quota, args.admit_wait))
     server = Server(addr, lambda send, log_: Engine(runner, tokenizer, config, send, log_),
                     log)
     server.serve()

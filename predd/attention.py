@@ -2,12 +2,15 @@
 
 A backend's `prepare(tables)` runs once per step with the step's `PageTables` and
 returns the per-layer callable the model uses: it writes the step's new K/V into their
-reserved slots, then lets every new token attend to all entries of its call before it
-and causally to the new tokens before it. `torch` is the reference (CPU and CUDA);
-`flashinfer` (CUDA) plugs in here, taking the same tables.
+reserved slots (`slot_writer`, shared by every backend), then lets every new token
+attend to all entries of its call before it and causally to the new tokens before it.
+`torch` is the reference (CPU and CUDA); `flashinfer` (CUDA, predd/attention_flashinfer.py)
+takes the same tables. `resolve` picks one for `predd --attention auto|torch|flashinfer`;
+nothing on the per-token path asks which backend runs.
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import numpy as np
@@ -16,6 +19,25 @@ import torch.nn.functional as F
 
 from predd.paged_kv import PagedKVCache
 from predd.page_table import PageTables
+
+CHOICES = ("auto", "torch", "flashinfer")
+FLASHINFER_DTYPES = ("bfloat16", "float16")      # its kernels have no float32 variant
+
+StoreKV = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def slot_writer(cache: PagedKVCache, tables: PageTables) -> StoreKV:
+    """`store(layer, k, v)` writes the step's new K/V ([T, Hkv, D], flat-batch order)
+    into the slots the engine reserved for them; the row ids are computed once a step."""
+    k_rows = torch.from_numpy(cache.rows(tables.new_slots())).to(cache.device)
+    v_rows = k_rows + cache.page_size
+
+    def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        flat = cache.flat(layer)                           # [P*2*ps, Hkv, D]
+        flat.index_copy_(0, k_rows, k)
+        flat.index_copy_(0, v_rows, v)
+
+    return store
 
 
 class TorchAttention:
@@ -32,10 +54,9 @@ class TorchAttention:
     def prepare(self, tables: PageTables) -> Callable:
         cache, dev = self.cache, self.cache.device
         ps = cache.page_size
-        new_rows = torch.from_numpy(cache.rows(tables.new_slots())).to(dev)
+        store = slot_writer(cache, tables)
         q_len = tables.q_len
-        single = [i for i in range(len(tables)) if q_len[i] == 1]
-        multi = [i for i in range(len(tables)) if q_len[i] > 1]
+        single, multi = tables.by_phase()
 
         if single:
             table = tables.padded(single)                           # [B, W]
@@ -61,9 +82,7 @@ class TorchAttention:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                    ) -> torch.Tensor:
-            flat = cache.flat(layer)                       # [P*2*ps, Hkv, D]
-            flat.index_copy_(0, new_rows, k)
-            flat.index_copy_(0, new_rows + ps, v)
+            store(layer, k, v)
             paged = cache.kv[layer]                        # [P, 2, ps, Hkv, D]
             out = torch.empty_like(q)                      # [T, H, D]
             if single:
@@ -100,10 +119,46 @@ class TorchAttention:
         return torch.matmul(probs, v.transpose(1, 2)).view(b, h, d)    # [B, Hkv, G, D]
 
 
-BACKENDS = {"torch": TorchAttention}
+def flashinfer_problem(device: str, dtype: str) -> tuple[str, str] | None:
+    """Why the flashinfer backend cannot run here, as (reason, errno name), or None;
+    the reason reads after "flashinfer". Checked in this order so that a CPU machine
+    never imports flashinfer."""
+    if not device.startswith("cuda"):
+        return f"needs a CUDA device, not {device}", "EINVAL"
+    if dtype not in FLASHINFER_DTYPES:
+        return (f"computes only in {' or '.join(FLASHINFER_DTYPES)}, not {dtype} "
+                "(pass --dtype bfloat16)", "EINVAL")
+    try:
+        importlib.import_module("flashinfer")
+    except Exception as exc:        # ImportError, or a broken CUDA install underneath
+        return f"is not importable ({type(exc).__name__}: {exc})", "ENOPKG"
+    return None
 
 
-def make_backend(name: str, cache: PagedKVCache) -> TorchAttention:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; have {sorted(BACKENDS)}")
-    return BACKENDS[name](cache)
+def resolve(requested: str, device: str, dtype: str) -> tuple[str, str]:
+    """(backend name, why) for `--attention requested` on `device` computing in `dtype`
+    (a name from predd.dtype.DTYPES). `auto` is flashinfer where it can run, else torch.
+    Raises ValueError with an errno-named message when the asked-for one cannot run."""
+    if requested not in CHOICES:
+        raise ValueError(f"--attention must be one of {', '.join(CHOICES)}, "
+                         f"not {requested!r} (EINVAL)")
+    if requested == "torch":
+        return "torch", "asked for"
+    problem = flashinfer_problem(device, dtype)
+    if requested == "flashinfer":
+        if problem:
+            raise ValueError(f"--attention flashinfer {problem[0]} ({problem[1]})")
+        return "flashinfer", "asked for"
+    if problem:
+        return "torch", f"auto: flashinfer {problem[0]}"
+    return "flashinfer", "auto: CUDA and flashinfer are here"
+
+
+def make_backend(name: str, cache: PagedKVCache):
+    """The backend `name` (`auto` is resolved here) over `cache`; ValueError as `resolve`."""
+    dtype = str(cache.dtype).removeprefix("torch.")
+    name, _ = resolve(name, str(cache.device), dtype)
+    if name == "flashinfer":
+        from predd.attention_flashinfer import FlashInferAttention
+        return FlashInferAttention(cache)
+    return TorchAttention(cache)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from predd.kvstore import KVStore
     from predd.limits import Limits
+    from predd.memory import Memory
     from predd.quota import Quotas
 
 
@@ -45,6 +46,7 @@ class Call:
     cid: int = 0               # Scheduler.submit sets cid and arrival
     arrival: float = 0.0
     admitted: bool = False
+    waited: bool = False       # admission found no room at least once
     # the request
     identity: bytes = b""      # the client to reply to
     rid: int = 0
@@ -68,6 +70,9 @@ class Call:
     admitted_at: float = 0.0
     reused: int = 0
     step_s: float = 0.0
+    swapped_in: int = 0        # entries brought back to the device at admission
+    swap_s: float = 0.0
+    promised: int = 0          # device pages still held back for a generate's growth
     # commit and undo
     committed: int = 0         # leading tokens that are entries of the object
     base: int = 0              # the object's length when the call was admitted
@@ -105,13 +110,18 @@ class Call:
     def cost(self, pages: int) -> Cost:
         return Cost(computed=self.total, reused=self.reused, pages=pages,
                     queue_ms=round((self.admitted_at - self.arrival) * 1e3, 3),
-                    step_ms=round(self.step_s * 1e3, 3))
+                    step_ms=round(self.step_s * 1e3, 3), swapped_in=self.swapped_in,
+                    swap_ms=round(self.swap_s * 1e3, 3))
 
 
-def admit(call: Call, store: KVStore, quotas: Quotas, limits: Limits) -> None:
+def admit(call: Call, store: KVStore, quotas: Quotas, limits: Limits,
+          memory: Memory) -> None:
     """Every check first (positions fit int32, the object stays within the context,
-    quota, free pages), then the one change: reserve the new tokens' slots, or reopen the
-    last entry for a re-predict (recomputed in place). Raises with the object unchanged."""
+    quota), then room on the device (its pages brought in, and the pages it takes now
+    and, for a generate, every page it may still write: promised to it), then the one
+    change: reserve the new tokens' slots, or reopen the last entry for a re-predict
+    (recomputed in place). Raises with the object unchanged (its pages may have moved
+    up); ENOSPC means there is no room now."""
     obj = store.get(call.oid)
     call.base = obj.length
     if call.tokens:
@@ -134,13 +144,24 @@ def admit(call: Call, store: KVStore, quotas: Quotas, limits: Limits) -> None:
     if obj.length + grow > limits.context:
         raise ProtocolError("E2BIG", f"the object would hold {obj.length + grow} entries, "
                             f"more than the context of {limits.context}")
-    if grow:
-        quotas.check(call.oid, store.pages_needed(call.oid, grow))
-        store.reserve(call.oid, grow)
-    else:
-        quotas.check(call.oid, store.reopen_pages(call.oid))
-        call.reopened = store.reopen_last(call.oid)
-    call.reused = store.get(call.oid).length
+    now = store.pages_needed(call.oid, grow) if grow else store.reopen_pages(call.oid)
+    quotas.check(call.oid, now)
+    end = min(obj.length + grow + max(call.max_tokens - 1, 0), limits.context)
+    future = max(store.pages_for(end) - store.pages_for(obj.length + grow), 0) \
+        if call.generating else 0
+    started = time.monotonic()
+    with memory.protecting(call.oid):
+        call.swapped_in = memory.bring_in(obj)
+        memory.ensure(now + future)
+        if grow:
+            store.reserve(call.oid, grow)
+        else:
+            call.reopened = store.reopen_last(call.oid)
+    call.swap_s = time.monotonic() - started if call.swapped_in else 0.0
+    memory.promise(future)
+    call.promised = future
+    memory.touch(obj)
+    call.reused = obj.length
     call.admitted_at = time.monotonic()
 
 
@@ -151,11 +172,17 @@ def commit(call: Call, store: KVStore, done: int) -> None:
     call.committed = done
 
 
-def extend(call: Call, token: int, store: KVStore, quotas: Quotas) -> str | None:
+def extend(call: Call, token: int, store: KVStore, quotas: Quotas,
+           memory: Memory) -> str | None:
     """Feed a generate's new token back as its next one to compute: reserve its slot
-    first. The errno (EDQUOT, ENOSPC) when there is no room, the call unchanged."""
+    first, from the pages promised to it. The errno (EDQUOT, ENOSPC) when there is no
+    room, the call unchanged."""
     try:
-        quotas.check(call.oid, store.pages_needed(call.oid, 1))
+        need = store.pages_needed(call.oid, 1)
+        quotas.check(call.oid, need)
+        drawn = min(need, call.promised)
+        memory.draw(drawn)
+        call.promised -= drawn
         store.reserve(call.oid, 1)
     except ProtocolError as exc:
         return exc.code

@@ -39,12 +39,14 @@ from predd.handlers import HANDLERS
 from predd.identity import AuthKeys, Peer, identify
 from predd.kvstore import KVStore
 from predd.limits import Limits
+from predd.memory import Memory, MemoryConfig, NoRoom
 from predd.metrics import Counters
 from predd.pool import Pool
 from predd.quota import QuotaConfig, Quotas, check_limit
 from predd.runner import Chunk, Runner
 from predd.scheduler import Plan, PlanItem, Scheduler, SchedulerConfig
 from predd.sessions import Session, Sessions
+from predd.tiers import TierStore
 from predd.tokenizer import Tokenizer
 
 Send = Callable[[bytes, dict, list[bytes]], None]
@@ -60,6 +62,7 @@ class EngineConfig:
     limits: Limits = Limits()
     trusted_uid: int = field(default_factory=os.geteuid)   # predd's own: kvfsd, the operator
     auth: AuthKeys | None = None                             # tcp tokens (--auth-keys)
+    memory: MemoryConfig = MemoryConfig()                     # tiers, pins, admission
 
 
 class Engine:
@@ -70,12 +73,17 @@ class Engine:
         self.config = config
         self.send = send
         self.log = log
-        self.pool = Pool(runner.config.kv_pages, runner.config.page_size)
-        self.quotas = Quotas(config.quota, self.pool.num_pages, config.trusted_uid)
-        self.store = KVStore(self.pool, runner.cache, on_resize=self.quotas.resized)
+        m = config.memory
+        self.pool = Pool(runner.config.kv_pages, runner.config.page_size, m.host_pages,
+                         m.disk_pages)
+        self.quotas = Quotas(config.quota, sum(self.pool.capacity), config.trusted_uid)
+        self.tiers = TierStore(self.pool, runner.cache, m.swap_dir)
+        self.store = KVStore(self.pool, self.tiers, on_resize=self.quotas.resized)
         self.caps = Capabilities(self._free_object)
         self.sessions = Sessions(config.lease_s)
-        self.scheduler = Scheduler(config.scheduler)
+        self.scheduler = Scheduler(config.scheduler, on_leave=self._left)
+        self.memory = Memory(m, self.store, self.tiers, self.scheduler.admitted,
+                             lambda oid: self.quotas.charges[oid].uid)
         self.deferred = Deferred()
         self.counters = Counters()
         self.vocab: int = runner.model_config.vocab_size
@@ -93,6 +101,13 @@ class Engine:
 
     def handle(self, identity: bytes, frames: list[bytes], now: float, peer: Peer) -> None:
         """Answer one raw message from `peer` (or queue it); never raises."""
+        started = time.perf_counter()
+        try:
+            self._handle(identity, frames, now, peer)
+        finally:
+            self.counters.time_s["requests"] += time.perf_counter() - started
+
+    def _handle(self, identity: bytes, frames: list[bytes], now: float, peer: Peer) -> None:
         self.counters.requests += 1
         rid = None
         try:
@@ -223,6 +238,7 @@ class Engine:
             self._reply(held.identity, held.request.rid, freed)
         self.scheduler.forget(oid)
         self.quotas.forget(oid)
+        self.memory.forget(oid)
         self.store.free(oid)
 
     def fsck(self) -> list[str]:
@@ -237,15 +253,30 @@ class Engine:
         problems += self.quotas.verify(self.store.objects)
         problems += self.scheduler.check()
         problems += self.deferred.check(self.sessions)
+        problems += self.memory.check()
+        held = sum(c.promised for c in self.scheduler.all_calls())
+        if held != self.pool.held:
+            problems.append(f"{self.pool.held} pages held back, calls promised {held}")
         return problems
 
     # ------------------------------------------------------------ calls
 
-    def _admit(self, call: Call) -> bool:
-        """Reserve what the call needs, all or nothing; on any error reply it to this
-        call alone (the object is as it was) and refuse it."""
+    def _admit(self, call: Call) -> bool | None:
+        """Reserve what the call needs, all or nothing. With no room on the device yet
+        it waits (None: asked again next step) up to `admit_wait_s` from its arrival;
+        then, or on any other error, reply it to this call alone (the object is as it
+        was) and refuse it."""
         try:
-            calls.admit(call, self.store, self.quotas, self.limits)
+            calls.admit(call, self.store, self.quotas, self.limits, self.memory)
+        except NoRoom as exc:
+            waited = time.monotonic() - call.arrival
+            if not exc.permanent and waited < self.config.memory.admit_wait_s:
+                if not call.waited:
+                    call.waited = True
+                    self.counters.admission_waits += 1
+                return None
+            self._reply(call.identity, call.rid, ErrorReply.of(exc))
+            return False
         except Exception as exc:
             self._reply(call.identity, call.rid, self._errno(exc, f"call {call.rid}"))
             return False
@@ -257,6 +288,11 @@ class Engine:
         self.counters.queue_wait_s += waited
         self.counters.queue_hist.observe(waited * 1e3)
         return True
+
+    def _left(self, call: Call) -> None:
+        """A call left the queue (done, failed, dropped): its unused promise is free."""
+        self.memory.draw(call.promised)
+        call.promised = 0
 
     def _fail(self, call: Call, exc: Exception) -> None:
         """Fail one call alone: it leaves the queue with its error, and its object is put
@@ -279,7 +315,9 @@ class Engine:
 
     def step(self) -> bool:
         """Run one batch if any call is ready; whether one ran."""
+        started = time.perf_counter()
         plan = self.scheduler.schedule(self._admit)
+        self.counters.time_s["schedule"] += time.perf_counter() - started
         if not plan.items:
             self.replay_deferred(time.monotonic())
             return False
@@ -301,6 +339,8 @@ class Engine:
         """Run a plan, commit what completed, reply. A call that fails (building its
         chunk, in the forward pass, picking its token) fails alone; `settled` collects
         the calls answered for good."""
+        times = self.counters.time_s
+        prepared = time.perf_counter()
         items, chunks = [], []
         for item in plan.items:
             try:
@@ -310,8 +350,11 @@ class Engine:
                 settled.add(item.call.cid)
                 self._fail(item.call, exc)
         started = time.monotonic()
+        times["prepare"] += time.perf_counter() - prepared
         results = self._execute(chunks)
         elapsed = time.monotonic() - started
+        times["forward"] += elapsed
+        finishing = time.perf_counter()
         ran: list[PlanItem] = []
         for item, out in zip(items, results):
             call = item.call
@@ -340,6 +383,7 @@ class Engine:
         ran = [i for i in ran if i.call.cid not in failed]
         self._count_step(ran, elapsed)
         self.scheduler.update(Plan(ran), finished, time.monotonic(), elapsed)
+        times["outputs"] += time.perf_counter() - finishing
 
     def _chunk(self, item: PlanItem) -> Chunk:
         """The runner's view of one call's chunk: it attends to the object's entries, the
@@ -386,7 +430,7 @@ class Engine:
         reason = outputs.stop_reason(call, token, self.tokenizer.decode,
                                      full=obj.length + 1 > self.limits.context)
         if reason is None:
-            reason = calls.extend(call, token, self.store, self.quotas)
+            reason = calls.extend(call, token, self.store, self.quotas, self.memory)
         if reason is None:
             if call.stream:
                 self._reply(call.identity, call.rid,

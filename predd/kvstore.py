@@ -14,13 +14,15 @@ Lifetime rules (checked by `check`):
   anything: an object is either changed as asked or left exactly as it was.
 * Every change of a live object's page-list length is reported to `on_resize(oid,
   delta)` (the quota counters follow it).
-The K/V tensors are not here: `PageData` (the runner's cache) copies, reads and writes
-slots, addressed as flat slot ids `page * page_size + slot`.
+The K/V tensors are not here: `PageData` (predd/tiers.py over the runner's cache)
+copies, reads and writes slots, addressed as flat slot ids `page * page_size + slot` of
+page ids, whichever tier holds the page; only `page_table` hands out device slots.
 """
 from __future__ import annotations
 
 import itertools
 import struct
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +51,10 @@ class KVObject:
     pages: list[int] = field(default_factory=list)
     length: int = 0
     reserved: int = 0
+    # memory policy (predd/memory.py)
+    last_used: float = field(default_factory=time.monotonic)
+    pinned: bool = False
+    waiting: bool = False      # its session said it waits on I/O
 
 
 class KVStore:
@@ -82,7 +88,7 @@ class KVStore:
 
     def fork(self, oid: int) -> KVObject:
         src = self.get(oid)
-        pages = src.pages[: self._pages_for(src.length)]
+        pages = src.pages[: self.pages_for(src.length)]
         self.pool.incref(pages)
         return self._new(list(pages), src.length)
 
@@ -96,7 +102,7 @@ class KVStore:
         assert obj.reserved == 0, "truncate with a call in flight"
         if not 0 <= length <= obj.length:
             raise ProtocolError("EINVAL", f"truncate to {length}: object has {obj.length} entries")
-        keep = self._pages_for(length)
+        keep = self.pages_for(length)
         dropped = len(obj.pages) - keep
         self.pool.decref(obj.pages[keep:])
         del obj.pages[keep:]
@@ -178,7 +184,7 @@ class KVStore:
     def pages_needed(self, oid: int, n: int) -> int:
         """Fresh pages `reserve(oid, n)` would take (copy-on-write included)."""
         obj = self.get(oid)
-        grow = self._pages_for(obj.length + obj.reserved + n) - len(obj.pages)
+        grow = self.pages_for(obj.length + obj.reserved + n) - len(obj.pages)
         return max(grow, 0) + int(self._needs_copy(obj))
 
     def commit(self, oid: int, tokens: np.ndarray, positions: np.ndarray) -> None:
@@ -198,7 +204,7 @@ class KVStore:
         if obj is None or obj.reserved == 0:
             return
         obj.reserved = 0
-        keep = self._pages_for(obj.length)
+        keep = self.pages_for(obj.length)
         dropped = len(obj.pages) - keep
         self.pool.decref(obj.pages[keep:])
         del obj.pages[keep:]
@@ -213,9 +219,10 @@ class KVStore:
         return np.asarray(obj.pages, dtype=np.int64)[idx // ps] * ps + idx % ps
 
     def page_table(self, obj: KVObject, length: int) -> np.ndarray:
-        """The pages holding `obj`'s first `length` entries (reserved ones included), in
-        order: what the runner reads a call's context through."""
-        return np.asarray(obj.pages[:self._pages_for(length)], dtype=np.int32)
+        """The device slots of the pages holding `obj`'s first `length` entries
+        (reserved ones included), in order: what the runner reads a call's context
+        through. They must all be on the device (predd/memory.py brings them in)."""
+        return self.pool.device_slots(obj.pages[:self.pages_for(length)]).astype(np.int32)
 
     def entries(self, oid: int, start: int = 0, end: int | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
@@ -321,14 +328,14 @@ class KVStore:
         expected: dict[int, int] = {}
         problems = []
         for obj in self.objects.values():
-            if len(obj.pages) != self._pages_for(obj.length + obj.reserved):
+            if len(obj.pages) != self.pages_for(obj.length + obj.reserved):
                 problems.append(f"object {obj.oid}: {len(obj.pages)} pages for "
                                 f"{obj.length}+{obj.reserved} entries")
             for page in obj.pages:
                 expected[page] = expected.get(page, 0) + 1
         return problems + self.pool.check(expected)
 
-    def _pages_for(self, n: int) -> int:
+    def pages_for(self, n: int) -> int:
         return -(-n // self.page_size)
 
 

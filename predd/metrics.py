@@ -36,5 +36,9 @@ class Counters:
     requests: int = 0
     errors: int = 0
     throttled: int = 0        # EAGAIN replies (rate, calls in flight, sessions)
+    admission_waits: int = 0  # calls that waited for room on the device
+    # where predd's time goes (seconds): the model's forward passes and the rest
+    time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("schedule", "prepare", "forward", "outputs", "requests"), 0.0))
     queue_hist: Histogram = field(default_factory=Histogram)   # per admitted call
     step_hist: Histogram = field(default_factory=Histogram)    # per forward pass

@@ -60,6 +60,27 @@ class PageTables:
     def q_len(self) -> np.ndarray:
         return np.diff(self.qo_indptr)
 
+    def by_phase(self) -> tuple[list[int], list[int]]:
+        """(calls of one new token, calls of more): the split every backend makes,
+        since one query row per call is a cheaper kernel than a causal chunk."""
+        q = self.q_len
+        return ([i for i in range(len(q)) if q[i] == 1],
+                [i for i in range(len(q)) if q[i] > 1])
+
+    def select(self, calls: Sequence[int]) -> PageTables:
+        """The tables of `calls` alone, in that order and numbered from 0 (their
+        query rows in this step's batch are `query_rows(calls)`)."""
+        calls = list(calls)
+        return PageTables.build(self.page_size, [self.pages_of(i) for i in calls],
+                                self.kv_len[calls], self.q_len[calls])
+
+    def query_rows(self, calls: Sequence[int]) -> np.ndarray:
+        """The flat-batch rows of `calls`' new tokens, in order, as int64."""
+        if not len(calls):
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(self.qo_indptr[i], self.qo_indptr[i + 1])
+                               for i in calls]).astype(np.int64)
+
     def pages_of(self, i: int) -> np.ndarray:
         return self.indices[self.indptr[i]:self.indptr[i + 1]]
 

@@ -32,7 +32,7 @@ class RunnerConfig:
     dtype_reason: str = ""
     kv_pages: int = 4096
     page_size: int = 16
-    attention: str = "torch"
+    attention: str = "torch"  # a predd.attention.CHOICES name; `auto` is resolved at start
     threads: int = 0          # torch intra-op threads on CPU; 0 keeps torch's default
 
 
@@ -64,7 +64,7 @@ class Runner:
                                   self.dtype, self.device)
         self.backend = make_backend(config.attention, self.cache)
         progress(f"model {self.model_config.name} ready on {config.device} ({config.dtype}: "
-                 f"{config.dtype_reason or 'asked for'}) "
+                 f"{config.dtype_reason or 'asked for'}; attention {self.backend.name}) "
                  f"in {time.monotonic() - started:.1f}s; KV pool {config.kv_pages} pages "
                  f"x {config.page_size} = {self.cache.kv.numel() * self.cache.kv.element_size() / 2**20:.0f} MiB")
 

@@ -131,8 +131,10 @@ def _interleave(lists: list[list[Call]]) -> list[Call]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig,
+                 on_leave: Callable[[Call], None] = lambda call: None) -> None:
         self.config = config
+        self.on_leave = on_leave                   # every call that leaves the queue
         self._queues: dict[int, list[Call]] = {}   # oid -> calls in arrival order
         self._ids = itertools.count(1)
         self._rotation = 0
@@ -174,8 +176,16 @@ class Scheduler:
     def busy(self, oid: int) -> bool:
         return oid in self._queues
 
+    def admitted(self, oid: int) -> bool:
+        """Whether a call on `oid` is admitted (holds its memory) and not done."""
+        queue = self._queues.get(oid)
+        return bool(queue) and queue[0].admitted
+
     def pending(self) -> int:
         return self._pending
+
+    def all_calls(self) -> list[Call]:
+        return [c for q in self._queues.values() for c in q]
 
     def queued(self, session: int | None = None, uid: int | None = None) -> int:
         """Calls queued for a session or a uid (O(1))."""
@@ -188,6 +198,7 @@ class Scheduler:
         if call in queue:
             queue.remove(call)
             self._count(call, -1)
+            self.on_leave(call)
         if not queue:
             self._queues.pop(call.oid, None)
 
@@ -257,9 +268,11 @@ class Scheduler:
         hold = min(self.config.wait_factor * self.last_step_time, self.config.max_wait_s)
         return max(0.0, self.last_step_end + hold - now)
 
-    def schedule(self, admit: Callable[[Call], bool] = lambda call: True) -> Plan:
-        """The next step's batch. `admit` is asked once per call before its first chunk
-        (the engine reserves memory there); a call it refuses leaves the queue.
+    def schedule(self, admit: Callable[[Call], bool | None] = lambda call: True) -> Plan:
+        """The next step's batch. `admit` is asked before a call's first chunk (the
+        engine reserves memory there): True admits it, False refuses it (it leaves the
+        queue), None leaves it queued for a later step (no room yet: it is asked again
+        each step, in the fair order, so waiting calls are served fairly).
 
         Two passes over the fair order: first every uid may take up to an equal share
         of the budget, then what is left goes to whoever can use it."""
@@ -283,8 +296,10 @@ class Scheduler:
                         not have and len(counts) == self.config.max_batch):
                     continue
                 if not call.admitted:
-                    if not admit(call):
-                        self.remove(call)
+                    verdict = admit(call)
+                    if not verdict:
+                        if verdict is not None:
+                            self.remove(call)
                         refused.add(call.cid)
                         continue
                     call.admitted = True

@@ -30,6 +30,7 @@ from predd.engine import Engine
 from predd.identity import peer_of, transport_of
 
 IDLE_POLL_S = 0.25
+ROOM_POLL_S = 0.01   # how often calls waiting for memory are offered it again
 LEASE_CHECK_S = 0.5
 DRAIN_MAX = 256      # messages handled per turn before the scheduler gets a look in
 DRAIN_S = 0.005
@@ -103,8 +104,9 @@ class Server:
                 next_lease_check = now + LEASE_CHECK_S
             wait = sched.wait_time(now)
             if wait == 0.0:
-                engine.step()
-                continue
+                if engine.step():
+                    continue
+                wait = ROOM_POLL_S   # every queued call waits for room on the device
             timeout = IDLE_POLL_S if wait is None else min(wait, IDLE_POLL_S)
             self.sock.poll(timeout * 1e3, zmq.POLLIN)
             if wait is not None:

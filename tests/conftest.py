@@ -32,7 +32,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA (marked gpu)"))
 
 
-PREDD_ARGS = ("--kv-pages", "1024", "--max-step-tokens", "256", "--lease", "3")
+PREDD_ARGS = ("--kv-pages", "1024", "--host-pages", "128", "--max-step-tokens", "256",
+              "--lease", "3")
 
 
 @pytest.fixture(scope="session")

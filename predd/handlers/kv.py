@@ -14,6 +14,7 @@ is made.
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from liblip import protocol as p
@@ -53,7 +54,10 @@ def stat(e: Engine, oid: int, rights: str = "", cap: str = "") -> p.KvReply:
     return p.KvReply(tokens=obj.length, pages=pages,
                      bytes=pages * e.runner.cache.bytes_per_page,
                      last_position=e.store.last_position(obj),
-                     model=e.runner.model_config.name, rights=rights, cap=cap)
+                     model=e.runner.model_config.name, tier=e.memory.tier_of(obj),
+                     pinned=obj.pinned,
+                     idle_s=round(max(time.monotonic() - obj.last_used, 0.0), 3),
+                     rights=rights, cap=cap)
 
 
 def _issue(e: Engine, oid: int, rights: str, s: Session, persist: bool,
@@ -87,6 +91,7 @@ def kv_fork(e: Engine, s: Session, r: p.KvFork, extra: list[bytes], now: float) 
     uid = _may_issue(e, s, r.persist, r.owner)
     src = e.caps.lookup(r.cap)
     p.check_rights(r.rights)
+    e.memory.touch(e.store.get(src.oid))
     return _new_object(e, e.store.fork(src.oid).oid, s, r.persist, uid, r.rights)
 
 
@@ -148,6 +153,7 @@ def kv_merge(e: Engine, s: Session, r: p.KvMerge, extra: list[bytes],
 def kv_export(e: Engine, s: Session, r: p.KvExport, extra: list[bytes],
               now: float) -> p.KvExportReply:
     cap = e.caps.lookup(r.cap)
+    e.memory.touch(e.store.get(cap.oid))
     blob = e.store.export(cap.oid)
     return p.KvExportReply(**stat(e, cap.oid).fields(), snapshot=blob)
 
@@ -161,7 +167,31 @@ def kv_import(e: Engine, s: Session, r: p.KvImport, extra: list[bytes],
     return _new_object(e, obj.oid, s, r.persist, uid)
 
 
-HANDLERS = {p.KvCreate: kv_create, p.KvFork: kv_fork, p.KvGrant: kv_grant,
+def kv_policy(e: Engine, s: Session, r: p.KvPolicy, extra: list[bytes],
+              now: float) -> p.KvReply:
+    """Pin, unpin or evict an object (rw: it changes where others' shared pages live
+    too): predd/memory.py."""
+    cap = e.caps.lookup(r.cap, write=True)
+    if r.pin is not None and r.evict:
+        raise ProtocolError("EINVAL", "kv_policy: pin and evict together")
+    obj = e.store.get(cap.oid)
+    if r.pin is not None:
+        e.memory.pin(obj, r.pin)
+    if r.evict:
+        e.memory.evict(obj)
+    return stat(e, cap.oid)
+
+
+def io_wait(e: Engine, s: Session, r: p.IoWait, extra: list[bytes],
+            now: float) -> p.EmptyReply:
+    e.limits.count("io_wait.caps", r.caps, e.limits.merge_caps)
+    oids = {e.caps.lookup(token).oid for token in r.caps} if r.caps else \
+        {cap.oid for cap in e.caps.of_session(s.sid)}
+    e.memory.io_wait([e.store.get(oid) for oid in oids], r.on)
+    return p.EmptyReply()
+
+
+HANDLERS = {p.KvPolicy: kv_policy, p.IoWait: io_wait, p.KvCreate: kv_create, p.KvFork: kv_fork, p.KvGrant: kv_grant,
             p.KvFree: kv_free, p.KvStat: kv_stat, p.KvTokens: kv_tokens,
             p.KvTruncate: kv_truncate, p.KvExtract: kv_extract, p.KvMerge: kv_merge,
             p.KvExport: kv_export, p.KvImport: kv_import}

@@ -54,7 +54,8 @@ def info(e: Engine, s: Session, r: p.Info, extra: list[bytes], now: float) -> p.
         bytes_per_page=e.runner.cache.bytes_per_page, max_position=model.max_position,
         device=run.device, dtype=run.dtype, dtype_reason=run.dtype_reason,
         attention=e.runner.backend.name, num_layers=model.num_layers,
-        version=p.PROTOCOL_VERSION, max_message_bytes=e.max_message_bytes)
+        version=p.PROTOCOL_VERSION, max_message_bytes=e.max_message_bytes,
+        host_pages=e.pool.capacity[1], disk_pages=e.pool.capacity[2])
 
 
 def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> p.StatsReply:
@@ -69,6 +70,10 @@ def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> 
         launch_wait_ms=round(e.scheduler.waited_s * 1e3, 3),
         pending_calls=e.scheduler.pending(), requests=c.requests, errors=c.errors,
         throttled=c.throttled, capped_steps=e.scheduler.capped_steps,
+        admission_waits=c.admission_waits, tiers=e.memory.stats(),
+        pages_moved_down=e.memory.moves.down, pages_moved_up=e.memory.moves.up,
+        bytes_moved=e.memory.moves.bytes,
+        time_ms={k: round(v * 1e3, 3) for k, v in c.time_s.items()},
         queue_wait_hist=c.queue_hist.wire(), step_hist=c.step_hist.wire(),
         uptime_s=round(time.monotonic() - e.started, 3))
 

@@ -1,7 +1,12 @@
 """Many users at once: 100 concurrent `cp` forks and `rm`s, 10 LIP processes decoding
-from forks of one prefix file, and one user making 10,000 files."""
+from forks of one prefix file, one user making 10,000 files, and a directory of 2,000
+listed whole and resumed at any offset. (Per-operation cost at 100,000 files:
+scripts/bench_kvfs_scale.py; no test asserts on time.)"""
+import ctypes
 import errno
 import os
+import platform
+import struct
 import subprocess
 import sys
 import textwrap
@@ -132,3 +137,70 @@ def test_10000_files_from_one_user_are_bounded(kvfs, lip):
     assert sh("touch other.kv && ls | wc -l && rm other.kv", cwd=m).stdout.split() == \
         [str(NAMES_PER_UID + 1)]
     assert os.stat(f"{m}/u4095.kv").st_uid == NOBODY
+
+
+# ---------------------------------------------------------------- big directories
+
+SYS_GETDENTS64 = {"x86_64": 217, "aarch64": 61}.get(platform.machine())
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def getdents(fd: int, size: int = 2048) -> list[tuple[int, bytes]]:
+    """One getdents64(2) call: the (d_off, name) of each entry it returned."""
+    buf = ctypes.create_string_buffer(size)
+    n = _libc.syscall(SYS_GETDENTS64, fd, buf, size)
+    if n < 0:
+        raise OSError(ctypes.get_errno(), "getdents64")
+    raw, out, at = buf.raw[:n], [], 0
+    while at < n:
+        _, off, reclen, _ = struct.unpack_from("<QqHB", raw, at)
+        out.append((off, raw[at + 19:at + reclen].split(b"\0", 1)[0]))
+        at += reclen
+    return out
+
+
+def read_dir(fd: int, offset: int) -> list[tuple[int, bytes]]:
+    """Every entry from `offset` (0, or a d_off an earlier read returned) to the end,
+    in small reads, so kvfsd is asked many times, each from where the last one ended."""
+    os.lseek(fd, offset, os.SEEK_SET)
+    out = []
+    while batch := getdents(fd):
+        out += batch
+    return out
+
+
+@pytest.mark.skipif(SYS_GETDENTS64 is None, reason="getdents64 number unknown here")
+def test_2000_files_are_listed_whole_and_resumed_at_any_offset(kvfs, lip):
+    """ls sees every name; a readdir resumed at any offset it handed out continues with
+    exactly the names after it, also after removals and additions meanwhile."""
+    d = kvfs.path("big")
+    os.mkdir(d)
+    names = [f"f{i:04d}.kv".encode() for i in range(2000)]
+    for name in names:
+        os.close(os.open(os.path.join(d.encode(), name), os.O_WRONLY | os.O_CREAT
+                         | os.O_EXCL, 0o600))
+    assert sorted(os.listdir(d.encode())) == names
+    r = sh("LC_ALL=C ls big", cwd=kvfs.mount)
+    assert r.stdout.encode().split() == names, r.stderr
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        whole = read_dir(fd, 0)
+        assert [name for _, name in whole] == [b".", b".."] + names     # creation order
+        offsets = [off for off, _ in whole]
+        assert offsets == sorted(set(offsets))
+        for k in range(0, len(whole), 97):
+            assert read_dir(fd, whole[k][0]) == whole[k + 1:]
+        # whole[k] is names[k - 2]: resume after names[998] once a third of all names
+        # went and 50 came.
+        for name in names[::3]:
+            os.unlink(os.path.join(d.encode(), name))
+        new = [f"new{i}.kv".encode() for i in range(50)]
+        for name in new:
+            os.close(os.open(os.path.join(d.encode(), name), os.O_WRONLY | os.O_CREAT, 0o600))
+        kept = [name for i, name in enumerate(names) if i % 3]
+        assert [name for _, name in read_dir(fd, whole[1000][0])] == \
+            [name for name in names[999:] if name in set(kept)] + new
+        assert [name for _, name in read_dir(fd, 0)] == [b".", b".."] + kept + new
+    finally:
+        os.close(fd)
+    assert len(saved_state(kvfs.state)["entries"]) == len(kept) + len(new) + 1   # + big

@@ -143,7 +143,8 @@ def test_revoked_and_replayed_capabilities_are_ebadf_and_grants_die_with_theirs(
 @pytest.mark.slow
 def test_pool_exhaustion_is_enospc(tmp_path):
     import liblip
-    small = start_predd(str(tmp_path / "small"), "--kv-pages", "8", "--lease", "3")
+    small = start_predd(str(tmp_path / "small"), "--kv-pages", "8", "--lease", "3",
+                        "--admit-wait", "0")      # no waiting for room: ENOSPC at once
     try:
         liblip.connect(small.addr)
         kv = liblip.kv_create()

@@ -32,6 +32,11 @@ ME = Peer(f"localhost:{os.geteuid()}:{os.getegid()}:{os.getpid()}",
 CONTEXT = 256
 
 
+def still(stat: dict) -> dict:
+    """A kv_stat reply without its clock (`idle_s`): what must not change."""
+    return {k: v for k, v in stat.items() if k != "idle_s"}
+
+
 class FakeCache(FakePages):
     bytes_per_page = 1024
 
@@ -159,7 +164,7 @@ class Harness:
 
     def kv_of(self, cap: str) -> np.ndarray:
         obj = self.engine.store.get(self.engine.caps.lookup(cap).oid)
-        return self.runner.cache.read_slots(self.engine.store.slots(obj))
+        return self.engine.tiers.read_slots(self.engine.store.slots(obj))
 
     def free_pages(self) -> int:
         return self.engine.pool.free_pages

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from predd.memory import MemoryConfig
 from predd.quota import QuotaConfig
 from tests.unit.engine_fakes import Harness
 
@@ -82,7 +83,7 @@ def test_a_call_refused_at_admission_changes_nothing_and_the_others_go_on(limit)
     """ENOSPC (the pool) or EDQUOT (the session's pages): the call gets the errno before
     it takes anything; a generate of another client in the same steps goes on."""
     if limit == "pool":
-        h = Harness(kv_pages=8)
+        h = Harness(kv_pages=8, memory=MemoryConfig(admit_wait_s=0))
     else:
         h = Harness(quota=QuotaConfig(session_pages=3))
     kv_a = prefilled(h, A, [1, 2, 3, 4, 5, 6])               # 2 pages, 2 slots left
@@ -96,8 +97,10 @@ def test_a_call_refused_at_admission_changes_nothing_and_the_others_go_on(limit)
     tokens = list(range(10, 40)) if limit == "pool" else list(range(10, 18))
     bad = h.send(A, "pred", cap=kv_a, tokens=tokens)
     h.drain()
-    if limit == "pool":   # 30 tokens: 2 in the last page, 28 in 7 new pages
-        error = {"code": "ENOSPC", "message": "KV pool exhausted: need 7 pages, 5 free of 8"}
+    if limit == "pool":   # 30 tokens: 2 in the last page, 28 in 7 new pages; 5 free, of
+        # which B's generate was promised 1 (its 4th token's page)
+        error = {"code": "ENOSPC", "message": "KV pool exhausted: need 7 pages, 4 available "
+                 "of 8 (the rest in use, pinned or promised to calls in flight)"}
     else:                 # 8 tokens: 2 new pages, 4 > 3
         error = {"code": "EDQUOT", "message": f"session {sid} would hold more than 3 KV pages"}
     assert h.reply(A, bad) == {"rid": bad, "ok": False, "error": error}
@@ -165,13 +168,10 @@ def test_a_stop_ends_a_generate_at_its_token_which_is_output_but_not_appended(ru
     h.clean()
 
 
-@pytest.mark.parametrize("limit", ["pool", "quota"])
-def test_no_room_for_the_next_token_ends_a_generate_with_the_errno(limit):
-    """The ninth entry needs a third page: the fifth token is output, not appended."""
-    if limit == "pool":
-        h = Harness(kv_pages=2)
-    else:
-        h = Harness(quota=QuotaConfig(session_pages=2))
+def test_no_room_for_the_next_token_ends_a_generate_with_the_errno():
+    """The ninth entry needs a third page over the session's quota: the fifth token is
+    output, not appended."""
+    h = Harness(quota=QuotaConfig(session_pages=2))
     kv = prefilled(h, A, [1, 2, 3])
     g = h.send(A, "generate", cap=kv, tokens=[4], max_tokens=10, stop=[])
     h.drain()
@@ -179,9 +179,22 @@ def test_no_room_for_the_next_token_ends_a_generate_with_the_errno(limit):
     want = solo([1, 2, 3], [4], 5)
     assert [r["more"] for r in replies] == [True] * 4 + [False]
     assert [t for r in replies for t in r["tokens"]] == want
-    errno = {"pool": "ENOSPC", "quota": "EDQUOT"}[limit]
-    assert (replies[-1]["finish_reason"], replies[-1]["generated"]) == (errno, 5)
+    assert (replies[-1]["finish_reason"], replies[-1]["generated"]) == ("EDQUOT", 5)
     assert h.entries(kv)[0] == [1, 2, 3, 4] + want[:4]
     assert h.ok(A, "kv_stat", cap=kv)["pages"] == 2
     assert np.isfinite(h.kv_of(kv)).all()
+    h.clean()
+
+
+def test_a_generate_the_device_could_never_finish_is_refused_at_admission():
+    """3 entries + 1 prompt token + 9 fed back = 13 entries: 4 pages of 4, and the pool
+    has 2. It is refused before it starts (never admitted to fail half-way), at once
+    (waiting cannot help), the object unchanged."""
+    h = Harness(kv_pages=2)
+    kv = prefilled(h, A, [1, 2, 3])
+    reply = h.call(A, "generate", cap=kv, tokens=[4], max_tokens=10, stop=[])
+    assert reply["error"] == {"code": "ENOSPC", "message": "the call needs 3 pages on the "
+                              "device, more than its 2"}
+    assert h.entries(kv)[0] == [1, 2, 3]
+    assert h.engine.scheduler.pending() == 0 and h.engine.pool.held == 0
     h.clean()

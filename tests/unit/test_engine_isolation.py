@@ -9,7 +9,8 @@ import pytest
 from liblip.protocol import KvTruncate
 from predd.handlers import HANDLERS
 from predd.limits import MAX_POSITION
-from tests.unit.engine_fakes import Harness
+from predd.memory import MemoryConfig
+from tests.unit.engine_fakes import Harness, still
 
 A, B, C = b"client-a", b"client-b", b"client-c"
 PROMPTS = {A: [3, 4, 5], B: [9, 8, 7, 6, 5, 4], C: [11, 12]}
@@ -208,17 +209,18 @@ def test_an_unexpected_exception_in_a_deferred_request_is_eio(monkeypatch):
 
 def test_re_predict_refused_for_want_of_a_page_keeps_the_last_entry():
     """The bug: re-predict truncated the object before the page check could fail."""
-    h = Harness(kv_pages=4, page_size=4)
+    h = Harness(kv_pages=4, page_size=4, memory=MemoryConfig(admit_wait_s=0))
     kv = prefilled(h, A, [1, 2, 3, 4, 5, 6], 0)              # pages 0, 1
     fork = h.ok(A, "kv_fork", cap=kv)["cap"]                 # shares both
     h.ok(A, "pred", cap=h.ok(A, "kv_create")["cap"], tokens=list(range(1, 9)), outputs=[])
     assert h.free_pages() == 0
     before = (h.entries(fork), h.kv_of(fork).copy(), h.ok(A, "kv_stat", cap=fork))
     reply = h.call(A, "pred", cap=fork, tokens=[])           # needs a copy of page 1
-    assert reply["error"] == {"code": "ENOSPC",
-                              "message": "KV pool exhausted: need 1 pages, 0 free of 4"}
+    assert reply["error"] == {"code": "ENOSPC", "message": "KV pool exhausted: need 1 "
+                              "pages, 0 available of 4 (the rest in use, pinned or promised "
+                              "to calls in flight)"}
     assert h.entries(fork) == before[0] and np.array_equal(h.kv_of(fork), before[1])
-    assert h.ok(A, "kv_stat", cap=fork) == {**before[2], "rid": h.rid}   # length, pages
+    assert still(h.ok(A, "kv_stat", cap=fork)) == still({**before[2], "rid": h.rid})
     assert h.free_pages() == 0
     h.clean()
 
@@ -235,7 +237,7 @@ def test_re_predict_refused_by_quota_keeps_the_last_entry():
                               "message": f"session {sid} would hold more than 2 KV pages"}
     assert h.entries(kv) == before[0] == h.entries(other)
     assert np.array_equal(h.kv_of(kv), before[1])
-    assert h.ok(A, "kv_stat", cap=kv) == {**before[2], "rid": h.rid}     # length, pages
+    assert still(h.ok(A, "kv_stat", cap=kv)) == still({**before[2], "rid": h.rid})
     assert h.free_pages() == before[3]
     h.clean()
 

@@ -1,5 +1,7 @@
 """kvfsd's FUSE handlers without a mount: every handler turns every exception into an
-errno (never one that escapes pyfuse3.main), and writes are bounded before any work."""
+errno (never one that escapes pyfuse3.main), writes are bounded before any work, and
+policy xattrs reach predd before they are stored."""
+import collections
 import errno
 import inspect
 import os
@@ -13,6 +15,7 @@ import trio
 from kvfsd.fs import PRIVATE_MASK, KvFs
 from kvfsd.handles import Handle
 from kvfsd.namespace import ROOT, Namespace
+from kvfsd.policy import Policy
 from kvfsd.predd_link import PreddError
 from liblip import descriptor
 
@@ -175,3 +178,65 @@ def test_a_write_through_the_handler_past_the_limit_is_efbig():
     info, _ = run(fs.create, ROOT, b"a.kv", 0o600, os.O_WRONLY, ctx())
     assert errno_of(fs.write, info.fh, 1 << 40, b"k") == errno.EFBIG
     assert errno_of(fs.write, info.fh, 0, b"kvfs 1\n") == errno.EINVAL
+
+
+class PolicyCaches(FakeCaches):
+    """FakeCaches with the real Policy: predd's kv_policy answers `answer` (an errno
+    name to fail with, or None), and every call is recorded."""
+
+    def __init__(self, answer: str | None = None) -> None:
+        super().__init__()
+        self.answer = answer
+        self.calls: list[tuple[str, dict]] = []
+        self.locks = collections.defaultdict(trio.Lock)
+        self.policy = Policy(self)
+        self.watched: list[int] = []
+        self.expiry = types.SimpleNamespace(watch=lambda node: self.watched.append(node.ino))
+
+    async def on_cache(self, node, op, **fields):
+        self.calls.append((op, fields))
+        if self.answer is not None:
+            raise pyfuse3.FUSEError(getattr(errno, self.answer))
+        return {"tokens": 0}, []
+
+
+@pytest.mark.parametrize("answer, code, stored", [
+    (None, None, b"1"),
+    ("EDQUOT", errno.EDQUOT, None),              # refused: nothing stored
+    ("ENOSYS", None, b"1"),                       # a predd without kv_policy: a hint
+])
+def test_pin_asks_predd_before_it_is_stored(answer, code, stored):
+    caches = PolicyCaches(answer)
+    fs = KvFs(caches)
+    a = caches.ns.add(ROOT, b"a.kv", stat.S_IFREG | 0o600, 0, 0)
+    a.cap = CAP
+    if code is None:
+        run(fs.setxattr, a.ino, b"user.kv.pin", b"1", ctx())
+    else:
+        assert errno_of(fs.setxattr, a.ino, b"user.kv.pin", b"1", ctx()) == code
+    assert caches.calls == [("kv_policy", {"pin": True})]
+    assert a.xattrs.get(b"user.kv.pin") == stored
+    assert errno_of(fs.setxattr, a.ino, b"user.kv.pin", b"2", ctx()) == errno.EINVAL
+    assert len(caches.calls) == 1                # a bad value never reaches predd
+
+
+def test_unpin_evict_and_ttl():
+    caches = PolicyCaches()
+    fs = KvFs(caches)
+    a = caches.ns.add(ROOT, b"a.kv", stat.S_IFREG | 0o600, 0, 0)
+    a.cap = CAP
+    d = caches.ns.add(ROOT, b"d", stat.S_IFDIR | 0o700, 0, 0)
+    run(fs.setxattr, a.ino, b"user.kv.pin", b"1", ctx())
+    run(fs.removexattr, a.ino, b"user.kv.pin", ctx())
+    run(fs.setxattr, a.ino, b"user.kv.evict", b"1", ctx())
+    assert caches.calls == [("kv_policy", {"pin": True}), ("kv_policy", {"pin": False}),
+                            ("kv_policy", {"evict": True})]
+    assert a.xattrs == {}                                       # evict is not stored
+    assert errno_of(fs.getxattr, a.ino, b"user.kv.evict", ctx()) == errno.ENODATA
+    assert errno_of(fs.setxattr, d.ino, b"user.kv.evict", b"1", ctx()) == errno.EOPNOTSUPP
+    run(fs.setxattr, a.ino, b"user.kv.ttl", b"30", ctx())
+    assert caches.watched == [a.ino] and a.xattrs == {b"user.kv.ttl": b"30"}
+    caches.answer = "ENOSYS"
+    assert errno_of(fs.setxattr, a.ino, b"user.kv.evict", b"1", ctx()) == errno.EOPNOTSUPP
+    caches.answer = "EBUSY"
+    assert errno_of(fs.setxattr, a.ino, b"user.kv.evict", b"1", ctx()) == errno.EBUSY

@@ -12,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvfsd.check import check_state, problems
 from kvfsd.namespace import ROOT, Namespace
 from kvfsd.state import StateDir, StateDirBusy
 
@@ -162,6 +163,52 @@ def test_unreachable_rows_are_dropped_and_their_caches_reported(tmp_path):
     assert [(dd, name, ino) for dd, name, ino, _ in c.entries] == [(ROOT, b"ghost", None)]
 
 
+# ---------------------------------------------------------------- kvfsd's consistency check
+
+def test_check_finds_each_kind_of_inconsistency():
+    ns = Namespace()
+    d = ns.add(ROOT, b"d", DIR, 1000, 0)
+    a = ns.add(d.ino, b"a.kv", FILE, 1000, 0)
+    b = ns.add(ROOT, b"b.kv", FILE, 1000, 0)
+    assert problems(ns) == []
+    a.nlink = 2
+    d.order.remove(b"a.kv")
+    del b.links[ROOT, b"b.kv"]
+    ns.names_of_uid[1000] += 1
+    ns.get(ROOT).entries[b"ghost"] = 999
+    found = problems(ns)
+    assert found == [
+        f"directory {ROOT}: its readdir listing is not its names",
+        f"directory {ROOT}: 'ghost' names no node (999)",
+        f"directory {d.ino}: its readdir listing is not its names",
+        f"node {a.ino}: nlink 2, 1 names",
+        f"node {b.ino}: links [] but named by [({ROOT}, b'b.kv')]",
+        "names per uid {1000: 4}, counted {1000: 3}"], found
+
+
+def test_check_state_is_clean_for_what_kvfsd_writes_and_reports_repairs(tmp_path):
+    state = StateDir(str(tmp_path / "s"))
+    ns = Namespace()
+    d = ns.add(ROOT, b"d", DIR, 0, 0)
+    a = ns.add(d.ino, b"a.kv", FILE, 0, 0)
+    a.cap, a.snapshot = "ab" * 16, "9.kvx"
+    commit(state, ns)
+    state.close()
+    assert check_state(str(tmp_path / "s")) == [f"node {a.ino}: snapshot 9.kvx missing"]
+    a.snapshot = None
+    state = StateDir(str(tmp_path / "s"))
+    commit(state, ns)
+    state.db.execute("INSERT INTO entry (dir, name, ino, pos) VALUES (?, ?, ?, ?)",
+                     (ROOT, b"ghost", 999, 99))                 # a half-written change
+    state.db.execute("DELETE FROM entry WHERE dir = ? AND name = ?", (ROOT, b"d"))
+    with pytest.raises(StateDirBusy):
+        check_state(str(tmp_path / "s"))
+    state.close()
+    assert check_state(str(tmp_path / "s")) == [
+        f"entries naming nothing: ['{ROOT}/ghost']",
+        f"stored nodes no name reaches: {sorted([d.ino, a.ino])}"]
+
+
 # ---------------------------------------------------------------- the journal, by property
 
 NAMES = st.sampled_from([b"a", b"b", b"c", b"d", "é".encode()])
@@ -260,6 +307,10 @@ class JournalMachine(RuleBasedStateMachine):
     def committed_state_is_the_namespace(self):
         if not (self.ns.dirty or self.ns.dirty_entries):
             assert stored(self.state) == self.ns.to_dict()
+
+    @invariant()
+    def indexes_agree_with_the_entries(self):
+        assert problems(self.ns) == []
 
 
 TestJournal = JournalMachine.TestCase

@@ -1,11 +1,15 @@
-"""kvfsd.namespace without FUSE or predd: names, links, renames, modes, xattrs, and the
-round trip through the state file."""
+"""kvfsd.namespace without FUSE or predd: names, links, renames, modes, xattrs, the
+round trip through the state file, and the indexes that keep every operation free of
+scans (readdir positions, a node's names)."""
 import errno
 import json
 import stat
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvfsd.listing import FIRST, SLACK, Listing
 from kvfsd.namespace import ROOT, Namespace
 from kvfsd.xattrs import APP_MAX as APP_XATTRS
 from kvfsd.xattrs import NAME_MAX as XATTR_NAME_MAX
@@ -168,7 +172,9 @@ def test_xattr_rules(ns):
     assert err(ns.setxattr, a, b"user.kv.ttl", b"-1") == errno.EINVAL
     assert err(ns.setxattr, a, b"user.kv.ttl", "\u0663".encode()) == errno.EINVAL
     # In user.kv.* only the known names; outside user.* nothing.
-    assert err(ns.setxattr, a, b"user.kv.evict", b"1") == errno.EOPNOTSUPP   # reserved
+    assert err(ns.setxattr, a, b"user.kv.evict", b"1") == errno.EOPNOTSUPP   # not stored
+    check_xattr(b"user.kv.evict", b"1")                  # the FUSE layer carries it out
+    assert err(check_xattr, b"user.kv.evict", b"0") == errno.EINVAL
     assert err(ns.setxattr, a, b"user.kv.other", b"1") == errno.EOPNOTSUPP
     assert err(ns.setxattr, a, b"trusted.x", b"1") == errno.EOPNOTSUPP
     assert err(ns.setxattr, a, b"security.x", b"1") == errno.EOPNOTSUPP
@@ -279,3 +285,59 @@ def test_persistence_round_trip(ns):
     assert back.path_of(a2.ino) in ("/d/a.kv", "/ü b.kv\\xff")
     with pytest.raises(ValueError):
         Namespace.from_dict({"format": 99})
+
+
+# ---------------------------------------------------------------- scale: no scans
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=300),
+       st.integers(0, 400))
+def test_listing_resumes_at_any_position_like_a_sorted_model(ops, resume):
+    """`after(pos)` equals a sorted reference whatever adds and removes came before,
+    through the compactions of the position list."""
+    listing, model, next_pos = Listing(), {}, FIRST
+    for add, n in ops:
+        name = b"n%d" % n
+        if add and name not in model:
+            assert listing.add(name) == next_pos
+            model[name], next_pos = next_pos, next_pos + 1
+        elif not add and name in model:
+            listing.remove(name)
+            del model[name]
+    expected = sorted((pos, name) for name, pos in model.items() if pos > resume)
+    assert list(listing.after(resume)) == expected
+    assert len(listing) == len(model)
+    assert all(listing.position(name) == pos for name, pos in model.items())
+
+
+def test_listing_compacts_what_removals_leave(ns):
+    listing = Listing(b"f%d" % i for i in range(1000))
+    for i in range(999):
+        listing.remove(b"f%d" % i)
+    assert len(listing._slots) <= 2 * len(listing) + SLACK     # not 1000 stale positions
+    assert list(listing.after(0)) == [(FIRST + 999, b"f999")]
+
+
+def test_a_nodes_names_are_indexed_not_searched(ns):
+    """names_of and path_of read each node's links, which every change keeps exact."""
+    d = ns.add(ROOT, b"d", DIR, 0, 0)
+    sub = ns.add(d.ino, b"sub", DIR, 0, 0)
+    a = ns.add(sub.ino, b"a.kv", FILE, 0, 0)
+    b = ns.add(ROOT, b"b.kv", FILE, 0, 0)
+    ns.link(a.ino, ROOT, b"a2.kv")
+    assert ns.path_of(a.ino) == "/d/sub/a.kv" and ns.path_of(ROOT) == "/"
+    ns.rename(ROOT, b"d", ROOT, b"e")
+    assert ns.path_of(a.ino) == "/e/sub/a.kv"
+    ns.rename(ROOT, b"a2.kv", ROOT, b"b.kv", exchange=True)
+    assert sorted(ns.names_of(a.ino)) == [(ROOT, b"b.kv"), (sub.ino, b"a.kv")]
+    assert ns.names_of(b.ino) == [(ROOT, b"a2.kv")]
+    assert ns.rename(ROOT, b"b.kv", sub.ino, b"a.kv", exchange=True) is None  # one file
+    assert ns.rename(ROOT, b"a2.kv", ROOT, b"b.kv") is a          # a loses b.kv to b
+    assert ns.names_of(b.ino) == [(ROOT, b"b.kv")]
+    assert ns.names_of(a.ino) == [(sub.ino, b"a.kv")]
+    assert ns.drop_names(a.ino) == [(sub.ino, b"a.kv")]
+    assert a.nlink == 0 and ns.names_of(a.ino) == [] and ns.path_of(a.ino) == "?"
+    c = ns.add(sub.ino, b"c.kv", FILE, 0, 0)
+    back = Namespace.from_dict(json.loads(json.dumps(ns.to_dict())))
+    assert back.path_of(c.ino) == "/e/sub/c.kv"
+    assert back.names_of(sub.ino) == [(d.ino, b"sub")]

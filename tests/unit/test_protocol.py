@@ -197,9 +197,12 @@ def test_decode_request_raises_only_protocol_errors_on_fuzzed_maps():
 
 # ---------------------------------------------------------------- replies and helpers
 
-COST = p.Cost(computed=3, reused=5, pages=2, queue_ms=0.5, step_ms=1.25)
-COST_WIRE = {"computed": 3, "reused": 5, "pages": 2, "queue_ms": 0.5, "step_ms": 1.25}
-KV = dict(tokens=9, pages=3, bytes=3072, last_position=8, model="m")
+COST = p.Cost(computed=3, reused=5, pages=2, queue_ms=0.5, step_ms=1.25, swapped_in=16,
+              swap_ms=0.75)
+COST_WIRE = {"computed": 3, "reused": 5, "pages": 2, "queue_ms": 0.5, "step_ms": 1.25,
+             "swapped_in": 16, "swap_ms": 0.75}
+KV = dict(tokens=9, pages=3, bytes=3072, last_position=8, model="m", tier="host",
+          pinned=True, idle_s=1.5)
 
 # One reply of every shape: (op, record, the exact map predd sends with rid 7, frames).
 REPLY_CASES = [

@@ -1,0 +1,121 @@
+"""Time to live (`user.kv.ttl=S`): a cache file neither used nor closed for S seconds
+is removed — every name it has, as `rm` of each would — and its cache freed.
+
+* Last close: kvfsd's release of the file's last open (`Node.closed_at`); for a file not
+  opened since kvfsd started, the start.
+* Last use: predd's `idle_s` (kv_stat: seconds since a pred, generate, fork or export
+  used the cache, or since it was made). A predd that does not report it: last close
+  only.
+* A file with an open is never removed, nor one whose ttl changed or that lost its
+  names meanwhile, nor any while predd cannot be asked.
+Only files with a ttl are looked at, when they are due: a heap of (when due, inode),
+checked every `PERIOD` seconds, so a check costs O(log n) per file due and never a scan
+of the namespace (the one scan is at start, to find the files with a ttl).
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from typing import TYPE_CHECKING
+
+import pyfuse3
+import trio
+
+from kvfsd.node import Node
+from kvfsd.predd_link import PreddError
+from kvfsd.xattrs import TTL
+
+if TYPE_CHECKING:
+    from kvfsd.caches import Caches
+
+PERIOD = 1.0
+
+
+def ttl_of(node: Node) -> int | None:
+    value = node.xattrs.get(TTL)
+    return int(value.strip()) if value is not None and node.is_file else None
+
+
+class Expiry:
+    def __init__(self, caches: Caches) -> None:
+        self.caches = caches
+        self.started = time.monotonic()
+        self._due: dict[int, float] = {}            # inode -> when it is next looked at
+        self._heap: list[tuple[float, int]] = []    # (due, inode); stale pairs skipped
+
+    def watch_all(self) -> None:
+        """At start: every file with a ttl."""
+        for node in self.caches.ns.nodes.values():
+            if ttl_of(node) is not None:
+                self.watch(node)
+
+    def watch(self, node: Node, due: float | None = None) -> None:
+        """Look at `node` at `due` (now: at the next check)."""
+        due = time.monotonic() if due is None else due
+        self._due[node.ino] = due
+        heapq.heappush(self._heap, (due, node.ino))
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    async def run(self) -> None:
+        while True:
+            await trio.sleep(PERIOD)
+            try:                           # never let the task die
+                await self.check()
+            except Exception as exc:
+                self.caches.log(f"expiry: {type(exc).__name__}")
+
+    async def check(self, now: float | None = None) -> None:
+        """Remove the files whose ttl ran out; look again later at the others."""
+        now = time.monotonic() if now is None else now
+        while self._heap and self._heap[0][0] <= now:
+            due, ino = heapq.heappop(self._heap)
+            if self._due.get(ino) != due:
+                continue                   # re-scheduled since: a later pair stands
+            del self._due[ino]
+            node = self.caches.ns.nodes.get(ino)
+            if node is None or node.nlink == 0 or ttl_of(node) is None:
+                continue                   # gone, or its ttl was removed
+            await self._consider(node, now)
+
+    async def _consider(self, node: Node, now: float) -> None:
+        ttl = ttl_of(node)
+        quiet_since = max(node.closed_at, self.started)
+        if node.opens > 0:
+            self.watch(node, now + PERIOD)             # closes are seen at release
+            return
+        if now - quiet_since < ttl:
+            self.watch(node, quiet_since + ttl)
+            return
+        predd = self.caches.predd
+        if not predd.up or node.cap is None:
+            self.watch(node, now + PERIOD)
+            return
+        cap = node.cap
+        try:
+            reply = await predd.call("kv_stat", cap=cap)
+        except PreddError:
+            self.watch(node, now + PERIOD)             # re-validation sorts stale ones
+            return
+        if "idle_s" in reply:
+            quiet_since = max(quiet_since, time.monotonic() - float(reply["idle_s"]))
+        now = time.monotonic()
+        if node.cap != cap or node.opens > 0 or node.nlink == 0 or ttl_of(node) != ttl:
+            if node.nlink and ttl_of(node) is not None:
+                self.watch(node, now + PERIOD)         # changed while predd answered
+            return
+        if now - quiet_since < ttl:
+            self.watch(node, quiet_since + ttl)
+            return
+        await self._remove(node, ttl)
+
+    async def _remove(self, node: Node, ttl: int) -> None:
+        caches = self.caches
+        path = caches.ns.path_of(node.ino)
+        names = caches.ns.drop_names(node.ino)
+        await caches.commit()
+        for parent, name in names:
+            pyfuse3.invalidate_entry_async(parent, name, deleted=node.ino, ignore_enoent=True)
+        caches.log(f"{path}: removed (user.kv.ttl {ttl} s ran out)")
+        await caches.maybe_free(node)
