@@ -304,7 +304,7 @@ def measure(args, work: Workload, budget: Budget, systems: list[str],
                 base = stack.enter_context(contextlib.closing(
                     VllmRig(args, work, vllm_blocks, offload_gib)))
             except bench_vllm.Unavailable as e:
-                log(f"bench: vLLM baseline unavailable: {str(e)[-2000:]}")
+                log(f"bench: vLLM baseline unavailable: {str(e).splitlines()[0]}")
         for alpha in args.alphas:
             if base is not None:
                 try:

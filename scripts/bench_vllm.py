@@ -204,10 +204,11 @@ class Server:
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                with open(self.log_path) as f:
-                    tail = f.read()[-3000:]
-                raise Unavailable(f"vLLM's server did not come up (exit {self.proc.returncode}):"
-                                  f"\n{tail}")
+                with open(self.log_path, errors="replace") as f:
+                    text = f.read()
+                raise Unavailable(f"vLLM's server did not come up (exit {self.proc.returncode})"
+                                  f"{root_cause(text)}; its log {self.log_path} ends:\n"
+                                  f"{text[-3000:]}")
             time.sleep(2)
 
     def _healthy(self) -> bool:
@@ -253,6 +254,15 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def root_cause(log_text: str) -> str:
+    """': <the first exception line>' of a vLLM log, or ''."""
+    for line in log_text.splitlines():
+        line = line.split("] ", 1)[-1].strip()
+        if line.startswith(("Exception: ", "ValueError: ", "RuntimeError: ", "NotImplementedError: ")):
+            return f": {line}"
+    return ""
 
 
 def completion_request(prompt: list[int], n_new: int) -> dict:
