@@ -105,10 +105,13 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: sizes 16,256,1024, 10 forks, one prefill each")
+                    help="a smoke run: sizes 16,256,1024, 10 forks, one prefill each "
+                         "(each unless given)")
     args = ap.parse_args()
-    if args.quick:
-        args.sizes, args.repeat, args.prefill_repeat = "16,256,1024", 10, 1
+    if args.quick:                          # what the command line does not set
+        for key, value in {"sizes": "16,256,1024", "repeat": 10, "prefill_repeat": 1}.items():
+            if getattr(args, key) == ap.get_default(key):
+                setattr(args, key, value)
     sizes = sorted(int(s) for s in args.sizes.split(","))
     ways = args.ways.split(",")
     if set(ways) - set(WAYS) or sizes[0] < 1 or args.repeat < 1:

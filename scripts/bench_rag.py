@@ -376,11 +376,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 16 documents of ~96 tokens, 4 clients, alphas 1,4, "
-                         "8+16 requests, 8 new tokens, the base variant unless --variants")
+                         "8+16 requests, 8 new tokens, the base variant (each unless given)")
     args = ap.parse_args()
-    if args.quick:
-        args.docs, args.doc_tokens, args.clients, args.alphas = 16, 96, 4, "1,4"
-        args.warmup, args.requests, args.new_tokens = 8, 16, 8
+    if args.quick:                          # what the command line does not set
+        quick = {"docs": 16, "doc_tokens": 96, "clients": 4, "alphas": "1,4", "warmup": 8,
+                 "requests": 16, "new_tokens": 8}
+        for key, value in quick.items():
+            if getattr(args, key) == ap.get_default(key):
+                setattr(args, key, value)
     args.variants = (args.variants or ("base" if args.quick else "base,host,disk")).split(",")
     args.alphas = [float(a) for a in args.alphas.split(",")]
     args.systems = args.systems.split(",")

@@ -207,7 +207,7 @@ class Server:
                 with open(self.log_path, errors="replace") as f:
                     text = f.read()
                 raise Unavailable(f"vLLM's server did not come up (exit {self.proc.returncode})"
-                                  f"{root_cause(text)}; its log {self.log_path} ends:\n"
+                                  f"{root_cause(text)}; log {self.log_path}\n"
                                   f"{text[-3000:]}")
             time.sleep(2)
 
