@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,12 +95,12 @@ class Mount:
         from predd.launch import die_with_parent, wait_ready
         self.path = tempfile.mkdtemp(prefix="kvfs-bench-", dir="/tmp")
         os.chmod(self.path, 0o755)
-        work = tempfile.mkdtemp(prefix="kvfs-bench-state-")
-        self.log = os.path.join(work, "kvfsd.log")
+        self.work = tempfile.mkdtemp(prefix="kvfs-bench-state-")
+        self.log = os.path.join(self.work, "kvfsd.log")
         with open(self.log, "ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvfsd", self.path, "--predd", addr,
-                 "--state", os.path.join(work, "state")],
+                 "--state", os.path.join(self.work, "state")],
                 stdout=subprocess.PIPE, stderr=err, cwd=ROOT, preexec_fn=die_with_parent)
         if wait_ready(self.proc, timeout) is None:
             self.close()
@@ -107,8 +108,10 @@ class Mount:
                 raise RuntimeError(f"kvfsd did not mount in {timeout:g} s: {f.read()[-2000:]}")
 
     def close(self) -> None:
+        """Stop kvfsd; its state directory and log go too when it exited cleanly."""
         from predd.launch import terminate
-        terminate(self.proc, 20.0)
+        if terminate(self.proc, 20.0) == 0:
+            shutil.rmtree(self.work, ignore_errors=True)
         self.proc.stdout.close()
         with open("/proc/mounts") as f:
             mounted = any(line.split()[1] == self.path for line in f if line.strip())
