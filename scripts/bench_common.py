@@ -9,6 +9,8 @@ shared; compare ratios from a quiet machine).
 """
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import platform
@@ -130,3 +132,13 @@ class Mount:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def quick_defaults(ap: argparse.ArgumentParser, args: argparse.Namespace,
+                   values: dict) -> None:
+    """--quick: `values` for the options the command line left at their defaults."""
+    if not args.quick:
+        return
+    for key, value in values.items():
+        if getattr(args, key) == ap.get_default(key):
+            setattr(args, key, value)

@@ -34,7 +34,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import Mount, log, machine, result, start_predd  # noqa: E402
+from bench_common import (Mount, log, machine, quick_defaults, result,  # noqa: E402
+                          start_predd)
 
 PAGE = 16
 WAYS = ("kv_fork", "cp", "copy")
@@ -108,10 +109,8 @@ def main() -> int:
                     help="a smoke run: sizes 16,256,1024, 10 forks, one prefill each "
                          "(each unless given)")
     args = ap.parse_args()
-    if args.quick:                          # what the command line does not set
-        for key, value in {"sizes": "16,256,1024", "repeat": 10, "prefill_repeat": 1}.items():
-            if getattr(args, key) == ap.get_default(key):
-                setattr(args, key, value)
+    quick_defaults(ap, args, {"sizes": "16,256,1024", "repeat": 10,
+                             "prefill_repeat": 1})
     sizes = sorted(int(s) for s in args.sizes.split(","))
     ways = args.ways.split(",")
     if set(ways) - set(WAYS) or sizes[0] < 1 or args.repeat < 1:

@@ -50,7 +50,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "mount_examples"))
 import bench_vllm  # noqa: E402
-from bench_common import Mount, log, machine, percentile, result, start_predd  # noqa: E402
+from bench_common import (Mount, log, machine, percentile, quick_defaults,  # noqa: E402
+                          result, start_predd)
 from rag_workload import Request, Run, Workload, closed_loop, make_workload  # noqa: E402
 
 PAGE = 16                     # predd's page, in tokens
@@ -378,12 +379,8 @@ def main() -> int:
                     help="a smoke run: 16 documents of ~96 tokens, 4 clients, alphas 1,4, "
                          "8+16 requests, 8 new tokens, the base variant (each unless given)")
     args = ap.parse_args()
-    if args.quick:                          # what the command line does not set
-        quick = {"docs": 16, "doc_tokens": 96, "clients": 4, "alphas": "1,4", "warmup": 8,
-                 "requests": 16, "new_tokens": 8}
-        for key, value in quick.items():
-            if getattr(args, key) == ap.get_default(key):
-                setattr(args, key, value)
+    quick_defaults(ap, args, {"docs": 16, "doc_tokens": 96, "clients": 4, "alphas": "1,4",
+                              "warmup": 8, "requests": 16, "new_tokens": 8})
     args.variants = (args.variants or ("base" if args.quick else "base,host,disk")).split(",")
     args.alphas = [float(a) for a in args.alphas.split(",")]
     args.systems = args.systems.split(",")
