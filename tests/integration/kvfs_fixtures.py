@@ -185,6 +185,15 @@ def fill(lip, path: str, tokens: list[int]) -> None:
         lip.kv_close(kv)
 
 
+def pred_logits(lip, path: str, token: int):
+    """The logits after `token` on a fork of the cache file `path` (the file unchanged)."""
+    with lip.kv_open(path) as kv:
+        fork = lip.kv_fork(kv)
+    logits = lip.pred(fork, [token]).logits.copy()
+    lip.kv_free(fork)
+    return logits
+
+
 def tiled_export(blob: bytes, times: int) -> bytes:
     """A predd export whose entries are `blob`'s repeated `times` times, at positions
     0..n-1: a long cache without the minutes a CPU takes to prefill one. Knows the

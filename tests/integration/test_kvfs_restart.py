@@ -15,8 +15,8 @@ import pytest
 
 from kvfsd.check import check_state
 from tests.conftest import start_predd
-from tests.integration.kvfs_fixtures import (eventually, fill, finish, is_mounted, sh,
-                                             start_kvfsd, xattr_int)
+from tests.integration.kvfs_fixtures import (eventually, fill, finish, is_mounted,
+                                             pred_logits, sh, start_kvfsd, xattr_int)
 
 PRIVATE_PREDD = ("--kv-pages", "128", "--max-step-tokens", "256", "--lease", "3")
 PROMPT = "Persistence test: the quick brown fox jumps over the lazy dog, twice over."
@@ -51,14 +51,6 @@ def private(tmp_path):
         if p.predd is not None:
             p.predd.stop()
         liblip.client().close()
-
-
-def pred_logits(lip, path: str, token: int) -> np.ndarray:
-    with lip.kv_open(path) as kv:
-        fork = lip.kv_fork(kv)
-    logits = lip.pred(fork, [token]).logits.copy()
-    lip.kv_free(fork)
-    return logits
 
 
 def test_kvfsd_restart_alone_loses_nothing(kvfs, lip):

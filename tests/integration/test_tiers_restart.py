@@ -6,17 +6,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import start_predd
-from tests.integration.kvfs_fixtures import finish, sh, start_kvfsd
+from tests.integration.kvfs_fixtures import finish, pred_logits, sh, start_kvfsd
 
 ARGS = ("--kv-pages", "32", "--disk-pages", "64", "--max-step-tokens", "256", "--lease", "3")
-
-
-def logits_of(lip, path: str, token: int) -> np.ndarray:
-    with lip.kv_open(path) as kv:
-        fork = lip.kv_fork(kv)
-    out = lip.pred(fork, [token]).logits.copy()
-    lip.kv_free(fork)
-    return out
 
 
 @pytest.mark.slow
@@ -32,7 +24,7 @@ def test_a_cache_on_disk_is_fsynced_and_restored_bit_exact(tmp_path):
         assert sh("touch a.kv", cwd=m).returncode == 0
         with lip.kv_open(f"{m}/a.kv", write=True) as kv:
             lip.prefill(kv, tokens)
-        want = logits_of(lip, f"{m}/a.kv", 42)
+        want = pred_logits(lip, f"{m}/a.kv", 42)
         with lip.kv_open(f"{m}/a.kv", write=True) as kv:
             assert lip.kv_policy(kv, evict=True)["tier"] == "disk"
         assert sh("getfattr -n user.kv.tier --only-values a.kv", cwd=m).stdout == "disk"
@@ -48,7 +40,7 @@ def test_a_cache_on_disk_is_fsynced_and_restored_bit_exact(tmp_path):
         with lip.kv_open(f"{m}/a.kv") as kv:
             assert lip.kv_tokens(kv) == tokens
             assert lip.kv_stat(kv)["tier"] == "device"
-        assert np.array_equal(logits_of(lip, f"{m}/a.kv", 42), want)
+        assert np.array_equal(pred_logits(lip, f"{m}/a.kv", 42), want)
     finally:
         finish(kvfs, clear=predd.proc.poll() is None)
         lip.client().close()
