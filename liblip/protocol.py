@@ -309,6 +309,13 @@ class Reply:
         return cls(**kwargs)
 
 
+def _one_frame(frames: list[bytes], what: str) -> bytes:
+    """The one binary frame a reply carries; EBADMSG otherwise."""
+    if len(frames) != 1:
+        raise ProtocolError("EBADMSG", f"{what}: expected one binary frame")
+    return frames[0]
+
+
 def _wire_value(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
@@ -474,10 +481,8 @@ class KvExportReply(KvReply):
 
     @classmethod
     def from_wire(cls, header: dict, frames: list[bytes]) -> KvExportReply:
-        if len(frames) != 1:
-            raise ProtocolError("EBADMSG", "kv_export: expected one binary frame")
         reply = super().from_wire(header, frames)
-        reply.snapshot = frames[0]
+        reply.snapshot = _one_frame(frames, "kv_export")
         return reply
 
 
@@ -522,9 +527,7 @@ class PredLogits(PredReply):
 
     @classmethod
     def from_wire(cls, header: dict, frames: list[bytes]) -> PredLogits:
-        if len(frames) != 1:
-            raise ProtocolError("EBADMSG", "pred logits: expected one binary frame")
-        return cls(shape=list(header["logits"]["shape"]), data=frames[0],
+        return cls(shape=list(header["logits"]["shape"]), data=_one_frame(frames, "pred logits"),
                    cost=Cost(**header["cost"]))
 
 
