@@ -53,7 +53,6 @@ class KVObject:
     reserved: int = 0
     # memory policy (predd/memory.py)
     last_used: float = field(default_factory=time.monotonic)
-    pinned: bool = False
     waiting: bool = False      # its session said it waits on I/O
 
 

@@ -74,7 +74,7 @@ class Memory:
                           else config.pin_pages)
         self.pin_total = self.pool.num_pages // 2
         self.protected: set[int] = set()
-        self.pinned: dict[int, KVObject] = {}   # oid -> pinned object
+        self.pinned: dict[int, KVObject] = {}   # oid -> pinned object: the one record of pins
         self.moves = Moves()
         self.pool.reclaim = self.reclaim
 
@@ -93,9 +93,17 @@ class Memory:
     def off_device(self, obj: KVObject) -> list[int]:
         return [p for p in dict.fromkeys(obj.pages) if self.pool.tier[p] != DEVICE]
 
+    def is_pinned(self, obj: KVObject) -> bool:
+        return obj.oid in self.pinned
+
     def blocked(self, obj: KVObject) -> bool:
-        return (obj.pinned or obj.reserved > 0 or obj.oid in self.protected
+        return (obj.oid in self.pinned or obj.reserved > 0 or obj.oid in self.protected
                 or self.in_flight(obj.oid))
+
+    def _blocked_pages(self, but: KVObject | None = None) -> set[int]:
+        """Pages some blocked holder (other than `but`) keeps where they are."""
+        return {p for o in self.store.objects.values() if o is not but and self.blocked(o)
+                for p in o.pages}
 
     @contextmanager
     def protecting(self, *oids: int) -> Iterator[None]:
@@ -111,11 +119,10 @@ class Memory:
 
     def _victims(self, tier: int, n: int) -> list[int]:
         """Up to at least n movable pages of `tier`, coldest first, whole objects."""
-        blocked: set[int] = set()
+        blocked = self._blocked_pages()
         score: dict[int, tuple[int, float]] = {}
         for obj in self.store.objects.values():
             if self.blocked(obj):
-                blocked.update(obj.pages)
                 continue
             key = (0 if obj.waiting else 1, obj.last_used)
             for page in obj.pages:
@@ -161,10 +168,9 @@ class Memory:
     def evict(self, obj: KVObject) -> None:
         """Move an object's device pages down now (those another holder does not block);
         EBUSY when it is pinned or a call on it is in flight."""
-        if obj.pinned or obj.reserved or self.in_flight(obj.oid):
+        if obj.oid in self.pinned or obj.reserved or self.in_flight(obj.oid):
             raise ProtocolError("EBUSY", "the cache is pinned or a call on it is in flight")
-        blocked = {p for o in self.store.objects.values() if o is not obj and self.blocked(o)
-                   for p in o.pages}
+        blocked = self._blocked_pages(but=obj)
         pages = [p for p in dict.fromkeys(obj.pages)
                  if self.pool.tier[p] == DEVICE and p not in blocked]
         if pages and not self._lower(DEVICE):
@@ -208,10 +214,10 @@ class Memory:
     # ------------------------------------------------------------ policy requests
 
     def pin(self, obj: KVObject, on: bool) -> None:
-        if not on or obj.pinned:
-            obj.pinned = on
-            if not on:
-                self.pinned.pop(obj.oid, None)
+        if not on:
+            self.pinned.pop(obj.oid, None)
+            return
+        if obj.oid in self.pinned:
             return
         uid = self.uid_of(obj.oid)
         pinned = list(self.pinned.values())
@@ -226,7 +232,6 @@ class Memory:
                                 f"{len(obj.pages)} more passes the limit of {self.pin_total}"
                                 " (half the device pool) for all users together")
         self.bring_in(obj)
-        obj.pinned = True
         self.pinned[obj.oid] = obj
 
     def forget(self, oid: int) -> None:
@@ -251,9 +256,10 @@ class Memory:
                 for t, name in enumerate(TIER_NAMES)}
 
     def check(self) -> list[str]:
-        pinned = {o.oid for o in self.store.objects.values() if o.pinned}
-        problems = [f"pinned object {oid} has pages off the device"
-                    for oid in pinned if self.off_device(self.store.objects[oid])]
-        if pinned != set(self.pinned):
-            problems.append(f"pinned objects {sorted(pinned)}, listed {sorted(self.pinned)}")
+        problems = []
+        for oid, obj in self.pinned.items():
+            if self.store.objects.get(oid) is not obj:
+                problems.append(f"pinned object {oid} is gone")
+            elif self.off_device(obj):
+                problems.append(f"pinned object {oid} has pages off the device")
         return problems

@@ -55,7 +55,7 @@ def stat(e: Engine, oid: int, rights: str = "", cap: str = "") -> p.KvReply:
                      bytes=pages * e.runner.cache.bytes_per_page,
                      last_position=e.store.last_position(obj),
                      model=e.runner.model_config.name, tier=e.memory.tier_of(obj),
-                     pinned=obj.pinned,
+                     pinned=e.memory.is_pinned(obj),
                      idle_s=round(max(time.monotonic() - obj.last_used, 0.0), 3),
                      rights=rights, cap=cap)
 
