@@ -6,7 +6,7 @@
           [--max-batch N] [--lease S] [--threads N] [--session-quota PAGES]
           [--uid-quota PAGES] [--latency-factor F] [--auth-keys FILE]
           [--host-pages N] [--disk-pages N] [--swap-dir DIR] [--pin-quota PAGES]
-          [--admit-wait S]
+          [--admit-wait S] [--linear auto|plain|packed]
 
 Prints `ready <addr>` on stdout once it serves; progress and logs go to stderr.
 A tcp:// address off loopback needs --auth-keys (docs/identity.md).
@@ -25,7 +25,7 @@ from predd.memory import MemoryConfig
 from predd.quota import QuotaConfig
 from predd import attention, dtype
 from predd.dtype import DTYPES
-from predd.runner import Runner, RunnerConfig
+from predd.runner import LINEAR_CHOICES, Runner, RunnerConfig
 from predd.scheduler import SchedulerConfig
 from predd.server import Server
 from predd.tokenizer import load_tokenizer
@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lease", type=float, default=10.0,
                     help="seconds of silence after which a session ends")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ap.add_argument("--linear", default="auto", choices=LINEAR_CHOICES,
+                    help="projections: packed (weights laid out once for oneDNN; auto, the "
+                    "default, where a probe shows it runs here) or plain nn.Linear")
     ap.add_argument("--session-quota", type=int, default=0, metavar="PAGES",
                     help="KV pages one session may hold (0: no limit; EDQUOT beyond)")
     ap.add_argument("--uid-quota", type=int, default=None, metavar="PAGES",
@@ -118,10 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         log(str(exc))
         return 2
     log(f"attention {backend} ({backend_reason})")
-    runner = Runner(RunnerConfig(model_path, args.device, dtype_name, dtype_reason,
-                                 args.kv_pages, args.page_size, backend,
-                                 threads=args.threads),
-                    progress=log)
+    try:
+        runner = Runner(RunnerConfig(model_path, args.device, dtype_name, dtype_reason,
+                                     args.kv_pages, args.page_size, backend,
+                                     threads=args.threads, linear=args.linear),
+                        progress=log)
+    except ValueError as exc:      # --linear packed where it cannot run
+        log(str(exc))
+        return 2
     tokenizer = load_tokenizer(model_path)
     config = EngineConfig(args.lease,
                           SchedulerConfig(args.max_step_tokens, args.max_batch,

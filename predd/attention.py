@@ -42,8 +42,8 @@ def slot_writer(cache: PagedKVCache, tables: PageTables) -> StoreKV:
 
 class TorchAttention:
     """Gathers each call's K and V a page at a time (one `index_select` per layer for
-    all calls that decode one token, padded to the longest table and masked) and runs
-    two batched matmuls; longer chunks run one by one with SDPA, and a chunk that sees
+    all calls that decode one token, padded to the longest table and masked), lays them
+    out head-major and runs two batched matmuls; longer chunks run one by one with SDPA, and a chunk that sees
     only itself (a fresh prefill) attends to its own K/V without any gather."""
 
     name = "torch"
@@ -60,13 +60,12 @@ class TorchAttention:
 
         if single:
             table = tables.padded(single)                           # [B, W]
-            width = int(tables.kv_len[single].max())                # <= W * ps
             pages = torch.from_numpy(table.reshape(-1)).to(dev)
             single_q = torch.from_numpy(tables.qo_indptr[single].astype(np.int64)).to(dev)
             lengths = torch.from_numpy(tables.kv_len[single].astype(np.int64)).to(dev)
-            single_pad = (torch.arange(width, device=dev)[None, :] >= lengths[:, None]
-                          )[:, None, None, :]                       # [B, 1, 1, W*ps]
-            single_shape = (len(single), table.shape[1] * ps, *cache.flat(0).shape[1:])
+            single_pad = (torch.arange(table.shape[1] * ps, device=dev)[None, :]
+                          >= lengths[:, None])[:, None, None, :]    # [B, 1, 1, W*ps]
+            single_shape = (len(single), table.shape[1], *cache.kv[0].shape[1:])
 
         multi_parts = []
         for i in multi:
@@ -86,10 +85,13 @@ class TorchAttention:
             paged = cache.kv[layer]                        # [P, 2, ps, Hkv, D]
             out = torch.empty_like(q)                      # [T, H, D]
             if single:
-                ks = paged[:, 0].index_select(0, pages).view(single_shape)[:, :width]
-                vs = paged[:, 1].index_select(0, pages).view(single_shape)[:, :width]
+                # [B, W, 2, ps, Hkv, D] -> K and V as [2, B*Hkv, W*ps, D]: each (call,
+                # kv head) one contiguous matrix, so both matmuls run without copies.
+                b, w, _, _, kv_heads, d = single_shape
+                kv = (paged.index_select(0, pages).view(single_shape)
+                      .permute(2, 0, 4, 1, 3, 5).reshape(2, b * kv_heads, w * ps, d))
                 out.index_copy_(0, single_q, self._decode(
-                    q.index_select(0, single_q), ks, vs, single_pad))
+                    q.index_select(0, single_q), kv[0], kv[1], single_pad))
             for start, n, pages_t, mask, kv_len in multi_parts:
                 qm = q[start:start + n].transpose(0, 1)[None]             # [1, H, n, D]
                 if pages_t is None:
@@ -108,15 +110,17 @@ class TorchAttention:
     @staticmethod
     def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor
                 ) -> torch.Tensor:
-        """One new token per call: q [B, H, D], k/v [B, L, Hkv, D] -> [B, H, D].
-        Two batched matmuls; on CPU ~8x faster than SDPA with a padding mask."""
+        """One new token per call: q [B, H, D]; k, v [B*Hkv, L, D] (call-major, then
+        kv head); pad [B, 1, 1, L] -> [B, H, D]. Two batched matmuls, the G query heads
+        that share a kv head as one [G, D] block; on CPU ~8x faster than SDPA with a
+        padding mask."""
         b, h, d = q.shape
-        kv_heads = k.shape[2]
-        qg = q.view(b, kv_heads, h // kv_heads, d)                     # head i reads kv i//G
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * d ** -0.5    # [B, Hkv, G, L]
-        scores = scores.masked_fill(pad, float("-inf"))
+        kv_heads = k.shape[0] // b
+        qg = q.view(b * kv_heads, h // kv_heads, d)                 # head i reads kv i//G
+        scores = torch.bmm(qg, k.transpose(1, 2)) * d ** -0.5      # [B*Hkv, G, L]
+        scores = scores.view(b, kv_heads, h // kv_heads, -1).masked_fill(pad, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v.transpose(1, 2)).view(b, h, d)    # [B, Hkv, G, D]
+        return torch.bmm(probs.view(b * kv_heads, h // kv_heads, -1), v).view(b, h, d)
 
 
 def flashinfer_problem(device: str, dtype: str) -> tuple[str, str] | None:

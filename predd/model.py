@@ -57,13 +57,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """q, k and v come out of one GEMM (`qkv_proj`, fused from Hugging Face's three at
+    load) and RoPE turns q and k together: one op each where there were three and two."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (h + 2 * kv) * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         self.shape = (h, kv, d)
 
@@ -71,24 +71,24 @@ class Attention(nn.Module):
                 layer: int, attend: StepAttention) -> torch.Tensor:
         h, kv, d = self.shape
         t = x.shape[0]
-        q = self.q_proj(x).view(t, h, d)          # q: [T, H, D]
-        k = self.k_proj(x).view(t, kv, d)         # k: [T, Hkv, D]
-        v = self.v_proj(x).view(t, kv, d)
-        q = q * cos + rotate_half(q) * sin        # cos/sin: [T, 1, D]
-        k = k * cos + rotate_half(k) * sin
-        out = attend(layer, q, k, v)              # [T, H, D]
+        qkv = self.qkv_proj(x).view(t, h + 2 * kv, d)
+        qk = qkv[:, :h + kv]
+        qk = qk * cos + rotate_half(qk) * sin     # cos/sin: [T, 1, D]
+        out = attend(layer, qk[:, :h], qk[:, h:], qkv[:, h + kv:])   # [T, H, D]
         return self.o_proj(out.reshape(t, h * d))
 
 
 class MLP(nn.Module):
+    """SwiGLU with gate and up in one GEMM (`gate_up_proj`, fused at load)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -108,8 +108,31 @@ class Inner(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face's per-projection weights with each group of `FUSED` concatenated
+    along the output dimension (the order of the tuple), as the model's modules hold
+    them; other names pass through. A group must be whole or absent."""
+    out = dict(weights)
+    for name in weights:
+        for fused, parts in FUSED.items():
+            for kind in ("weight", "bias"):
+                if not name.endswith(f".{parts[0]}.{kind}"):
+                    continue
+                prefix = name[:-len(f"{parts[0]}.{kind}")]
+                names = [f"{prefix}{part}.{kind}" for part in parts]
+                if any(n not in weights for n in names):
+                    raise ValueError(f"weights do not fit the model: {prefix}{fused} needs "
+                                     f"all of {', '.join(names)}")
+                out[f"{prefix}{fused}.{kind}"] = torch.cat([out.pop(n) for n in names])
+    return out
+
+
 class LlamaModel(nn.Module):
-    """Names match Hugging Face's LlamaForCausalLM, so its state dict loads as is."""
+    """`load` takes Hugging Face's LlamaForCausalLM state dict, names as they are."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -119,8 +142,10 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """Loads Hugging Face's names; q/k/v and gate/up are fused here (`fuse`)."""
         if self.cfg.tie_word_embeddings and "lm_head.weight" not in weights:
             weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+        weights = fuse(weights)
         missing, unexpected = self.load_state_dict(weights, strict=False)
         if missing or unexpected:
             raise ValueError(f"weights do not fit the model: missing {missing[:5]}, "

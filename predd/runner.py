@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from predd import linear
 from predd.attention import make_backend
 from predd.paged_kv import PagedKVCache
 from predd.dtype import DTYPES
@@ -34,6 +35,10 @@ class RunnerConfig:
     page_size: int = 16
     attention: str = "torch"  # a predd.attention.CHOICES name; `auto` is resolved at start
     threads: int = 0          # torch intra-op threads on CPU; 0 keeps torch's default
+    linear: str = "auto"      # a LINEAR_CHOICES name: packed where the probe passes
+
+
+LINEAR_CHOICES = ("auto", "plain", "packed")
 
 
 @dataclass
@@ -60,13 +65,33 @@ class Runner:
         self.model.to(self.device).eval()
         self.model.inv_freq = self.model.inv_freq.float()
         del weights
+        self.linear, linear_reason = self._pack(config.linear)
         self.cache = PagedKVCache(self.model_config, config.kv_pages, config.page_size,
                                   self.dtype, self.device)
         self.backend = make_backend(config.attention, self.cache)
         progress(f"model {self.model_config.name} ready on {config.device} ({config.dtype}: "
-                 f"{config.dtype_reason or 'asked for'}; attention {self.backend.name}) "
+                 f"{config.dtype_reason or 'asked for'}; attention {self.backend.name}; "
+                 f"linear {self.linear}: {linear_reason}) "
                  f"in {time.monotonic() - started:.1f}s; KV pool {config.kv_pages} pages "
                  f"x {config.page_size} = {self.cache.kv.numel() * self.cache.kv.element_size() / 2**20:.0f} MiB")
+
+    def _pack(self, requested: str) -> tuple[str, str]:
+        """(`packed` or `plain`, why) for `--linear requested`; packs the model's
+        projections (predd/linear.py) where chosen. ValueError (EINVAL) when `packed`
+        is asked for and cannot run here."""
+        if requested not in LINEAR_CHOICES:
+            raise ValueError(f"--linear must be one of {', '.join(LINEAR_CHOICES)}, "
+                             f"not {requested!r} (EINVAL)")
+        if requested == "plain":
+            return "plain", "asked for"
+        problem = linear.packing_problem(self.device, self.dtype)
+        if problem:
+            if requested == "packed":
+                raise ValueError(f"--linear packed: {problem} (EINVAL)")
+            return "plain", f"auto: {problem}"
+        count = linear.pack_linears(self.model)
+        return "packed", f"{'asked for' if requested == 'packed' else 'auto'}: " \
+                         f"{count} projections packed for oneDNN"
 
     def execute(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """One forward pass; per chunk a [len(outputs), vocab] float32 tensor (CPU)."""
