@@ -6,7 +6,7 @@
           [--max-batch N] [--lease S] [--threads N] [--session-quota PAGES]
           [--uid-quota PAGES] [--latency-factor F] [--auth-keys FILE]
           [--host-pages N] [--disk-pages N] [--swap-dir DIR] [--pin-quota PAGES]
-          [--admit-wait S] [--linear auto|plain|packed]
+          [--admit-wait S] [--linear auto|plain|packed] [--tp N]
 
 Prints `ready <addr>` on stdout once it serves; progress and logs go to stderr.
 A tcp:// address off loopback needs --auth-keys (docs/identity.md).
@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 
+import torch
+
 from liblip.protocol import default_addr, default_rundir
 from predd.engine import Engine, EngineConfig
 from predd.identity import AuthKeys, check_endpoint
@@ -24,8 +26,9 @@ from predd.loader import default_model_path
 from predd.memory import MemoryConfig
 from predd.quota import QuotaConfig
 from predd import attention, dtype
+from predd import tp as tp_mod
 from predd.dtype import DTYPES
-from predd.runner import LINEAR_CHOICES, Runner, RunnerConfig
+from predd.runner import LINEAR_CHOICES, Runner, RunnerConfig, TensorParallel
 from predd.scheduler import SchedulerConfig
 from predd.server import Server
 from predd.tokenizer import load_tokenizer
@@ -77,10 +80,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--admit-wait", type=float, default=10.0, metavar="S",
                     help="seconds a call waits for room on the device before it fails "
                     "with ENOSPC (default 10)")
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor parallel ranks (default 1). On one host predd starts "
+                    "the other N-1 itself; across hosts run it under torchrun "
+                    "(docs/scaling.md)")
     ap.add_argument("--auth-keys", metavar="FILE",
                     help="tokens for tcp clients: lines `TOKEN UID [comment]`, mode 0600")
     args = ap.parse_args(argv)
-    for name in ("kv_pages", "page_size", "max_step_tokens", "max_batch"):
+    for name in ("kv_pages", "page_size", "max_step_tokens", "max_batch", "tp"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("session_quota", "uid_quota", "threads", "latency_factor", "host_pages",
@@ -121,14 +128,42 @@ def main(argv: list[str] | None = None) -> int:
         log(str(exc))
         return 2
     log(f"attention {backend} ({backend_reason})")
+    tp, children, threads = None, [], args.threads
+    if args.tp > 1:
+        try:
+            rank, children = tp_mod.ranks(args.tp, sys.argv[1:] if argv is None else argv)
+            group = tp_mod.join(args.tp, rank, args.device)
+        except (ValueError, RuntimeError) as exc:
+            log(str(exc))
+            tp_mod.end(children, 0.0)
+            return 2
+        tp = TensorParallel(args.tp, rank, tp_mod.Link(group, torch.device(args.device)))
+        threads = threads or tp_mod.threads_per_rank(args.tp)
+        if rank:
+            log = lambda msg: print(f"predd[rank {rank}]: {msg}",  # noqa: E731
+                                    file=sys.stderr, flush=True)
     try:
         runner = Runner(RunnerConfig(model_path, args.device, dtype_name, dtype_reason,
                                      args.kv_pages, args.page_size, backend,
-                                     threads=args.threads, linear=args.linear),
-                        progress=log)
-    except ValueError as exc:      # --linear packed where it cannot run
+                                     threads=threads, linear=args.linear),
+                        progress=log, tp=tp)
+        if tp:
+            tp_mod.ready(group)
+    except ValueError as exc:      # --linear packed where it cannot run, a bad --tp
         log(str(exc))
+        tp_mod.end(children, 0.0)
         return 2
+    except tp_mod.RankLost as exc:
+        log(f"{exc}; predd stops")
+        tp_mod.end(children, 0.0)
+        return 1
+    if tp and tp.rank:
+        try:
+            tp_mod.serve_rank(runner, tp.link, log)
+        except tp_mod.RankLost as exc:
+            log(f"{exc}; predd stops")
+            return 1
+        return 0
     tokenizer = load_tokenizer(model_path)
     config = EngineConfig(args.lease,
                           SchedulerConfig(args.max_step_tokens, args.max_batch,
@@ -140,7 +175,18 @@ def main(argv: list[str] | None = None) -> int:
                                               args.pin_quota, args.admit_wait))
     server = Server(addr, lambda send, log_: Engine(runner, tokenizer, config, send, log_),
                     log)
-    server.serve()
+    try:
+        server.serve()
+    except tp_mod.RankLost as exc:
+        log(f"{exc}; predd stops")
+        server.close()
+        tp_mod.end(children, 0.0)
+        return 1
+    try:
+        runner.stop()
+    except tp_mod.RankLost:
+        pass                       # the other ranks are gone already
+    tp_mod.end(children)
     return 0
 
 

@@ -43,6 +43,7 @@ from predd.memory import Memory, MemoryConfig, NoRoom
 from predd.metrics import Counters
 from predd.pool import Pool
 from predd.quota import QuotaConfig, Quotas, check_limit
+from predd.tp import RankLost
 from predd.runner import Chunk, Runner
 from predd.scheduler import Plan, PlanItem, Scheduler, SchedulerConfig
 from predd.sessions import Session, Sessions
@@ -407,6 +408,8 @@ class Engine:
                 raise RuntimeError(f"runner returned {len(results)} results for "
                                    f"{len(chunks)} chunks")
             return results
+        except RankLost:
+            raise                  # not this batch's fault: predd cannot go on
         except Exception as exc:
             if len(chunks) == 1:
                 return [exc]

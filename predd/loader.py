@@ -79,14 +79,21 @@ def default_model_path() -> str:
     )
 
 
+# A tensor parallel rank's part of a weight: (dim, start, stop) of the tensor `name`
+# under `config`, or None for the whole tensor (predd/tp.py).
+Part = Callable[[ModelConfig, str], "tuple[int, int, int] | None"] | None
+
+
 def load_weights(
-    path: str, dtype: torch.dtype, progress: Progress = None
+    path: str, dtype: torch.dtype, progress: Progress = None, part: Part = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load a `.gguf` file or a Hugging Face model directory."""
+    """Load a `.gguf` file or a Hugging Face model directory; with `part`, only each
+    tensor's part (safetensors reads just that slice; GGUF dequantises one tensor at a
+    time and keeps the slice)."""
     if os.path.isdir(path):
-        return _load_hf_dir(path, dtype, progress)
+        return _load_hf_dir(path, dtype, progress, part)
     if path.endswith(".gguf") and os.path.isfile(path):
-        return _load_gguf(path, dtype, progress)
+        return _load_gguf(path, dtype, progress, part)
     raise FileNotFoundError(f"not a .gguf file or a model directory: {path}")
 
 
@@ -166,7 +173,7 @@ def gguf_reader(path: str) -> Any:
 
 
 def _load_gguf(
-    path: str, dtype: torch.dtype, progress: Progress
+    path: str, dtype: torch.dtype, progress: Progress, part: Part = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
@@ -193,6 +200,10 @@ def _load_gguf(
                 w = _unpermute(w, config.num_heads)
             elif arch in _PERMUTED_ARCHS and ".attn_k." in t.name:
                 w = _unpermute(w, config.num_kv_heads)
+            where = part(config, name) if part else None
+            if where is not None:
+                dim, start, stop = where
+                w = w[start:stop] if dim == 0 else w[:, start:stop]
             if not (w.flags.writeable and w.flags.c_contiguous):
                 w = np.array(w)  # F32 tensors come back as views of the read-only memmap
             weights[name] = torch.from_numpy(w).to(dtype)
@@ -254,7 +265,7 @@ def _hf_config(path: str, raw: dict[str, Any], names: set[str]) -> ModelConfig:
 
 
 def _load_hf_dir(
-    path: str, dtype: torch.dtype, progress: Progress
+    path: str, dtype: torch.dtype, progress: Progress, part: Part = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
@@ -266,6 +277,13 @@ def _load_hf_dir(
     weights: dict[str, torch.Tensor] = {}
     for i, (handle, name) in enumerate(_iter_safetensors(files), 1):
         if name.startswith(("model.", "lm_head.")) and "rotary_emb" not in name:
-            weights[name] = handle.get_tensor(name).to(dtype)
+            where = part(config, name) if part else None
+            if where is None:
+                weights[name] = handle.get_tensor(name).to(dtype)
+            else:
+                dim, start, stop = where
+                whole = handle.get_slice(name)
+                weights[name] = (whole[start:stop] if dim == 0
+                                 else whole[:, start:stop]).to(dtype)
         _report(progress, i, len(names))
     return config, _finish(weights, config.tie_word_embeddings)

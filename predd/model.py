@@ -7,6 +7,7 @@ every call's entries live in the paged cache). No scheduling, no I/O.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -134,9 +135,14 @@ def fuse(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class LlamaModel(nn.Module):
     """`load` takes Hugging Face's LlamaForCausalLM state dict, names as they are."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`cfg` is this rank's part of the model under tensor parallelism (predd/tp.py:
+        its heads and MLP columns); `reduce` sums the attention and MLP outputs over the
+        ranks (an all-reduce), nothing on one rank."""
         super().__init__()
         self.cfg = cfg
+        self.reduce = reduce or (lambda x: x)
         self.model = Inner(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
@@ -165,8 +171,8 @@ class LlamaModel(nn.Module):
         x = self.model.embed_tokens(input_ids)                         # [T, C]
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, attend)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self.reduce(layer.self_attn(layer.input_layernorm(x), cos, sin, i, attend))
+            x = x + self.reduce(layer.mlp(layer.post_attention_layernorm(x)))
         if out_rows.numel() == 0:
             return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32)
         x = self.model.norm(x[out_rows])

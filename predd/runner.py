@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from predd import linear
+from predd import tp as tp_mod
 from predd.attention import make_backend
 from predd.paged_kv import PagedKVCache
 from predd.dtype import DTYPES
@@ -41,6 +42,14 @@ class RunnerConfig:
 LINEAR_CHOICES = ("auto", "plain", "packed")
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place among the tensor parallel ranks, and its link to them."""
+    world: int
+    rank: int
+    link: tp_mod.Link
+
+
 @dataclass
 class Chunk:
     tokens: np.ndarray        # [n] token ids to compute
@@ -52,28 +61,42 @@ class Chunk:
 
 class Runner:
     def __init__(self, config: RunnerConfig,
-                 progress: Callable[[str], None] = lambda msg: None) -> None:
+                 progress: Callable[[str], None] = lambda msg: None,
+                 tp: TensorParallel | None = None) -> None:
+        """With `tp`, this rank's part of the model and of the KV pool (predd/tp.py);
+        `model_config` stays the whole model's, and on rank 0 `cache` is the pool of
+        every rank as one (`tp.ShardedCache`)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
+        self.tp = tp
         if config.threads:
             torch.set_num_threads(config.threads)
         started = time.monotonic()
-        self.model_config, weights = load_weights(config.model_path, self.dtype, progress)
-        self.model = LlamaModel(self.model_config).to(self.dtype)
+        self.model_config, weights = load_weights(
+            config.model_path, self.dtype, progress,
+            tp_mod.part_of(tp.world, tp.rank) if tp else None)
+        full = self.model_config
+        self.layout = tp_mod.layout(full, tp.world, tp.rank) if tp else None
+        local = tp_mod.local_config(full, self.layout) if tp else full
+        self.model = LlamaModel(local, tp.link.all_reduce if tp else None).to(self.dtype)
         self.model.load(weights)
         self.model.to(self.device).eval()
         self.model.inv_freq = self.model.inv_freq.float()
         del weights
         self.linear, linear_reason = self._pack(config.linear)
-        self.cache = PagedKVCache(self.model_config, config.kv_pages, config.page_size,
-                                  self.dtype, self.device)
-        self.backend = make_backend(config.attention, self.cache)
-        progress(f"model {self.model_config.name} ready on {config.device} ({config.dtype}: "
+        pool = PagedKVCache(local, config.kv_pages, config.page_size, self.dtype, self.device)
+        self.backend = make_backend(config.attention, pool)
+        self.cache = pool
+        if tp and tp.rank == 0:
+            self.cache = tp_mod.ShardedCache(
+                pool, tp.link, [tp_mod.layout(full, tp.world, r) for r in range(tp.world)], full)
+        where = f" (tensor parallel rank {tp.rank} of {tp.world})" if tp else ""
+        progress(f"model {full.name} ready on {config.device}{where} ({config.dtype}: "
                  f"{config.dtype_reason or 'asked for'}; attention {self.backend.name}; "
                  f"linear {self.linear}: {linear_reason}) "
                  f"in {time.monotonic() - started:.1f}s; KV pool {config.kv_pages} pages "
-                 f"x {config.page_size} = {self.cache.kv.numel() * self.cache.kv.element_size() / 2**20:.0f} MiB")
+                 f"x {config.page_size} = {pool.kv.numel() * pool.kv.element_size() / 2**20:.0f} MiB")
 
     def _pack(self, requested: str) -> tuple[str, str]:
         """(`packed` or `plain`, why) for `--linear requested`; packs the model's
@@ -94,18 +117,38 @@ class Runner:
                          f"{count} projections packed for oneDNN"
 
     def execute(self, chunks: list[Chunk]) -> list[torch.Tensor]:
-        """One forward pass; per chunk a [len(outputs), vocab] float32 tensor (CPU)."""
-        tables = PageTables.build(self.config.page_size, [c.pages for c in chunks],
-                                  [c.kv_len for c in chunks], [len(c.tokens) for c in chunks])
-        out_rows = [c.outputs + start for c, start in zip(chunks, tables.qo_indptr)]
-        dev = self.device
-        input_ids = torch.from_numpy(np.concatenate([c.tokens for c in chunks]).astype(np.int64)).to(dev)
-        positions = torch.from_numpy(np.concatenate([c.positions for c in chunks]).astype(np.int64)).to(dev)
-        rows = torch.from_numpy(np.concatenate(out_rows).astype(np.int64)).to(dev)
-        logits = self.model(input_ids, positions, self.backend.prepare(tables), rows).cpu()
+        """One forward pass; per chunk a [len(outputs), vocab] float32 tensor (CPU).
+        Under tensor parallelism the other ranks are sent the step first."""
+        if self.tp:
+            self.tp.link.send(tp_mod.STEP, tp_mod.encode_chunks(chunks))
+        logits = self.compute(chunks, logits=True)
         result, at = [], 0
         for chunk in chunks:
             k = len(chunk.outputs)
             result.append(logits[at:at + k])
             at += k
         return result
+
+    def compute(self, chunks: list[Chunk], logits: bool = False) -> torch.Tensor:
+        """The forward pass itself: the wanted rows' logits (none unless `logits`: a
+        rank other than 0 only takes its part in the all-reduces)."""
+        tables = PageTables.build(self.config.page_size, [c.pages for c in chunks],
+                                  [c.kv_len for c in chunks], [len(c.tokens) for c in chunks])
+        dev = self.device
+        input_ids = torch.from_numpy(np.concatenate([c.tokens for c in chunks]).astype(np.int64)).to(dev)
+        positions = torch.from_numpy(np.concatenate([c.positions for c in chunks]).astype(np.int64)).to(dev)
+        out_rows = ([c.outputs + start for c, start in zip(chunks, tables.qo_indptr)]
+                    if logits else [np.zeros(0, np.int64)])
+        rows = torch.from_numpy(np.concatenate(out_rows).astype(np.int64)).to(dev)
+        return self.model(input_ids, positions, self.backend.prepare(tables), rows).cpu()
+
+    def keepalive(self) -> None:
+        """Called by the server when idle: under tensor parallelism rank 0 pings the
+        other ranks now and then, so that they can tell a silent rank 0 from a dead one."""
+        if self.tp:
+            self.tp.link.keepalive()
+
+    def stop(self) -> None:
+        """Rank 0: tell the other ranks to exit."""
+        if self.tp:
+            self.tp.link.send(tp_mod.STOP)

@@ -101,6 +101,7 @@ class Server:
             now = time.monotonic()
             if now >= next_lease_check:
                 engine.expire_sessions(self.emptied_at)
+                engine.runner.keepalive()
                 next_lease_check = now + LEASE_CHECK_S
             wait = sched.wait_time(now)
             if wait == 0.0:

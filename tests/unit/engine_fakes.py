@@ -53,6 +53,9 @@ class FakeRunner:
         self.nan = lambda chunk: False        # NaN logits, no exception
         self.batches: list[int] = []          # chunks per execute call
 
+    def keepalive(self) -> None:
+        pass
+
     def execute(self, chunks):
         self.batches.append(len(chunks))
         for c in chunks:
