@@ -20,7 +20,7 @@ from tests.conftest import start_predd
 
 pytestmark = pytest.mark.slow
 
-PROMPT = [1, 504, 3458, 314, 260, 2356, 30, 3012]
+PROMPT = [1, 204, 58, 14, 60, 235, 30, 112]     # ids the tiny Llama below has too
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,13 @@ def test_a_dead_rank_ends_predd_with_one_clear_line_within_30_s(tmp_path):
 # ------------------------------------------------------------------ a tiny random Llama
 
 def tiny_llama(path, kv_heads: int) -> None:
+    """A seeded random Llama as a Hugging Face directory, with a word-level tokenizer
+    (`t0` .. `t255`) so that predd can serve it."""
     transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(os.path.join(path, "tokenizer.json"))
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -127,6 +133,14 @@ def chunks():
 
 
 def rank_main(rank: int, world: int, path: str, port: int, out) -> None:
+    try:
+        rank_work(rank, world, path, port, out)
+    except BaseException as exc:        # shown by the test instead of a silent timeout
+        out.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+
+
+def rank_work(rank: int, world: int, path: str, port: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from predd import tp
@@ -158,7 +172,8 @@ def tp_run(path: str, world: int):
     procs = [ctx.Process(target=rank_main, args=(r, world, path, port, out)) for r in range(world)]
     for p in procs:
         p.start()
-    result = out.get(timeout=120)
+    result = out.get(timeout=300)
+    assert not isinstance(result, str), result
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -177,3 +192,39 @@ def test_tiny_llama_at_tp_gives_tp1s_logits_and_whole_head_entries(world, kv_hea
     assert got_entries.shape == want_entries.shape == (2, 2, 16, kv_heads, 8)
     assert np.abs(got_entries - want_entries).max() < 1e-5
     assert np.argmax(got_logits[1], -1).tolist() == np.argmax(want_logits[1], -1).tolist()
+
+
+def test_two_torchrun_nodes_on_loopback_give_one_ranks_logits(tmp_path):
+    """`torchrun --nnodes 2 --node-rank 0/1 -m predd --tp 2`: rank 0 (node 0) serves."""
+    model = tmp_path / "tiny"
+    model.mkdir()
+    tiny_llama(str(model), 4)
+    one = start_predd(str(tmp_path / "one"), "--model", str(model), "--kv-pages", "16")
+    want = run(one)
+    assert one.stop() == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(os.sys.executable), "torchrun")
+    node = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), "--module", "predd", "--dtype", "float32",
+            "--model", str(model), "--kv-pages", "16", "--tp", "2"]
+    (tmp_path / "two").mkdir()
+    second = subprocess.Popen([*node[:5], "--node-rank", "1", *node[5:],
+                               "--rundir", str(tmp_path / "two")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from predd import launch
+    first = subprocess.Popen([*node[:5], "--node-rank", "0", *node[5:],
+                              "--rundir", str(tmp_path / "two")],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        addr = launch.wait_ready(first, 180)
+        assert addr is not None, "rank 0 never served"
+        got = run(launch.Daemon(first, addr.split()[0], str(tmp_path / "two"), ""))
+    finally:
+        launch.terminate(first, 20)    # torchrun itself exits 1 on the SIGTERM it forwards
+        second.wait(30)
+    assert second.returncode == 0      # rank 1 left on rank 0's STOP
+    assert np.abs(got["prefill"] - want["prefill"]).max() < 1e-4
+    assert np.abs(got["after"] - want["after"]).max() < 1e-4
+    assert got["tokens"] == want["tokens"]
