@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_vllm  # noqa: E402
 import liblip as lip  # noqa: E402
 from bench_common import (Mount, log, machine, percentile, quick_defaults,  # noqa: E402
                           result, start_predd)
@@ -310,7 +311,6 @@ class VllmRig:
     that sends the whole conversation each turn."""
 
     def __init__(self, args, work: Workload, kv_tokens: int, prefix_caching: bool) -> None:
-        import bench_vllm
         self.args, self.work, self.prefix_caching = args, work, prefix_caching
         self.blocks = kv_tokens // VLLM_BLOCK + 1          # and one for its null block
         self.server = bench_vllm.Server(args.dtype, self.blocks * VLLM_BLOCK, args.agents,
@@ -320,7 +320,6 @@ class VllmRig:
         self.local = threading.local()
 
     def complete(self, prompt: list[int], n: int) -> list[int]:
-        import bench_vllm
         import httpx
         if not hasattr(self.local, "client"):          # one connection per agent
             self.local.client = httpx.Client(base_url=self.server.url, timeout=TIMEOUT_S)
@@ -374,7 +373,6 @@ class VllmRig:
 def measure(args, work: Workload, kv_tokens: int) -> dict:
     """system -> (Run, extra) for each system that ran. vLLM's servers run one at a
     time, each while predd idles (idle, neither takes CPU from the other)."""
-    import bench_vllm
     out: dict = {}
     with contextlib.ExitStack() as stack:
         rig = stack.enter_context(contextlib.closing(SymphonyRig(args, work, kv_tokens))) \
