@@ -334,15 +334,17 @@ class VllmRig:
     def submit(self, task: Task) -> dict:
         conversation = self.work.system + list(task.question)
         tokens: list[int] = []
+        sent = 0
         for turn in range(len(task.observations) + 1):
             last = turn == len(task.observations)
             out = self.complete(conversation,
                                 self.args.answer_tokens if last else self.args.turn_tokens)
+            sent += len(conversation)
             tokens += out
             if last:
                 break
             conversation = conversation + out + tool(task, turn, self.args.tool_ms)
-        return {"tokens": tokens}
+        return {"tokens": tokens, "sent": sent}
 
     def run(self, tasks: list[Task]) -> tuple[Run, float]:
         """(the timed run, the prompt tokens it computed per task: those vLLM's prefix
@@ -350,16 +352,16 @@ class VllmRig:
         before = self.server.metrics()
         run = closed_loop(tasks, self.args.agents, self.submit)
         after = self.server.metrics()
-        queries, hits = (after.get(f"vllm:prefix_cache_{k}_total", 0) -
-                         before.get(f"vllm:prefix_cache_{k}_total", 0)
-                         for k in ("queries", "hits"))
-        sent = len(self.work.system) * (self.args.turns + 1) * len(tasks)
+        hits = after.get("vllm:prefix_cache_hits_total", 0) - \
+            before.get("vllm:prefix_cache_hits_total", 0)
+        sent = sum(r["sent"] for r in run.replies)
+        system = len(self.work.system) * (self.args.turns + 1) * len(tasks)
         log(f"bench: {self.name()} ({self.blocks} blocks), {len(tasks)} tasks: "
             f"{run.seconds:.1f}s, {run.rate():.3f} tasks/s, mean "
             f"{sum(run.latencies) / len(tasks):.2f}s p50 {percentile(run.latencies, 50):.2f}s"
-            f" p99 {percentile(run.latencies, 99):.2f}s; prompt tokens sent {queries:.0f} "
-            f"(system prompts alone {sent}), found in its prefix cache {hits:.0f}")
-        return run, (queries - hits) / len(tasks)
+            f" p99 {percentile(run.latencies, 99):.2f}s; prompt tokens sent {sent} "
+            f"(system prompts alone {system}), found in its prefix cache {hits:.0f}")
+        return run, (sent - hits) / len(tasks)
 
     def name(self) -> str:
         return "vllm" if self.prefix_caching else "vllm_nocache"

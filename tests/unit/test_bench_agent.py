@@ -109,6 +109,7 @@ def test_lip_and_client_feed_the_model_the_same_tokens(monkeypatch):
         assert ours["tokens"] == theirs["tokens"]
         assert len(ours["tokens"]) == 4 * 32 + 16
         assert fake.seen == prompts and len(prompts) == 5
+        assert theirs["sent"] == sum(map(len, prompts))
         # the last prompt is the whole conversation: system, question, 4 x (32 + obs)
         assert len(prompts[-1]) == len(work.system) + len(task.question) + \
             4 * 32 + sum(map(len, task.observations))
