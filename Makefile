@@ -43,6 +43,7 @@ bench: setup
 	$(PY) scripts/bench_rag.py --quick
 	$(PY) scripts/bench_fork.py
 	$(PY) scripts/bench_overhead.py
+	$(PY) scripts/bench_agent.py
 
 # Caches and build output only; run/ is skipped since it may hold a live mount.
 clean:
