@@ -60,16 +60,14 @@ class CacheAffinity:
     name = "cache-affinity"
 
     def place(self, run: Run, replicas: list[Replica], costs: Costs) -> Placement:
-        def match(x: Replica) -> int:
-            return min(x.cache.held(run.key), run.prefix)
-        best = max(under_cap(replicas), key=lambda x: (match(x), -x.in_flight, -x.index))
-        if match(best) == 0:
+        match = [min(x.cache.held(run.key), run.prefix) for x in replicas]
+        best = max(under_cap(replicas), key=lambda x: (match[x.index], -x.in_flight, -x.index))
+        if match[best.index] == 0:
             best = least_loaded(replicas)
-        source = max(replicas, key=lambda x: (match(x), -x.index))
-        gain = match(source) - match(best)
-        if gain > 0 and costs.migrate_time(match(source)) < \
-                costs.prefill_time(gain, match(best)):
-            return Placement(best.index, source.index)
+        source = max(range(len(replicas)), key=lambda i: (match[i], -i))
+        have, gain = match[best.index], match[source] - match[best.index]
+        if gain > 0 and costs.migrate_time(match[source]) < costs.prefill_time(gain, have):
+            return Placement(best.index, source)
         return Placement(best.index)
 
 
