@@ -192,3 +192,15 @@ def test_a_run_larger_than_a_replica_is_refused():
     r.queue.append(run(None, prefix=0, question=5, answer=1))
     with pytest.raises(ValueError):
         r.admit()
+
+
+def test_the_report_without_matplotlib(monkeypatch, tmp_path, capsys):
+    import simulate_cluster
+    script = Script([run("A"), run("A")])
+    res = Cluster(1, RoundRobin(), script, 1, STEP).run(requests=2, warmup=0)
+    assert simulate_cluster.table([res]).splitlines()[2] == \
+        "| script | 1 | round-robin | 1.00 | 1.0 | 0.500 | 1.00 | 1.00 | 1.00 | 0 | 0.00 |"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # import fails
+    assert simulate_cluster.plot([res], str(tmp_path / "x.png")) is False
+    assert not (tmp_path / "x.png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().err
