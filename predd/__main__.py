@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         except tp_mod.RankLost as exc:
             log(f"{exc}; predd stops")
             return 1
+        tp_mod.leave()
         return 0
     tokenizer = load_tokenizer(model_path)
     config = EngineConfig(args.lease,
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     except tp_mod.RankLost:
         pass                       # the other ranks are gone already
     tp_mod.end(children)
+    tp_mod.leave()
     return 0
 
 

@@ -220,13 +220,19 @@ class ShardedCache:
         self.local.copy_slots(src, dst)
 
     def read_slots(self, slots: np.ndarray) -> np.ndarray:
-        self.link.send(READ, slots)
         mine = self.local.read_slots(slots)
+        if len(slots) == 0:            # nothing to gather: the whole heads' empty shape
+            shape = list(mine.shape)
+            shape[3] = self.full.num_kv_heads
+            return np.zeros(shape, mine.dtype)
+        self.link.send(READ, slots)
         parts = self.link.gather(_wire(mine), len(self.layouts))
         whole = np.concatenate([parts[r].numpy() for r in self.sources], axis=3)
         return whole.view(mine.dtype)
 
     def write_slots(self, slots: np.ndarray, data: np.ndarray) -> None:
+        if len(slots) == 0:
+            return
         self.link.send(WRITE, slots)
         self.link.broadcast(_wire(data))
         kv0, kv1 = self.layouts[0].kv_heads
@@ -317,3 +323,14 @@ def end(children: list, grace_s: float = 10.0) -> None:
         except Exception:
             child.kill()
             child.wait()
+
+
+def leave() -> None:
+    """Take this process out of the ranks before it exits (after STOP, or when its
+    peers are gone): torch.distributed aborts a process that exits with a live group."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:       # peers already gone: nothing left to close cleanly
+            pass

@@ -151,11 +151,14 @@ def rank_work(rank: int, world: int, path: str, port: int, out) -> None:
     tp.ready(group)
     if rank:
         tp.serve_rank(runner, runner.tp.link, lambda msg: None)
+        tp.leave()
         return
     logits = [torch.cat(runner.execute(step)).numpy() for step in chunks()]
     entries = runner.cache.read_slots(np.arange(0, 16))      # page 0, all heads
+    empty = runner.cache.read_slots(np.zeros(0, np.int64))   # nothing sent to the ranks
     runner.stop()
-    out.put((logits, entries))
+    tp.leave()
+    out.put((logits, entries, empty.shape))
 
 
 def tp_run(path: str, world: int):
@@ -163,7 +166,8 @@ def tp_run(path: str, world: int):
         from predd.runner import Runner, RunnerConfig
         runner = Runner(RunnerConfig(path, kv_pages=8, page_size=16))
         logits = [torch.cat(runner.execute(step)).numpy() for step in chunks()]
-        return logits, runner.cache.read_slots(np.arange(0, 16))
+        return (logits, runner.cache.read_slots(np.arange(0, 16)),
+                runner.cache.read_slots(np.zeros(0, np.int64)).shape)
     ctx = torch.multiprocessing.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -184,8 +188,9 @@ def tp_run(path: str, world: int):
 def test_tiny_llama_at_tp_gives_tp1s_logits_and_whole_head_entries(world, kv_heads, tmp_path):
     """(4, 2): more ranks than KV heads, each KV head kept by two ranks."""
     tiny_llama(tmp_path, kv_heads)
-    want_logits, want_entries = tp_run(str(tmp_path), 1)
-    got_logits, got_entries = tp_run(str(tmp_path), world)
+    want_logits, want_entries, want_empty = tp_run(str(tmp_path), 1)
+    got_logits, got_entries, got_empty = tp_run(str(tmp_path), world)
+    assert got_empty == want_empty == (2, 2, 0, kv_heads, 8)
     for want, got in zip(want_logits, got_logits):
         assert got.shape == want.shape
         assert np.abs(got - want).max() < 1e-4
