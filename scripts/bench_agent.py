@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_vllm  # noqa: E402
 import liblip as lip  # noqa: E402
 from bench_common import (Mount, log, machine, percentile, quick_defaults,  # noqa: E402
-                          result, start_predd)
+                          result, serving_flags, start_predd)
 from rag_workload import WORDS, Run, closed_loop  # noqa: E402
 
 PAGE = 16                     # predd's page, in tokens
@@ -453,12 +453,8 @@ def main() -> int:
     ap.add_argument("--tool-ms", type=float, default=50.0, help="each tool call's wait")
     ap.add_argument("--systems", default="symphony,vllm",
                     help=f"of {','.join(SYSTEMS)}")
-    ap.add_argument("--step-tokens", type=int, default=2048)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: 2 agents, 2+2 tasks, 8-token turns and answers "
-                         "(each unless given)")
+    serving_flags(ap, "a smoke run: 2 agents, 2+2 tasks, 8-token turns and answers "
+                      "(each unless given)")
     args = ap.parse_args()
     quick_defaults(ap, args, {"agents": 2, "tasks": 2, "warmup": 2, "turn_tokens": 8,
                               "answer_tokens": 8})

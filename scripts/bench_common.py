@@ -134,6 +134,15 @@ class Mount:
         self.close()
 
 
+def serving_flags(ap: argparse.ArgumentParser, quick_help: str) -> None:
+    """The flags every serving benchmark shares: the step budget, the dtype, the seed
+    and `--quick` (what it shrinks, in `quick_help`; applied by `quick_defaults`)."""
+    ap.add_argument("--step-tokens", type=int, default=2048)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+
+
 def quick_defaults(ap: argparse.ArgumentParser, args: argparse.Namespace,
                    values: dict) -> None:
     """--quick: `values` for the options the command line left at their defaults."""

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "mount_examples"))
 import bench_vllm  # noqa: E402
 from bench_common import (Mount, log, machine, percentile, quick_defaults,  # noqa: E402
-                          result, start_predd)
+                          result, serving_flags, start_predd)
 from rag_workload import Request, Run, Workload, closed_loop, make_workload  # noqa: E402
 
 PAGE = 16                     # predd's page, in tokens
@@ -372,12 +372,8 @@ def main() -> int:
     ap.add_argument("--systems", default="symphony,symphony_nocache,vllm")
     ap.add_argument("--vllm-offload", action="store_true",
                     help="host variant: vLLM's native KV offloading for the host tier")
-    ap.add_argument("--step-tokens", type=int, default=2048)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: 16 documents of ~96 tokens, 4 clients, alphas 1,4, "
-                         "8+16 requests, 8 new tokens, the base variant (each unless given)")
+    serving_flags(ap, "a smoke run: 16 documents of ~96 tokens, 4 clients, alphas 1,4, "
+                      "8+16 requests, 8 new tokens, the base variant (each unless given)")
     args = ap.parse_args()
     quick_defaults(ap, args, {"docs": 16, "doc_tokens": 96, "clients": 4, "alphas": "1,4",
                               "warmup": 8, "requests": 16, "new_tokens": 8})
