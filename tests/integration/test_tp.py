@@ -104,6 +104,41 @@ def test_a_dead_rank_ends_predd_with_one_clear_line_within_30_s(tmp_path):
                           capture_output=True).stdout == b""    # no rank left behind
 
 
+def test_a_dead_rank_gives_eio_on_the_mount_and_a_restart_restores_fsynced_caches(tmp_path):
+    """kvfsd over `predd --tp 3`: a rank killed → predd gone → EIO, as when a one-rank
+    predd dies; predd started again at the same address → the fsync'd cache is back with
+    the same tokens and logits (within fp32 noise: an export is gathered whole heads)."""
+    from tests.integration.kvfs_fixtures import finish, pred_logits, sh, start_kvfsd
+    rundir, state = str(tmp_path / "run"), str(tmp_path / "state")
+    args = ("--kv-pages", "32", "--tp", "3", "--lease", "3")
+    predd = start_predd(rundir, *args)
+    liblip.connect(predd.addr, dead_after_s=60)
+    kvfs = start_kvfsd(predd.addr, state)
+    try:
+        m = kvfs.mount
+        assert sh("touch a.kv", cwd=m).returncode == 0
+        with liblip.kv_open(f"{m}/a.kv", write=True) as kv:
+            liblip.prefill(kv, PROMPT)
+        want = pred_logits(liblip, f"{m}/a.kv", 42)
+        assert sh("sync a.kv", cwd=m).returncode == 0
+        rank = subprocess.run(["pgrep", "-P", str(predd.proc.pid)], capture_output=True,
+                              text=True).stdout.split()[0]
+        os.kill(int(rank), signal.SIGKILL)
+        assert predd.proc.wait(timeout=40) == 1
+        r = sh("cat a.kv", cwd=m)
+        assert r.returncode == 1 and "Input/output error" in r.stderr
+        predd = start_predd(rundir, *args)
+        from tests.integration.kvfs_fixtures import eventually
+        assert eventually(lambda: "/a.kv: restored" in kvfs.log_text(), timeout=60)
+        with liblip.kv_open(f"{m}/a.kv") as kv:
+            assert liblip.kv_tokens(kv) == PROMPT
+        assert np.abs(pred_logits(liblip, f"{m}/a.kv", 42) - want).max() < 1e-4
+    finally:
+        finish(kvfs, clear=predd.proc.poll() is None)
+        liblip.client().close()
+        predd.stop()
+
+
 # ------------------------------------------------------------------ a tiny random Llama
 
 def tiny_llama(path, kv_heads: int) -> None:
