@@ -23,6 +23,7 @@ import random
 from dataclasses import dataclass, field
 
 from cluster_sim import Run, Workload
+from rag_workload import pareto_weights
 
 
 @dataclass
@@ -33,15 +34,14 @@ class Rag(Workload):
     question_tokens: int = 20
     answer_tokens: int = 32
     seed: int = 0
-    pareto: bool = False         # bench_rag.py's law instead: k^-alpha - (k+1)^-alpha
+    pareto: bool = False         # bench_rag.py's law (rag_workload.pareto_weights) instead
     rng: random.Random = field(init=False, repr=False)
     cum: list[float] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(f"rag/{self.seed}/{self.alpha}")
-        a = self.alpha
-        weights = ((k ** -a - (k + 1) ** -a) if self.pareto else k ** -a
-                   for k in range(1, self.docs + 1))
+        weights = (pareto_weights(self.alpha, self.docs) if self.pareto
+                   else (k ** -self.alpha for k in range(1, self.docs + 1)))
         self.cum = list(itertools.accumulate(weights))
 
     @property

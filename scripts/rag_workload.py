@@ -59,11 +59,15 @@ def _grow(make: Callable[[int], list[int]], target: int, start: int) -> tuple[in
     return n, toks
 
 
+def pareto_weights(alpha: float, n: int) -> list[float]:
+    """Rank k (1..n) weighs k^-alpha - (k+1)^-alpha: the integer part of a Pareto(alpha)
+    variable, truncated at n (B2's law; the cluster simulation's too)."""
+    return [k ** -alpha - (k + 1) ** -alpha for k in range(1, n + 1)]
+
+
 def pareto_ranks(alpha: float, n: int, count: int, rng: random.Random) -> list[int]:
-    """`count` ranks in 0..n-1: rank k (1-based) with probability proportional to
-    k^-alpha - (k+1)^-alpha (a Pareto(alpha) variable's integer part), truncated at n."""
-    weights = [k ** -alpha - (k + 1) ** -alpha for k in range(1, n + 1)]
-    return rng.choices(range(n), weights, k=count)
+    """`count` ranks in 0..n-1 drawn by `pareto_weights`."""
+    return rng.choices(range(n), pareto_weights(alpha, n), k=count)
 
 
 def make_workload(args) -> Workload:
