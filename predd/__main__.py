@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                                      threads=threads, linear=args.linear),
                         progress=log, tp=tp)
         if tp:
-            tp_mod.ready(group)
+            tp_mod.ready()
     except ValueError as exc:      # --linear packed where it cannot run, a bad --tp
         log(str(exc))
         tp_mod.end(children, 0.0)

@@ -18,6 +18,11 @@ when idle so the others notice a dead or hung rank 0 too.
 from __future__ import annotations
 
 import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -244,7 +249,6 @@ class ShardedCache:
 
 def serve_rank(runner, link: Link, log) -> None:
     """A rank other than 0: carry out rank 0's commands until STOP (or RankLost)."""
-    import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a terminal's ^C: rank 0 says STOP
     cache, lay, full = runner.cache, runner.layout, runner.model_config
     while True:
@@ -257,13 +261,9 @@ def serve_rank(runner, link: Link, log) -> None:
         elif op == READ:
             link.gather(_wire(cache.read_slots(payload)), lay.world)
         elif op == WRITE:
-            describe = cache.describe()
+            dtype = np.dtype(cache.describe()["numpy_dtype"])
             shape = (full.num_layers, 2, len(payload), full.num_kv_heads, full.head_dim)
-            wire = torch.empty(shape, dtype=torch.int16 if describe["numpy_dtype"] == "uint16"
-                               else getattr(torch, describe["numpy_dtype"]))
-            data = link.broadcast(wire).numpy()
-            if describe["numpy_dtype"] == "uint16":
-                data = data.view(np.uint16)
+            data = link.broadcast(_wire(np.empty(shape, dtype))).numpy().view(dtype)
             cache.write_slots(payload, data[:, :, :, lay.kv_heads[0]:lay.kv_heads[1]])
         elif op == STOP:
             log(f"rank {lay.rank}: stopping")
@@ -277,20 +277,13 @@ def ranks(world: int, argv: list[str]) -> tuple[int, list]:
     names the rank (and must agree with `--tp`); otherwise this process is rank 0 and
     starts ranks 1 .. world-1 as `python -m predd ARGV` on this host, meeting on a free
     loopback port. ValueError (EINVAL) when torchrun started another number of ranks."""
-    import os
-    import socket
-    import subprocess
-    import sys
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         started = int(os.environ["WORLD_SIZE"])
         if started != world:
             raise ValueError(f"--tp {world}, but torchrun started {started} ranks (EINVAL)")
         return int(os.environ["RANK"]), []
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     common = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     from predd.launch import die_with_parent
     children = [subprocess.Popen([sys.executable, "-m", "predd", *argv],
                                  env={**os.environ, **common, "RANK": str(r),
@@ -301,14 +294,20 @@ def ranks(world: int, argv: list[str]) -> tuple[int, list]:
     return 0, children
 
 
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now (for the ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def threads_per_rank(world: int) -> int:
     """This host's cores shared by the ranks on it (torchrun's LOCAL_WORLD_SIZE)."""
-    import os
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return max(1, (os.cpu_count() or 1) // local)
 
 
-def ready(group) -> None:
+def ready() -> None:
     """Every rank has loaded its part: wait (up to JOIN_TIMEOUT_S) for the slowest."""
     import torch.distributed as dist
     _guard("start", lambda: dist.barrier())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 import liblip
+from predd import tp
 from tests.conftest import start_predd
 
 pytestmark = pytest.mark.slow
@@ -178,12 +178,11 @@ def rank_main(rank: int, world: int, path: str, port: int, out) -> None:
 def rank_work(rank: int, world: int, path: str, port: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from predd import tp
     from predd.runner import Runner, RunnerConfig, TensorParallel
     group = tp.join(world, rank, "cpu")
     runner = Runner(RunnerConfig(path, kv_pages=8, page_size=16),
                     tp=TensorParallel(world, rank, tp.Link(group, torch.device("cpu"))))
-    tp.ready(group)
+    tp.ready()
     if rank:
         tp.serve_rank(runner, runner.tp.link, lambda msg: None)
         tp.leave()
@@ -204,9 +203,7 @@ def tp_run(path: str, world: int):
         return (logits, runner.cache.read_slots(np.arange(0, 16)),
                 runner.cache.read_slots(np.zeros(0, np.int64)).shape)
     ctx = torch.multiprocessing.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = tp.free_port()
     out = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(r, world, path, port, out)) for r in range(world)]
     for p in procs:
@@ -242,9 +239,7 @@ def test_two_torchrun_nodes_on_loopback_give_one_ranks_logits(tmp_path):
     one = start_predd(str(tmp_path / "one"), "--model", str(model), "--kv-pages", "16")
     want = run(one)
     assert one.stop() == 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = tp.free_port()
     torchrun = os.path.join(os.path.dirname(os.sys.executable), "torchrun")
     node = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
             "--master-port", str(port), "--module", "predd", "--dtype", "float32",
