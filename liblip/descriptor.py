@@ -6,6 +6,7 @@
     tokens N
     pages N
     model NAME
+    replica ADDR           (optional: the predd replica that holds the cache)
 
 `kvfs 1` and `cap` are required when parsing; the other lines are informative. Anything
 else is not a descriptor: `parse` raises ValueError and nothing else, whatever the input
@@ -25,7 +26,9 @@ MAX_COUNT = 10**18 - 1          # tokens and pages: at most 18 decimal digits
 MODEL_MAX = 256                 # bytes of UTF-8: a rendered descriptor stays far below MAX_LEN
 _CAP = re.compile(rf"[0-9a-f]{{{CAP_HEX_LEN}}}")
 _COUNT = re.compile(r"[0-9]{1,18}")
-KEYS = ("cap", "rights", "tokens", "pages", "model")
+KEYS = ("cap", "rights", "tokens", "pages", "model", "replica")
+ADDR_MAX = 256                  # bytes of a replica's address (ipc://PATH or tcp://HOST:PORT)
+_ADDR = re.compile(r"(ipc|tcp)://[!-~]{1,%d}" % (ADDR_MAX - 6))
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class Descriptor:
     tokens: int = 0
     pages: int = 0
     model: str = ""
+    replica: str = ""           # "" when the reader's own predd is meant (one replica)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cap, str) or not _CAP.fullmatch(self.cap):
@@ -48,18 +52,29 @@ class Descriptor:
         if not isinstance(self.model, str) or not _valid_model(self.model):
             raise ValueError(f"model must be printable text of at most {MODEL_MAX} bytes "
                              "without surrounding spaces")
+        if not isinstance(self.replica, str) or (self.replica
+                                                 and not valid_replica(self.replica)):
+            raise ValueError("replica must be an ipc:// or tcp:// address of printable "
+                             f"ASCII without spaces, at most {ADDR_MAX} bytes")
 
     def render(self) -> str:
-        return render(self.cap, self.rights, self.tokens, self.pages, self.model)
+        return render(self.cap, self.rights, self.tokens, self.pages, self.model,
+                      self.replica)
 
     def encode(self) -> bytes:
         return self.render().encode()
 
 
-def render(cap: str, rights: str, tokens: int, pages: int, model: str) -> str:
+def render(cap: str, rights: str, tokens: int, pages: int, model: str,
+           replica: str = "") -> str:
     """The descriptor's text (unchecked: `Descriptor` checks)."""
     return (f"{MAGIC}\ncap {cap}\nrights {rights}\ntokens {tokens}\n"
-            f"pages {pages}\nmodel {model}\n")
+            f"pages {pages}\nmodel {model}\n" + (f"replica {replica}\n" if replica else ""))
+
+
+def valid_replica(addr: str) -> bool:
+    """An address a descriptor (or `user.kv.replica`) may name."""
+    return bool(_ADDR.fullmatch(addr))
 
 
 def _valid_model(model: str) -> bool:
@@ -102,4 +117,4 @@ def parse(data: bytes | str) -> Descriptor:
         counts[key] = int(value)
     # Descriptor() checks the rest (cap, rights, model) and raises ValueError.
     return Descriptor(fields["cap"], fields.get("rights", "r"), counts["tokens"],
-                      counts["pages"], fields.get("model", ""))
+                      counts["pages"], fields.get("model", ""), fields.get("replica", ""))

@@ -180,3 +180,21 @@ def test_mutated_descriptors_raise_only_value_error(d, data):
 def test_non_text_input_is_a_value_error(value):
     with pytest.raises(ValueError):
         parse(value)
+
+
+def test_replica_line_is_optional_and_round_trips():
+    d = Descriptor(CAP, "rw", 3, 1, "m", "ipc:///run/symphony/predd-1.sock")
+    assert d.render().endswith("model m\nreplica ipc:///run/symphony/predd-1.sock\n")
+    assert parse(d.encode()) == d
+    assert parse(Descriptor(CAP, "r", 3, 1, "m").encode()).replica == ""
+    assert parse(f"kvfs 1\ncap {CAP}\nreplica tcp://10.0.0.2:5555\n").replica == \
+        "tcp://10.0.0.2:5555"
+
+
+@pytest.mark.parametrize("replica", ["predd.sock", "http://h:1", "ipc://", "ipc://a b",
+                                     "tcp://h\x00", "ipc://" + "x" * 251, "ipc://é"])
+def test_replica_must_be_an_address(replica):
+    with pytest.raises(ValueError):
+        Descriptor(CAP, replica=replica)
+    with pytest.raises(ValueError):
+        parse(f"kvfs 1\ncap {CAP}\nreplica {replica}\n")
