@@ -85,7 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "the other N-1 itself; across hosts run it under torchrun "
                     "(docs/scaling.md)")
     ap.add_argument("--auth-keys", metavar="FILE",
-                    help="tokens for tcp clients: lines `TOKEN UID [comment]`, mode 0600")
+                    help="tokens for tcp clients: lines `TOKEN UID [trusted] [comment]`, "
+                    "mode 0600 (`trusted`: kvfsd on another host; docs/identity.md)")
     args = ap.parse_args(argv)
     for name in ("kv_pages", "page_size", "max_step_tokens", "max_batch", "tp"):
         if getattr(args, name) < 1:

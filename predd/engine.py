@@ -203,7 +203,8 @@ class Engine:
         c = self.config
         token = request.token if isinstance(request, p.Hello) else None
         uid, pid, via = identify(peer, token, c.auth)
-        trusted = via == "kernel" and uid == c.trusted_uid
+        trusted = ((via == "kernel" and uid == c.trusted_uid)
+                   or (via == "token" and c.auth is not None and c.auth.trusts(token)))
         if not trusted:
             check_limit(self.sessions.count(uid), c.quota.uid_sessions, "EAGAIN",
                         f"sessions of uid {uid}")

@@ -13,6 +13,7 @@ Rules (docs/identity.md has the reasoning):
 from __future__ import annotations
 
 import hmac
+import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -76,29 +77,35 @@ def is_loopback(addr: str) -> bool:
 
 
 class AuthKeys:
-    """Tokens that name uids for tcp peers: lines `TOKEN UID [comment]`, `#` comments.
+    """Tokens that name uids for tcp peers: lines `TOKEN UID [trusted] [comment]`, `#`
+    comments. `trusted` (only with UID = predd's own euid) makes the session trusted, as
+    kvfsd is on ipc: how one kvfsd keeps the files of a predd replica on another host.
 
     The file holds secrets, so it must be a regular file readable by its owner only
     (no group or other bits) and owned by predd's euid or root; anything else is refused.
     """
 
-    def __init__(self, keys: list[tuple[bytes, int]]) -> None:
+    def __init__(self, keys: list[tuple[bytes, int]], trusted: list[bytes] = ()) -> None:
         self._keys = keys
+        self._trusted = [(t, True) for t in trusted]
 
     def __len__(self) -> int:
         return len(self._keys)
 
     @classmethod
-    def load(cls, path: str) -> AuthKeys:
+    def load(cls, path: str, own_uid: int | None = None) -> AuthKeys:
         """Parse the keys file; ValueError with a message that names the problem."""
+        own_uid = os.geteuid() if own_uid is None else own_uid
         text = read_private_file(path, "--auth-keys")
         keys: list[tuple[bytes, int]] = []
+        trusted: list[bytes] = []
         for n, line in enumerate(text.splitlines(), 1):
-            fields = line.split(None, 2)
+            fields = line.split(None, 3)
             if not fields or fields[0].startswith("#"):
                 continue
             if len(fields) < 2 or not fields[1].isdigit() or int(fields[1]) > MAX_UID:
-                raise ValueError(f"--auth-keys {path}:{n}: expected `TOKEN UID [comment]`")
+                raise ValueError(f"--auth-keys {path}:{n}: expected "
+                                 "`TOKEN UID [trusted] [comment]`")
             if len(fields[0]) < MIN_TOKEN_LEN:
                 raise ValueError(f"--auth-keys {path}:{n}: token shorter than "
                                  f"{MIN_TOKEN_LEN} characters")
@@ -106,13 +113,22 @@ class AuthKeys:
             if any(hmac.compare_digest(token, t) for t, _ in keys):
                 raise ValueError(f"--auth-keys {path}:{n}: token listed twice")
             keys.append((token, int(fields[1])))
+            if len(fields) > 2 and fields[2] == "trusted":
+                if int(fields[1]) != own_uid:
+                    raise ValueError(f"--auth-keys {path}:{n}: a trusted token must name "
+                                     f"predd's own uid {own_uid}, not {fields[1]}")
+                trusted.append(token)
         if not keys:
             raise ValueError(f"--auth-keys {path}: no keys")
-        return cls(keys)
+        return cls(keys, trusted)
 
     def uid_of(self, token: str) -> int | None:
         """The uid a token names, or None (constant time: see match_secret)."""
         return match_secret(self._keys, token)
+
+    def trusts(self, token: str) -> bool:
+        """Whether `token` is a trusted one (constant time)."""
+        return bool(match_secret(self._trusted, token))
 
 
 def check_endpoint(addr: str, keys: AuthKeys | None) -> None:

@@ -148,11 +148,20 @@ def test_auth_keys_file(tmp_path):
     (f"{TOKEN} -1\n", 0o600, "expected `TOKEN UID"),
     ("short 1000\n", 0o600, "shorter than 16"),
     (f"{TOKEN} 1\n{TOKEN} 2\n", 0o600, "listed twice"),
+    (f"{TOKEN} 1000 trusted\n", 0o600, "a trusted token must name predd's own uid"),
     ("# nothing\n", 0o600, "no keys"),
 ])
 def test_auth_keys_file_is_refused(tmp_path, text, mode, message):
     with pytest.raises(ValueError, match=message):
         AuthKeys.load(secrets_file(tmp_path, text, mode))
+
+
+def test_a_trusted_token_names_predds_own_uid(tmp_path):
+    me = os.geteuid()
+    keys = AuthKeys.load(secrets_file(tmp_path, f"{TOKEN} {me} trusted kvfsd on host b\n"
+                                              f"another-token-of-length {me} not trusted\n"))
+    assert keys.uid_of(TOKEN) == me and keys.trusts(TOKEN)
+    assert not keys.trusts("another-token-of-length") and not keys.trusts(TOKEN[:-1])
 
 
 def test_auth_keys_file_must_be_a_regular_file(tmp_path):
@@ -424,4 +433,18 @@ def test_tcp_with_keys_needs_a_token_first():
     assert t.error("kv_create", persist=True) == "EPERM"
     ipc_user = wire.conn(ipc(3000))
     assert ipc_user.call("hello", token="whatever")["uid"] == 3000   # ipc: the kernel's
+    wire.clean()
+
+
+def test_a_trusted_token_opens_a_trusted_tcp_session():
+    me = os.geteuid()
+    wire = Wire(auth=AuthKeys([(TOKEN.encode(), me), (b"the-other-token-xyz", me)],
+                              trusted=[TOKEN.encode()]))
+    kvfsd = wire.conn(peer_of("tcp", "10.1.2.3"))
+    hello = kvfsd.call("hello", token=TOKEN)
+    assert (hello["uid"], hello["trusted"]) == (me, True)
+    kvfsd.call("kv_create", persist=True, owner=1000)
+    plain = wire.conn(peer_of("tcp", "10.1.2.4"))
+    assert plain.call("hello", token="the-other-token-xyz")["trusted"] is False
+    assert plain.error("kv_create", persist=True) == "EPERM"
     wire.clean()
