@@ -7,10 +7,10 @@
 
 Never imports torch: a LIP stays a small process.
 """
-from liblip.api import (KV, chat_template, client, connect, detokenize, fsck, info,
+from liblip.api import (KV, chat_template, client, client_of, connect, detokenize, fsck, info,
                         info_cached, io_wait, kv_close, kv_create, kv_export, kv_extract,
                         kv_fork, kv_free, kv_import, kv_merge, kv_open, kv_policy,
-                        kv_positions, kv_remove, kv_save, kv_stat, kv_tokens, kv_truncate,
+                        kv_positions, kv_rehome, kv_remove, kv_save, kv_stat, kv_tokens, kv_truncate,
                         ps, send_to_user, stats, tokenize)
 from liblip.client import LipError
 from liblip.predict import (Distribution, Generated, Sampled, TopK, generate,
@@ -20,11 +20,11 @@ from liblip.textstream import TextStream, stream_text
 
 __all__ = [
     "KV", "Distribution", "Generated", "LipError", "Sampled", "TextStream", "TopK",
-    "chat_template", "client", "connect", "detokenize", "fsck", "generate",
+    "chat_template", "client", "client_of", "connect", "detokenize", "fsck", "generate",
     "generate_stream", "info", "info_cached", "io_wait", "kv_close", "kv_create",
     "kv_export", "kv_extract", "kv_fork", "kv_free", "kv_import", "kv_merge", "kv_open",
     "kv_policy", "kv_positions",
-    "kv_remove", "kv_save", "kv_stat", "kv_tokens", "kv_truncate", "pred", "pred_outputs",
+    "kv_rehome", "kv_remove", "kv_save", "kv_stat", "kv_tokens", "kv_truncate", "pred", "pred_outputs",
     "pred_sample", "pred_topk", "prefill", "ps", "send_to_user", "stats", "stream_text",
     "tokenize",
 ]

@@ -5,10 +5,18 @@ A process-wide client connects lazily to $PREDD_ADDR on first use and is shared 
 threads. KV handles are capabilities; `kv_open` gets one through kvfsd (a permission-
 checked open of a `.kv` file, kept open while the handle lives, so POSIX unlink
 semantics hold) and `kv_save` publishes one as a file (kvfsd forks it).
+
+Replicas (docs/scaling.md): a cache file lives on one predd replica, named by its
+descriptor. `kv_open` of a file homed on another replica first asks kvfsd to move it to
+this process's predd (`user.kv.rehome`, counted as a migration); where that is refused
+(no write permission, the file is open elsewhere) the handle stays on the file's own
+replica, and every call on it goes there (`KV.replica`). Objects of different replicas
+cannot be combined (`kv_merge`: EXDEV).
 """
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import sys
 import threading
@@ -23,6 +31,7 @@ from liblip.protocol import default_mount
 
 _client: Client | None = None
 _client_lock = threading.Lock()
+_others: dict[str, Client] = {}            # clients of other replicas, by address
 _info: tuple[Client, dict] | None = None   # info_cached: the reply and whose it is
 
 
@@ -48,6 +57,19 @@ def connect(addr: str | None = None, **kwargs) -> Client:
         return _client
 
 
+def client_of(kv: KV) -> Client:
+    """The client of the replica that holds `kv` (the process's own, usually)."""
+    own = client()
+    if not kv.replica or kv.replica == own.addr:
+        return own
+    with _client_lock:
+        other = _others.get(kv.replica)
+        if other is None:
+            other = _others[kv.replica] = Client(kv.replica)
+            atexit.register(other.close)
+        return other
+
+
 # ---------------------------------------------------------------- handles
 
 _live: weakref.WeakValueDictionary[int, KV] = weakref.WeakValueDictionary()
@@ -61,6 +83,7 @@ class KV:
     path: str | None = None
     fd: int | None = None
     closed: bool = False
+    replica: str = ""       # the replica's address; "" = this process's predd
 
     @classmethod
     def from_capability(cls, cap: str, rights: str = "rw") -> KV:
@@ -136,8 +159,8 @@ def send_to_user(text: str) -> None:
 
 # ---------------------------------------------------------------- KV objects
 
-def _handle(reply: dict) -> KV:
-    return KV(reply["cap"], reply["rights"])
+def _handle(reply: dict, replica: str = "") -> KV:
+    return KV(reply["cap"], reply["rights"], replica=replica)
 
 
 def kv_create() -> KV:
@@ -145,36 +168,44 @@ def kv_create() -> KV:
 
 
 def kv_fork(kv: KV, rights: str = "rw") -> KV:
-    return _handle(client().call("kv_fork", cap=kv.cap, rights=rights))
+    return _handle(client_of(kv).call("kv_fork", cap=kv.cap, rights=rights), kv.replica)
 
 
 def kv_stat(kv: KV) -> dict:
-    return _strip(client().call("kv_stat", cap=kv.cap))
+    return _strip(client_of(kv).call("kv_stat", cap=kv.cap))
 
 
 def kv_tokens(kv: KV, start: int = 0, end: int | None = None) -> list[int]:
-    return client().call("kv_tokens", cap=kv.cap, start=start, end=end)["tokens"]
+    return client_of(kv).call("kv_tokens", cap=kv.cap, start=start, end=end)["tokens"]
 
 
 def kv_positions(kv: KV, start: int = 0, end: int | None = None) -> list[int]:
-    return client().call("kv_tokens", cap=kv.cap, start=start, end=end)["positions"]
+    return client_of(kv).call("kv_tokens", cap=kv.cap, start=start, end=end)["positions"]
 
 
 def kv_truncate(kv: KV, length: int) -> None:
-    client().call("kv_truncate", cap=kv.cap, length=length)
+    client_of(kv).call("kv_truncate", cap=kv.cap, length=length)
 
 
 def kv_extract(kv: KV, ranges: Sequence[tuple[int, int]]) -> KV:
-    return _handle(client().call("kv_extract", cap=kv.cap,
-                                 ranges=[[int(a), int(b)] for a, b in ranges]))
+    return _handle(client_of(kv).call("kv_extract", cap=kv.cap,
+                                      ranges=[[int(a), int(b)] for a, b in ranges]),
+                   kv.replica)
 
 
 def kv_merge(kvs: Sequence[KV]) -> KV:
-    return _handle(client().call("kv_merge", caps=[kv.cap for kv in kvs]))
+    where = {client_of(kv) for kv in kvs}
+    if len(where) > 1:
+        raise LipError("EXDEV", "kv_merge: the caches are on different replicas "
+                       f"({', '.join(sorted(c.addr for c in where))}); kv_open them from "
+                       "one replica (the file moves) or copy one over (kv_export/kv_import)")
+    c = where.pop() if where else client()
+    return _handle(c.call("kv_merge", caps=[kv.cap for kv in kvs]),
+                   kvs[0].replica if kvs else "")
 
 
 def kv_export(kv: KV) -> bytes:
-    return bytes(client().request("kv_export", cap=kv.cap)[1][0])
+    return bytes(client_of(kv).request("kv_export", cap=kv.cap)[1][0])
 
 
 def kv_import(blob: bytes) -> KV:
@@ -190,7 +221,7 @@ def kv_close(kv: KV) -> None:
     if kv.fd is not None:
         os.close(kv.fd)
         return
-    client().call("kv_free", cap=kv.cap)
+    client_of(kv).call("kv_free", cap=kv.cap)
 
 
 def kv_remove(kv: KV) -> None:
@@ -212,6 +243,9 @@ def kv_open(path: str, write: bool = False, create: bool = False) -> KV:
     `write=True` needs write permission and gives a read-write capability."""
     full = _kvfs_path(path)
     flags = (os.O_RDWR if write else os.O_RDONLY) | (os.O_CREAT if create else 0)
+    if create and not os.path.exists(full):
+        os.close(_create(full))
+    _bring_here(full)
     try:
         fd = os.open(full, flags, 0o644)
         data = os.pread(fd, descriptor.MAX_LEN, 0)
@@ -224,7 +258,45 @@ def kv_open(path: str, write: bool = False, create: bool = False) -> KV:
     except ValueError as exc:
         os.close(fd)
         raise LipError("EINVAL", f"{full}: not a KV cache file ({exc})") from None
-    return KV(desc.cap, desc.rights, path=full, fd=fd)
+    return KV(desc.cap, desc.rights, path=full, fd=fd, replica=desc.replica)
+
+
+REPLICA, REHOME = "user.kv.replica", "user.kv.rehome"
+STAY = {errno.EACCES, errno.EPERM, errno.EBUSY, errno.EINVAL, errno.EIO}
+
+
+def _create(full: str) -> int:
+    try:
+        return os.open(full, os.O_WRONLY | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise LipError(_errno_name(exc), f"{full}: {exc.strerror}") from None
+
+
+def _bring_here(full: str) -> None:
+    """Ask kvfsd to move the cache file `full` to this process's replica when it lives on
+    another; where kvfsd refuses (see STAY), the cache stays where it is."""
+    try:
+        home = os.getxattr(full, REPLICA).decode()
+    except OSError:
+        return                     # no such file (open says so), or one predd only
+    own = client().addr
+    if home and home != own:
+        try:
+            os.setxattr(full, REHOME, own.encode())
+        except OSError as exc:
+            if exc.errno not in STAY:
+                raise LipError(_errno_name(exc), f"{full}: {exc.strerror}") from None
+
+
+def kv_rehome(path: str, to: str = "") -> str:
+    """Move the cache file `path` to the replica `to` ("": the live one with the most
+    free pages; docs/scaling.md); returns its home afterwards."""
+    full = _kvfs_path(path)
+    try:
+        os.setxattr(full, REHOME, (to or "auto").encode())
+        return os.getxattr(full, REPLICA).decode()
+    except OSError as exc:
+        raise LipError(_errno_name(exc), f"{full}: {exc.strerror}") from None
 
 
 # ---------------------------------------------------------------- memory policy
@@ -232,7 +304,7 @@ def kv_open(path: str, write: bool = False, create: bool = False) -> KV:
 def kv_policy(kv: KV, pin: bool | None = None, evict: bool = False) -> dict:
     """Pin a cache on the device (`pin=True`, needs rw; EDQUOT past the pin quota),
     unpin it, or move it down a tier now (`evict=True`). Returns its kv_stat."""
-    return _strip(client().call("kv_policy", cap=kv.cap, pin=pin, evict=evict))
+    return _strip(client_of(kv).call("kv_policy", cap=kv.cap, pin=pin, evict=evict))
 
 
 @contextmanager
@@ -241,12 +313,16 @@ def io_wait(*kvs: KV) -> Iterator[None]:
     every handle it holds open: caches it made, forked or opened as files) are the
     first to move down a tier while it waits, and come back when it calls on them."""
     handles = list(kvs) or [kv for kv in list(_live.values()) if not kv.closed]
-    c = client()
-    c.call("io_wait", on=True, caps=[kv.cap for kv in handles])
+    by_client: dict[Client, list[KV]] = {}
+    for kv in handles:
+        by_client.setdefault(client_of(kv), []).append(kv)
+    for c, some in by_client.items():
+        c.call("io_wait", on=True, caps=[kv.cap for kv in some])
     try:
         yield
     finally:   # handles closed in the block have no capability left to name
-        c.call("io_wait", on=False, caps=[kv.cap for kv in handles if not kv.closed])
+        for c, some in by_client.items():
+            c.call("io_wait", on=False, caps=[kv.cap for kv in some if not kv.closed])
 
 
 def kv_save(kv: KV, path: str) -> None:
@@ -264,5 +340,4 @@ def kv_save(kv: KV, path: str) -> None:
 
 
 def _errno_name(exc: OSError) -> str:
-    import errno
     return errno.errorcode.get(exc.errno or 0, "EIO")

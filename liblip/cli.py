@@ -6,10 +6,14 @@
     lip chat FILE MESSAGE        append a user turn, stream the reply, append it too
     lip generate FILE [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--stop S]
     lip cat FILE                 the cache's content as text
-    lip run [--sandbox [--uid UID] [--memory SIZE] [--cpu-seconds N] [--wall-seconds N]
-            [--max-procs N]] [--] PROGRAM [ARGS...]
+    lip run [--near FILE]... [--sandbox [--uid UID] [--memory SIZE] [--cpu-seconds N]
+            [--wall-seconds N] [--max-procs N]] [--] PROGRAM [ARGS...]
                                  run a LIP (a .py file runs under this Python);
+                                 --near: on the predd replica that holds FILEs' caches;
                                  --sandbox: as an untrusted process (docs/sandbox.md)
+    lip rehome FILE... [--to ADDR]
+                                 move cache files to another predd replica (default:
+                                 the live one with the most free pages; docs/scaling.md)
 
 FILE is a `.kv` file: relative to the current directory when that is inside the KV
 file system, else to $KVFS_MOUNT. Errors print `lip: ENAME: message` and exit 1.
@@ -17,6 +21,7 @@ file system, else to $KVFS_MOUNT. Errors print `lip: ENAME: message` and exit 1.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -107,7 +112,7 @@ def cmd_chat(args) -> int:
 def _between_turns(kv: lip.KV) -> None:
     """The turn is done and the script goes on to I/O (a tool, the user): the file's
     cache is the first to move down a tier until the next turn uses it."""
-    lip.client().call("io_wait", on=True, caps=[kv.cap])
+    lip.client_of(kv).call("io_wait", on=True, caps=[kv.cap])
 
 
 def cmd_generate(args) -> int:
@@ -147,6 +152,8 @@ def cmd_run(args) -> int:
     env = dict(os.environ)
     env.setdefault("PREDD_ADDR", default_addr())
     env.setdefault("KVFS_MOUNT", default_mount())
+    if args.near:
+        env["PREDD_ADDR"] = home_of([resolve(f) for f in args.near])
     if args.sandbox:
         return _run_sandboxed(args, env)
     limited = [f"--{n.replace('_', '-')}" for n in ("uid", "memory", "cpu_seconds",
@@ -162,6 +169,65 @@ def cmd_run(args) -> int:
     except OSError as exc:
         raise LipError("ENOENT" if isinstance(exc, FileNotFoundError) else "EACCES",
                        f"{program}: {exc.strerror}") from None
+
+
+def _xattr(path: str, name: str) -> str:
+    try:
+        return os.getxattr(path, name).decode()
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.EOPNOTSUPP):
+            return ""
+        raise LipError(errno.errorcode.get(exc.errno or 0, "EIO"),
+                       f"{path}: {exc.strerror}") from None
+
+
+def home_of(paths: list[str]) -> str:
+    """The replica that holds most of the tokens cached in `paths` (ties: the first
+    named); EINVAL when none is a cache file on a kvfs mount."""
+    held: dict[str, int] = {}
+    for path in paths:
+        home = _xattr(path, "user.kv.replica")
+        if home:
+            held[home] = held.get(home, 0) + int(_xattr(path, "user.kv.tokens") or 0)
+    if not held:
+        raise LipError("EINVAL", f"--near {' '.join(paths)}: not a cache file that names "
+                       "its replica (user.kv.replica)")
+    return max(held, key=lambda home: held[home])
+
+
+def cmd_rehome(args) -> int:
+    failed = 0
+    for name in args.files:
+        try:
+            print(f"{name}: {lip.kv_rehome(resolve(name), args.to or '')}")
+        except LipError as exc:
+            print(f"lip: {exc.code}: {exc.message}", file=sys.stderr)
+            failed = 1
+    return failed
+
+
+def replicas() -> dict:
+    """The replicas and the migrations between them, as the mount's root tells them
+    (kvfsd over several predds; docs/scaling.md); {} with one predd or no mount."""
+    root = default_mount()
+    lines = _xattr(root, "user.kv.replicas").splitlines() if os.path.isdir(root) else []
+    if not lines:
+        return {}
+    out = []
+    for line in lines:
+        addr, state, *fields = line.split()
+        item = {"addr": addr, "up": state == "up"}
+        for field in fields:
+            key, _, value = field.partition("=")
+            if key == "pages":
+                used, _, total = value.partition("/")
+                item["pages_used"], item["pages_total"] = int(used), int(total)
+            elif value.isdigit():
+                item[key] = int(value)
+        out.append(item)
+    count, _, moved = _xattr(root, "user.kv.migrations").partition(" ")
+    return {"replicas": out,
+            "migrations": {"count": int(count or 0), "bytes": int(moved or 0)}}
 
 
 def _run_sandboxed(args, env: dict[str, str]) -> int:
@@ -207,11 +273,18 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--stop", action="append", help="stop text (repeatable)")
     p = sub.add_parser("cat")
     p.add_argument("file")
+    p = sub.add_parser("rehome", help="move cache files to another predd replica")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--to", metavar="ADDR", help="the replica's address (default: the live "
+                   "one with the most free pages)")
     p = sub.add_parser(
         "run", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a LIP: PROGRAM is any executable (a .py file runs under this "
                     "Python).",
         epilog=RUN_SANDBOX_HELP)
+    p.add_argument("--near", action="append", default=[], metavar="FILE",
+                   help="run on the predd replica that holds this cache file (repeatable: "
+                   "the one holding most of their tokens); sets PREDD_ADDR")
     p.add_argument("--sandbox", action="store_true",
                    help="run as an untrusted process (needs root; see below)")
     p.add_argument("--uid", type=int, metavar="UID",
@@ -233,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "info":
             _print_json(lip.info())
         elif args.cmd == "stats":
-            _print_json(lip.stats())
+            _print_json({**lip.stats(), **replicas()})
         elif args.cmd == "ps":
             _print_json(lip.ps())
         elif args.cmd == "fsck":

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from liblip.api import KV, client
+from liblip.api import KV, client_of
 from liblip.client import LipError
 
 Mask = Sequence[int] | bytes
@@ -118,7 +118,7 @@ def _pred(kv: KV, tokens: Sequence[int], positions: Sequence[int] | None,
         fields["outputs"] = [int(o) for o in outputs]
     if mask is not None:
         fields["mask"] = mask if isinstance(mask, bytes) else [int(m) for m in mask]
-    return client().request("pred", **fields)
+    return client_of(kv).request("pred", **fields)
 
 
 def _distributions(header: dict, frames: list) -> list[Distribution]:
@@ -221,7 +221,7 @@ def generate_stream(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
     every generated token but the last is appended. `out`, when given, collects the
     ids, their logprobs and, once the stream ends, finish_reason and cost."""
     fields = _generate_fields(kv, tokens, max_tokens, stop, sample, ignore_eos)
-    for reply in client().stream("generate", stream=True, **fields):
+    for reply in client_of(kv).stream("generate", stream=True, **fields):
         ids = reply.get("tokens", [])
         if out is not None:
             out.extend(ids)
@@ -240,7 +240,7 @@ def generate(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
     the generated ids (a stop token included) as a list that also carries `.logprobs`,
     `.finish_reason` and `.cost`."""
     fields = _generate_fields(kv, tokens, max_tokens, stop, sample, ignore_eos)
-    reply = client().call("generate", stream=False, **fields)
+    reply = client_of(kv).call("generate", stream=False, **fields)
     out = Generated(reply["tokens"])
     out.logprobs = list(reply.get("logprobs", []))
     out.finish_reason, out.cost = reply.get("finish_reason", ""), reply.get("cost", {})
