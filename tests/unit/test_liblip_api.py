@@ -53,6 +53,8 @@ class FakePredd:
         if r["op"] == "detokenize":
             raw = b"".join(BYTES[t] for t in r["tokens"] if not (r["skip_special"] and t == 2))
             return {"text": raw.decode("utf-8", errors="replace")}, []
+        if r["op"] == "kv_fork":
+            return {"cap": "f" * 32, "rights": r["rights"]}, []
         if r["op"] != "pred":
             return {}, []
         rows = r.get("outputs", [len(r["tokens"]) - 1])
@@ -184,3 +186,33 @@ def test_text_stream_writes_whole_characters_and_no_special_tokens(fakes, capsys
     assert stream.tokens == [4, 1, 3, 2, 4]
     assert lip.stream_text(iter([1, 3, 4])) == [1, 3, 4]
     assert capsys.readouterr().out == "\u00e9!"
+
+
+def test_a_handle_on_another_replica_calls_that_replica(fakes):
+    a, b = fakes
+    lip.connect(a.addr)
+    here = lip.KV.from_capability("a" * 32)
+    there = lip.KV("b" * 32, "r", replica=b.addr)
+    same = lip.KV("c" * 32, "rw", replica=a.addr)       # named, but this process's own
+    try:
+        lip.pred(there, [5])
+        lip.kv_stat(there)
+        forked = lip.kv_fork(there)
+        lip.pred(here, [6])
+        lip.pred(same, [7])
+        def calls(fake):
+            return [(r["op"], r["cap"]) for r in fake.requests if "cap" in r]
+
+        assert calls(b) == [
+            ("pred", "b" * 32), ("kv_stat", "b" * 32), ("kv_fork", "b" * 32)]
+        assert calls(a) == [("pred", "a" * 32), ("pred", "c" * 32)]
+        assert forked.replica == b.addr                     # a fork stays where it is
+        assert lip.client_of(there) is lip.client_of(forked) is not lip.client()
+        with pytest.raises(lip.LipError) as err:
+            lip.kv_merge([here, there])
+        assert err.value.code == "EXDEV"
+        assert not [r for r in a.requests + b.requests if r["op"] == "kv_merge"]
+    finally:
+        for other in api._others.values():
+            other.close()
+        api._others.clear()
