@@ -328,7 +328,7 @@ def io_wait(*kvs: KV) -> Iterator[None]:
 def kv_save(kv: KV, path: str) -> None:
     """Publish `kv` as the file `path`: kvfsd makes it a copy-on-write fork of kv."""
     full = _kvfs_path(path)
-    desc = descriptor.Descriptor(kv.cap, kv.rights)
+    desc = descriptor.Descriptor(kv.cap, kv.rights, replica=client_of(kv).addr)
     try:
         fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

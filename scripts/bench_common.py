@@ -90,10 +90,10 @@ def start_predd(*args: str, timeout: float = 600.0):
 
 
 class Mount:
-    """kvfsd serving `addr` on a fresh mount point under /tmp, for a `with` block;
-    unmounted and removed afterwards whatever happens."""
+    """kvfsd serving `addrs` (one predd, or several replicas) on a fresh mount point
+    under /tmp, for a `with` block; unmounted and removed afterwards whatever happens."""
 
-    def __init__(self, addr: str, timeout: float = 60.0) -> None:
+    def __init__(self, *addrs: str, timeout: float = 60.0) -> None:
         from predd.launch import die_with_parent, wait_ready
         self.path = tempfile.mkdtemp(prefix="kvfs-bench-", dir="/tmp")
         os.chmod(self.path, 0o755)
@@ -101,7 +101,8 @@ class Mount:
         self.log = os.path.join(self.work, "kvfsd.log")
         with open(self.log, "ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvfsd", self.path, "--predd", addr,
+                [sys.executable, "-m", "kvfsd", self.path,
+                 *(arg for addr in addrs for arg in ("--predd", addr)),
                  "--state", os.path.join(self.work, "state")],
                 stdout=subprocess.PIPE, stderr=err, cwd=ROOT, preexec_fn=die_with_parent)
         if wait_ready(self.proc, timeout) is None:

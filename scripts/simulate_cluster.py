@@ -8,6 +8,8 @@ placement would do on RAG and agent workloads, by a discrete-event model
         [--costs docs/scaling_costs.json] [--plot docs/scaling_sim.png] [--quick]
     python scripts/simulate_cluster.py --calibrate [--costs docs/scaling_costs.json]
     python scripts/simulate_cluster.py --check-rag ALPHA      # bench_rag.py's setup, 1 replica
+    python scripts/simulate_cluster.py --check-rag ALPHA --check-replicas 2
+                                 # the same at 2 replicas: what scripts/bench_replicas.py runs
 
 The table (markdown) goes to stdout, progress to stderr. --requests and --clients are
 per replica: the load grows with the cluster. The first half of each run's requests is
@@ -113,15 +115,19 @@ def plot(results: list[Result], path: str) -> bool:
 
 
 def check_rag(args, costs: Costs) -> None:
-    """bench_rag.py's base setup at one replica: 64 documents of ~403 tokens (its
-    system turn), ~22-token questions, 32 tokens, 8 clients, 402 pages, Pareto(alpha);
-    32 warm-up runs, 64 measured."""
-    w = Rag(alpha=args.check_rag, docs=64, doc_tokens=403, question_tokens=22,
-            answer_tokens=32, seed=args.seed, pareto=True)
-    for p in ("least-loaded",):
-        res = Cluster(1, POLICIES[p](), w, 8, costs,
-                      ReplicaConfig(kv_tokens=402 * 16)).run(96, 32)
-        print(f"bench_rag setup, Pareto alpha {args.check_rag:g}, 1 replica: "
+    """bench_rag.py's base setup: 64 documents of ~403 tokens (its system turn),
+    ~22-token questions, 32 tokens, 402 pages a replica, Pareto(alpha); per replica 8
+    clients, 32 warm-up runs and 64 measured. One replica: least-loaded (all policies
+    are the same); more (scripts/bench_replicas.py's setup): round-robin and
+    cache-affinity."""
+    n = args.check_replicas
+    policies = ("least-loaded",) if n == 1 else ("round-robin", "cache-affinity")
+    for p in policies:
+        w = Rag(alpha=args.check_rag, docs=64, doc_tokens=403, question_tokens=22,
+                answer_tokens=32, seed=args.seed, pareto=True)
+        res = Cluster(n, POLICIES[p](), w, 8 * n, costs,
+                      ReplicaConfig(kv_tokens=402 * 16)).run(96 * n, 32 * n)
+        print(f"bench_rag setup, Pareto alpha {args.check_rag:g}, {n} replica(s), {p}: "
               f"{res.throughput:.2f} requests/s, hits {res.hits}/{res.named}, "
               f"p50 {res.latency(50):.2f} s, p99 {res.latency(99):.2f} s")
 
@@ -144,7 +150,9 @@ def main() -> int:
     ap.add_argument("--calibrate", action="store_true",
                     help="measure a real predd here and write --costs")
     ap.add_argument("--check-rag", type=float, metavar="ALPHA",
-                    help="simulate bench_rag.py's setup at 1 replica and stop")
+                    help="simulate bench_rag.py's setup and stop")
+    ap.add_argument("--check-replicas", type=int, default=1, metavar="N",
+                    help="--check-rag at N replicas (round-robin and cache-affinity)")
     args = ap.parse_args()
     if args.calibrate:
         from cluster_calibrate import calibrate
