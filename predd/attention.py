@@ -64,8 +64,9 @@ class TorchAttention:
             single_q = torch.from_numpy(tables.qo_indptr[single].astype(np.int64)).to(dev)
             lengths = torch.from_numpy(tables.kv_len[single].astype(np.int64)).to(dev)
             single_pad = (torch.arange(table.shape[1] * ps, device=dev)[None, :]
-                          >= lengths[:, None])[:, None, None, :]    # [B, 1, 1, W*ps]
-            single_shape = (len(single), table.shape[1], *cache.kv[0].shape[1:])
+                          >= lengths[:, None])[None, :, None, :]    # [1, B, 1, W*ps]
+            kv_heads, head_dim = cache.kv[0].shape[-2:]
+            single_shape = (2, kv_heads, len(single), table.shape[1] * ps, head_dim)
 
         multi_parts = []
         for i in multi:
@@ -85,11 +86,11 @@ class TorchAttention:
             paged = cache.kv[layer]                        # [P, 2, ps, Hkv, D]
             out = torch.empty_like(q)                      # [T, H, D]
             if single:
-                # [B, W, 2, ps, Hkv, D] -> K and V as [2, B*Hkv, W*ps, D]: each (call,
-                # kv head) one contiguous matrix, so both matmuls run without copies.
-                b, w, _, _, kv_heads, d = single_shape
-                kv = (paged.index_select(0, pages).view(single_shape)
-                      .permute(2, 0, 4, 1, 3, 5).reshape(2, b * kv_heads, w * ps, d))
+                # One gather straight into K and V as [2, Hkv, B, W*ps, D] (pages picked
+                # from the head-major view [2, Hkv, P, ps, D]): each (kv head, call) one
+                # contiguous matrix, so both matmuls run without another copy.
+                kv = (paged.permute(1, 3, 0, 2, 4).index_select(2, pages)
+                      .view(single_shape))
                 out.index_copy_(0, single_q, self._decode(
                     q.index_select(0, single_q), kv[0], kv[1], single_pad))
             for start, n, pages_t, mask, kv_len in multi_parts:
@@ -110,17 +111,20 @@ class TorchAttention:
     @staticmethod
     def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor
                 ) -> torch.Tensor:
-        """One new token per call: q [B, H, D]; k, v [B*Hkv, L, D] (call-major, then
-        kv head); pad [B, 1, 1, L] -> [B, H, D]. Two batched matmuls, the G query heads
+        """One new token per call: q [B, H, D]; k, v [Hkv, B, L, D] (kv head-major, then
+        call); pad [1, B, 1, L] -> [B, H, D]. Two batched matmuls, the G query heads
         that share a kv head as one [G, D] block; on CPU ~8x faster than SDPA with a
         padding mask."""
         b, h, d = q.shape
-        kv_heads = k.shape[0] // b
-        qg = q.view(b * kv_heads, h // kv_heads, d)                 # head i reads kv i//G
-        scores = torch.bmm(qg, k.transpose(1, 2)) * d ** -0.5      # [B*Hkv, G, L]
-        scores = scores.view(b, kv_heads, h // kv_heads, -1).masked_fill(pad, float("-inf"))
+        kv_heads, _, length, _ = k.shape
+        g = h // kv_heads
+        qg = q.view(b, kv_heads, g, d).transpose(0, 1).reshape(kv_heads * b, g, d)
+        scores = torch.bmm(qg, k.view(kv_heads * b, length, d).transpose(1, 2))
+        scores = (scores * d ** -0.5).view(kv_heads, b, g, length).masked_fill(
+            pad, float("-inf"))                                     # head i reads kv i//G
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(probs.view(b * kv_heads, h // kv_heads, -1), v).view(b, h, d)
+        out = torch.bmm(probs.view(kv_heads * b, g, length), v.view(kv_heads * b, length, d))
+        return out.view(kv_heads, b, g, d).transpose(0, 1).reshape(b, h, d)
 
 
 def flashinfer_problem(device: str, dtype: str) -> tuple[str, str] | None:
