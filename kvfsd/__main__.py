@@ -75,6 +75,7 @@ def load_namespace(state: StateDir, names_per_uid: int) -> tuple[Namespace, list
 async def serve(fs: KvFs, mountpoint: str) -> None:
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            fs.caches.mounted = True
             nursery.start_soon(pyfuse3.main)
             for recovery in fs.caches.recoveries.values():
                 nursery.start_soon(recovery.monitor)

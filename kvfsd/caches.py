@@ -88,6 +88,7 @@ class Caches:
         self._written = 0                         # ... and recorded in the state dir
         self._writing = trio.Lock()
         self._refreshing: dict[int, trio.Event] = {}     # kv_stat in flight, per inode
+        self.mounted = False                      # the kernel knows our names (serve)
         self.recoveries = {link.addr: Recovery(self, link) for link in replicas}
         self.policy = Policy(self)
         self.expiry = Expiry(self)
@@ -323,7 +324,8 @@ class Caches:
             if await self._empty_and_unshared(node):
                 home = source                  # the file re-homes to the cache
             else:
-                reply = await self.migration.carry(reply["cap"], source, home, handle.uid)
+                reply = await self.migration.carry(path, reply["cap"], source, home,
+                                                   handle.uid)
         await self.carry_pin(node, reply["cap"], home)
         old, old_home = node.cap, node.replica
         node.cap, node.replica = reply["cap"], home.addr

@@ -93,7 +93,7 @@ class Migration:
                 self.replicas.count_migration(nbytes)
                 self.log(f"{path}: moved from {old_home} to {target.addr} ({nbytes} bytes)")
 
-    async def carry(self, cap: str, source: PreddLink, target: PreddLink,
+    async def carry(self, path: str, cap: str, source: PreddLink, target: PreddLink,
                     owner: int) -> dict:
         """Move the persistent cache `cap` from `source` to `target` (a fork written
         into a file homed on `target`): the import's reply; `cap` is freed either way."""
@@ -102,6 +102,8 @@ class Migration:
         finally:
             await self.caches.free(cap, source.addr)
         self.replicas.count_migration(nbytes)
+        self.log(f"{path}: a cache written into it moved from {source.addr} to "
+                 f"{target.addr} ({nbytes} bytes)")
         return reply
 
     async def _copy(self, cap: str, source: PreddLink, target: PreddLink,
@@ -146,6 +148,7 @@ class Migration:
                 self.log(f"{self.caches.ns.path_of(node.ino)}: its replica {gone} is not "
                          f"one of kvfsd's; re-homing it onto {target.addr}")
                 node.replica = target.addr
-                if await self.caches.recoveries[target.addr].restore(node, node.cap):
+                if await self.caches.recoveries[target.addr].restore(
+                        node, node.cap, lost=f"its replica {gone} is gone"):
                     self.replicas.restored += 1
             await self.caches.commit()

@@ -120,9 +120,11 @@ class Recovery:
             await caches.commit()
             return True
 
-    async def restore(self, node: Node, stale: str | None) -> bool:
+    async def restore(self, node: Node, stale: str | None,
+                      lost: str = "predd restarted") -> bool:
         """Import the file's snapshot onto this replica in place of `stale`, or drop
-        the file (no snapshot, or it will not import). Whether it was restored."""
+        the file (no snapshot, or it will not import; `lost` says why its cache is
+        gone). Whether it was restored."""
         caches = self.caches
         path = caches.ns.path_of(node.ino)
         if node.snapshot:
@@ -142,13 +144,14 @@ class Recovery:
                          f"({node.tokens} tokens)")
                 return True
         else:
-            self.log(f"{path}: cache lost (predd restarted and it was never fsync'd); "
-                     "removing it")
+            self.log(f"{path}: cache lost ({lost} and it was never fsync'd); removing it")
         node.cap = None
         if node.snapshot:
             caches.state.remove_snapshot(node.snapshot)
             node.snapshot = None
         for parent, name in caches.ns.drop_names(node.ino):
-            pyfuse3.invalidate_entry_async(parent, name, deleted=node.ino, ignore_enoent=True)
+            if caches.mounted:             # before the mount the kernel knows no name
+                pyfuse3.invalidate_entry_async(parent, name, deleted=node.ino,
+                                               ignore_enoent=True)
         caches.ns.collect(node)
         return False
