@@ -71,11 +71,13 @@ class Caches:
         self.predd = replicas.first       # replica 0: the model's facts (all serve one)
         self.log = log
         # frees predd did not confirm: (replica, capability); a bare capability (a state
-        # from before replicas) is replica 0's
-        self.pending_free: list[tuple[str, str]] = [
-            (replicas.first.addr, entry) if isinstance(entry, str)
-            else (str(entry[0]) or replicas.first.addr, str(entry[1]))
-            for entry in pending_free or []]
+        # from before replicas) is replica 0's; one on a replica kvfsd no longer has
+        # cannot be done and is dropped
+        entries = [(replicas.first.addr, entry) if isinstance(entry, str)
+                   else (str(entry[0]) or replicas.first.addr, str(entry[1]))
+                   for entry in pending_free or []]
+        self.pending_free: list[tuple[str, str]] = [e for e in entries
+                                                    if replicas.known(e[0])]
         for node in ns.nodes.values():    # a state from before replicas: replica 0's
             if node.is_file and not node.replica:
                 node.replica = replicas.first.addr

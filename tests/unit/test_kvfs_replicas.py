@@ -224,7 +224,7 @@ def test_grants_name_the_home_and_a_state_from_before_is_replica_0s(tmp_path):
     assert "replica" not in next(n for n in doc["nodes"] if n["ino"] == f.ino)
     replicas = Replicas([B, A], log=print)
     caches = Caches(Namespace.from_dict(doc), StateDir(str(tmp_path / "s")), replicas,
-                    print, ["cd" * 16, [A, "ef" * 16]])
+                    print, ["cd" * 16, [A, "ef" * 16], [C, "01" * 16]])
     assert caches.ns.nodes[f.ino].replica == B
     assert caches.pending_free == [(B, "cd" * 16), (A, "ef" * 16)]
 
