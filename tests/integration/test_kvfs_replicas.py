@@ -3,7 +3,8 @@
 new file on B; `user.kv.rehome` moves a cache bit-exactly (same tokens, same logits,
 counted in the root's `user.kv.migrations` with the export's bytes); cp across replicas
 migrates; a killed replica gives EIO for its files only, an fsync'd one comes back on
-A; the state stays clean; a kvfsd restarted without B re-homes B's fsync'd files."""
+A; B restarted gets back only its own fsync'd files; the state stays clean; a kvfsd
+restarted without B re-homes B's fsync'd files onto A."""
 import errno
 import os
 import re
@@ -17,7 +18,8 @@ import pytest
 
 from predd.launch import Daemon, die_with_parent, wait_ready
 from tests.conftest import ROOT
-from tests.integration.kvfs_fixtures import Kvfs, finish, make_mountpoint, sh, start_kvfsd
+from tests.integration.kvfs_fixtures import (Kvfs, eventually, finish, make_mountpoint, sh,
+                                             start_kvfsd)
 from liblip import descriptor
 
 pytestmark = pytest.mark.slow
@@ -31,7 +33,7 @@ PROMPT = "Replicas: one namespace over two predds, and caches that move between 
 def spawn_predd(rundir: str) -> subprocess.Popen:
     """A predd on its own ipc socket, started from this thread (PR_SET_PDEATHSIG follows
     the thread that forks); `wait_ready` it."""
-    os.makedirs(rundir)
+    os.makedirs(rundir, exist_ok=True)
     with open(os.path.join(rundir, "predd.log"), "ab") as err:
         return subprocess.Popen(
             [sys.executable, "-m", "predd", "--rundir", rundir, "--addr",
@@ -54,7 +56,7 @@ def replicas():
             with open(os.path.join(d, "predd.log"), errors="replace") as f:
                 raise RuntimeError(f"predd did not start: {f.read()[-2000:]}")
         daemons.append(Daemon(proc, addr.split()[0], d, os.path.join(d, "predd.log")))
-    yield daemons
+    yield daemons             # (a test may replace one it restarted)
     import liblip
     if _talking_to:
         liblip.client().close()
@@ -261,6 +263,26 @@ def test_replicas_share_one_namespace_and_caches_move_between_them(replicas, tmp
         assert restored[0] == tokens[:9]
         assert np.array_equal(restored[1], s1_facts[1])
         assert migrations(m) == f"2 {before[2] + z_facts[2]}"    # a restore, not a move
+
+        # B again at its address (a new predd): its fsync'd file comes back on it, its
+        # other files go; A is not re-validated and its files are untouched.
+        proc = spawn_predd(b.rundir)
+        assert wait_ready(proc, 120.0) is not None
+        b = replicas[1] = Daemon(proc, B, b.rundir, b.log)
+        assert eventually(lambda: "/s2.kv: restored from its fsync'd snapshot (10 tokens)"
+                          in kvfs.log_text(), timeout=60)
+        assert home(s2) == B and facts(s2, probe)[0] == tokens[:10]
+        assert sorted(os.listdir(m)) == ["s1.kv", "s2.kv", "z.kv"]
+        assert facts(z, probe)[0] == tokens[:12] and facts(s1, probe)[0] == tokens[:9]
+        log = kvfs.log_text()
+        for name in ("x", "y", "s3"):
+            assert f"/{name}.kv: cache lost (predd restarted and it was never fsync'd)" in log
+        assert f"re-validating caches: predd at {B} restarted" in log
+        assert f"predd at {A} restarted" not in log
+        assert "/z.kv: restored" not in log and "/s1.kv: restored from" not in log
+        assert [row[:3] for row in replicas_table(m)] == [(A, "up", 2), (B, "up", 1)]
+        b.proc.send_signal(signal.SIGKILL)          # gone for good: see the restart below
+        b.proc.wait()
     finally:
         code = finish(kvfs, clear=False)
     assert code == 0, kvfs.log_text()[-2000:]
@@ -282,7 +304,8 @@ def test_replicas_share_one_namespace_and_caches_move_between_them(replicas, tmp
         log = kvfs.log_text()
         assert f"/s2.kv: its replica {B} is not one of kvfsd's; re-homing it onto {A}" in log
         assert "/s2.kv: restored from its fsync'd snapshot (10 tokens)" in log
-        assert "/x.kv: cache lost" in log and "/y.kv: cache lost" in log
     finally:
         code = finish(kvfs)
     assert code == 0, kvfs.log_text()[-2000:]
+    report = on(A).fsck()
+    assert report["clean"], report["problems"]
