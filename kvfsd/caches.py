@@ -40,11 +40,11 @@ import trio
 
 from kvfsd.expiry import Expiry
 from kvfsd.handles import Handle
+from kvfsd.migration import Migration
 from kvfsd.namespace import FORMAT, Changes, Namespace
 from kvfsd.node import Node
 from kvfsd.policy import Policy
 from kvfsd.predd_link import PreddError, PreddLink
-from kvfsd.migration import Migration
 from kvfsd.recovery import Recovery
 from kvfsd.replicas import Replicas
 from kvfsd.state import StateDir

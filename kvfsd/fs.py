@@ -95,7 +95,8 @@ class KvFs(pyfuse3.Operations):
 
     def _size(self, node: Node) -> int:
         if node.is_file:
-            model = str(self.predd.info.get("model", ""))
+            info = self.caches.link(node).info or self.predd.info   # all serve one model
+            model = str(info.get("model", ""))
             return len(descriptor.render("0" * 32, "r", node.tokens, node.pages,
                                          model, node.replica).encode())
         if node.is_symlink:
