@@ -19,8 +19,15 @@ Lifetime rules:
   cache back untouched. Operations that swap or empty a cache hold the file's lock.
 * A capability predd does not know any more (predd restarted) sends every cache
   through re-validation (kvfsd/recovery.py) once, then the call is retried.
-* A free that predd did not confirm is retried (`pending_free`, persisted) after the
-  next re-validation.
+* A free that predd did not confirm is retried (`pending_free`, persisted, with the
+  replica it is for) after that replica's next re-validation.
+* Replicas (kvfsd/replicas.py): every file has a home replica (`Node.replica`), and
+  every call on its cache goes to that replica's link (`link`). A new file is made on
+  the first live replica. A descriptor written into a file names the replica holding
+  the cache it forks (`replica ADDR`; none: the file's home); a cache on another
+  replica than the file's is moved (kvfsd/migration.py), or the file re-homed when its
+  own cache was empty and nobody else had it open. Each open's grant and each kept
+  cache records its replica, so it is freed there.
 """
 from __future__ import annotations
 
@@ -33,11 +40,13 @@ import trio
 
 from kvfsd.expiry import Expiry
 from kvfsd.handles import Handle
+from kvfsd.migration import Migration
 from kvfsd.namespace import FORMAT, Changes, Namespace
 from kvfsd.node import Node
 from kvfsd.policy import Policy
 from kvfsd.predd_link import PreddError, PreddLink
 from kvfsd.recovery import Recovery
+from kvfsd.replicas import Replicas
 from kvfsd.state import StateDir
 from liblip import descriptor
 
@@ -54,25 +63,42 @@ def fuse_error(exc: Exception) -> pyfuse3.FUSEError:
 
 
 class Caches:
-    def __init__(self, ns: Namespace, state: StateDir, predd: PreddLink, log,
-                 pending_free: list[str] | None = None) -> None:
+    def __init__(self, ns: Namespace, state: StateDir, replicas: Replicas, log,
+                 pending_free: list | None = None) -> None:
         self.ns = ns
         self.state = state
-        self.predd = predd
+        self.replicas = replicas
+        self.predd = replicas.first       # replica 0: the model's facts (all serve one)
         self.log = log
-        self.pending_free: list[str] = list(pending_free or [])
+        # frees predd did not confirm: (replica, capability); a bare capability (a state
+        # from before replicas) is replica 0's; one on a replica kvfsd no longer has
+        # cannot be done and is dropped
+        entries = [(replicas.first.addr, entry) if isinstance(entry, str)
+                   else (str(entry[0]) or replicas.first.addr, str(entry[1]))
+                   for entry in pending_free or []]
+        self.pending_free: list[tuple[str, str]] = [e for e in entries
+                                                    if replicas.known(e[0])]
+        for node in ns.nodes.values():    # a state from before replicas: replica 0's
+            if node.is_file and not node.replica:
+                node.replica = replicas.first.addr
         self.locks: defaultdict[int, trio.Lock] = defaultdict(trio.Lock)
         self.handles: dict[int, Handle] = {}      # live opens, by fh (kept by KvFs)
         self._revoked: OrderedDict[str, int] = OrderedDict()   # grant -> inode
-        self._backups: set[str] = set()           # old caches held by O_TRUNC opens
-        self._orphans: dict[int, str] = {}        # caches of removed files still open
+        self._backups: set[tuple[str, str]] = set()   # old caches held by O_TRUNC opens
+        self._orphans: dict[int, tuple[str, str]] = {}   # caches of removed open files
         self._changes = 0                         # namespace changes made ...
         self._written = 0                         # ... and recorded in the state dir
         self._writing = trio.Lock()
         self._refreshing: dict[int, trio.Event] = {}     # kv_stat in flight, per inode
-        self.recovery = Recovery(self)
+        self.mounted = False                      # the kernel knows our names (serve)
+        self.recoveries = {link.addr: Recovery(self, link) for link in replicas}
         self.policy = Policy(self)
         self.expiry = Expiry(self)
+        self.migration = Migration(self)
+
+    def link(self, node: Node) -> PreddLink:
+        """The link to a file's home replica (one kvfsd does not have: calls give EIO)."""
+        return self.replicas.get(node.replica)
 
     # ------------------------------------------------------------ persistence
 
@@ -80,15 +106,15 @@ class Caches:
         # Caches of removed-but-open files are freed at release, and old caches kept by
         # O_TRUNC opens at theirs; should kvfsd die first, the next one frees them.
         return {"format": FORMAT, "next_ino": self.ns.next_ino,
-                "pending_free": self.pending_free + sorted(self._orphans.values())
-                + sorted(self._backups)}
+                "pending_free": [list(entry) for entry in self.pending_free
+                                 + sorted(self._orphans.values()) + sorted(self._backups)]}
 
     def _take_changes(self) -> Changes:
         changes = self.ns.take_changes()
         for ino in changes.inos:
             node = self.ns.nodes.get(ino)
             if node is not None and node.is_file and node.nlink == 0 and node.cap is not None:
-                self._orphans[ino] = node.cap
+                self._orphans[ino] = (node.replica, node.cap)
             else:
                 self._orphans.pop(ino, None)
         return changes
@@ -149,21 +175,22 @@ class Caches:
         when predd is down (a plain stat never fails because of predd)."""
         if not node.is_file or node.cap is None:
             return
-        if not self.predd.up:
+        link = self.link(node)
+        if not link.up:
             if strict:
                 raise pyfuse3.FUSEError(errno.EIO)
             return
         done = self._refreshing.get(node.ino)
         if done is None:
             done = self._refreshing[node.ino] = trio.Event()
-            trio.lowlevel.spawn_system_task(self._stat, node, done)
-        with trio.move_on_after(self.predd.t.stat_s):
+            trio.lowlevel.spawn_system_task(self._stat, node, link, done)
+        with trio.move_on_after(link.t.stat_s):
             await done.wait()
 
-    async def _stat(self, node: Node, done: trio.Event) -> None:
+    async def _stat(self, node: Node, link: PreddLink, done: trio.Event) -> None:
         cap = node.cap
         try:
-            header = await self.predd.call("kv_stat", cap=cap)
+            header = await link.call("kv_stat", cap=cap)
             if node.cap == cap:
                 self.seen(node, header)
         except PreddError:
@@ -177,35 +204,42 @@ class Caches:
     # ------------------------------------------------------------ predd calls
 
     async def on_cache(self, node: Node, op: str, **fields) -> tuple[dict, list]:
-        """`op` on a file's cache. A stale capability (predd restarted) triggers one
-        re-validation and a retry."""
+        """`op` on a file's cache, on its home replica. A stale capability (that predd
+        restarted) triggers one re-validation of that replica and a retry."""
         for attempt in (0, 1):
-            cap = node.cap
+            cap, link = node.cap, self.link(node)
             if cap is None:
                 break
             try:
-                return await self.predd.request(op, cap=cap, **fields)
+                return await link.request(op, cap=cap, **fields)
             except PreddError as exc:
-                if exc.code == "EBADF" and attempt == 0:
-                    await self.recovery.revalidate(self.recovery.generation,
-                                                   "a capability went stale")
+                recovery = self.recoveries.get(link.addr)
+                if exc.code == "EBADF" and attempt == 0 and recovery is not None:
+                    await recovery.revalidate(recovery.generation, "a capability went stale")
                     continue
                 raise fuse_error(exc) from None
         raise pyfuse3.FUSEError(errno.ESTALE)
 
-    async def create(self, owner: int) -> dict:
-        """A new empty cache with a persistent capability, charged to uid `owner`."""
+    async def create(self, owner: int, link: PreddLink | None = None) -> dict:
+        """A new empty cache with a persistent capability, charged to uid `owner`, on
+        `link` (default: the first live replica); the reply names its `replica`."""
+        link = link or self.replicas.first_live() or self.replicas.first
         try:
-            return await self.predd.call("kv_create", persist=True, owner=owner)
+            reply = await link.call("kv_create", persist=True, owner=owner)
         except PreddError as exc:
             raise fuse_error(exc) from None
+        return {**reply, "replica": link.addr}
 
-    async def free(self, cap: str) -> None:
+    async def free(self, cap: str, replica: str) -> None:
+        """Free `cap` on replica `replica`; retried later if it does not answer. (On an
+        address kvfsd does not have, nothing can be freed.)"""
+        if not self.replicas.known(replica):
+            return
         try:
-            await self.predd.call("kv_free", cap=cap)
+            await self.replicas.get(replica).call("kv_free", cap=cap)
         except PreddError as exc:
             if exc.code != "EBADF":          # EBADF: gone with a restarted predd
-                self.pending_free.append(cap)
+                self.pending_free.append((replica, cap))
                 await self.commit()
 
     async def maybe_free(self, node: Node) -> None:
@@ -216,7 +250,7 @@ class Caches:
             if node.snapshot:
                 self.state.remove_snapshot(node.snapshot)
                 node.snapshot = None
-            await self.free(cap)
+            await self.free(cap, node.replica)
         if self.ns.collect(node):
             self.locks.pop(node.ino, None)
 
@@ -226,11 +260,19 @@ class Caches:
         """A fresh capability for a readable open, and the descriptor it reads. It is
         bound to kvfsd's session (never persistent) and revoked at this open's release."""
         rights = "rw" if handle.writable else "r"
-        header, _ = await self.on_cache(handle.node, "kv_grant", rights=rights, persist=False)
-        handle.cap = header["cap"]
+        for _ in range(3):
+            replica = handle.node.replica
+            header, _ = await self.on_cache(handle.node, "kv_grant", rights=rights,
+                                            persist=False)
+            if handle.node.replica == replica:
+                break
+            await self.free(header["cap"], replica)   # re-homed meanwhile: again there
+        else:
+            raise pyfuse3.FUSEError(errno.EAGAIN)
+        handle.cap, handle.replica = header["cap"], replica
         handle.data = descriptor.Descriptor(
             header["cap"], rights, int(header["tokens"]), int(header["pages"]),
-            header.get("model", "")).encode()
+            header.get("model", ""), replica).encode()
         self.seen(handle.node, header)
 
     async def apply(self, handle: Handle) -> None:
@@ -254,41 +296,69 @@ class Caches:
 
     async def _fork_into(self, node: Node, desc: descriptor.Descriptor,
                          handle: Handle) -> None:
-        model = self.predd.info.get("model")
+        path = self.ns.path_of(node.ino)
+        if desc.replica and not self.replicas.known(desc.replica):
+            self.log(f"{path}: descriptor refused: not one of kvfsd's replicas")
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        source_addr = desc.replica or node.replica
+        source = self.replicas.get(source_addr)
+        model = source.info.get("model")
         if desc.model and model and desc.model != model:
-            self.log(f"{self.ns.path_of(node.ino)}: descriptor refused: another model")
+            self.log(f"{path}: descriptor refused: another model")
             raise pyfuse3.FUSEError(errno.EINVAL)
         try:
-            reply = await self.predd.call("kv_fork", cap=desc.cap, rights="rw",
-                                          persist=True, owner=handle.uid)
+            reply = await source.call("kv_fork", cap=desc.cap, rights="rw",
+                                      persist=True, owner=handle.uid)
         except PreddError as exc:
             if exc.code not in BAD_DESCRIPTOR:
                 raise fuse_error(exc) from None
-            own = self._own_grant_for(desc.cap, handle.uid)
+            own = self._own_grant_for(desc.cap, handle.uid, source_addr)
             if own is None:
-                self.log(f"{self.ns.path_of(node.ino)}: descriptor refused: {exc.code}")
+                self.log(f"{path}: descriptor refused: {exc.code}")
                 raise pyfuse3.FUSEError(errno.EINVAL) from None
             try:
-                reply = await self.predd.call("kv_fork", cap=own, rights="rw",
-                                              persist=True, owner=handle.uid)
+                reply = await source.call("kv_fork", cap=own, rights="rw",
+                                          persist=True, owner=handle.uid)
             except PreddError as exc2:
                 raise fuse_error(exc2) from None
-        await self._carry_pin(node, reply["cap"])
-        old, node.cap = node.cap, reply["cap"]
+        home = self.link(node)
+        if source is not home:
+            if await self._empty_and_unshared(node):
+                home = source                  # the file re-homes to the cache
+            else:
+                reply = await self.migration.carry(path, reply["cap"], source, home,
+                                                   handle.uid)
+        await self.carry_pin(node, reply["cap"], home)
+        old, old_home = node.cap, node.replica
+        node.cap, node.replica = reply["cap"], home.addr
         self.seen(node, reply)
         node.touch()
         await self.commit()
         if old is not None:
-            await self.free(old)
+            await self.free(old, old_home)
 
-    def _own_grant_for(self, revoked: str, uid: int) -> str | None:
+    async def _empty_and_unshared(self, node: Node) -> bool:
+        """A file whose cache has no entries and no open but the writer's may simply
+        move to another replica (nothing to carry over)."""
+        if node.opens > 1:
+            return False
+        link = self.link(node)
+        if link.up and node.cap is not None:
+            try:
+                self.seen(node, await link.call("kv_stat", cap=node.cap))
+            except PreddError:
+                pass
+        return node.tokens == 0
+
+    def _own_grant_for(self, revoked: str, uid: int, replica: str) -> str | None:
         """The splice rule: `revoked` was an open's grant on file F, now revoked; the
-        live grant of a readable open of F held by `uid` itself, if there is one."""
+        live grant (on `replica`) of a readable open of F held by `uid` itself, if any."""
         ino = self._revoked.get(revoked)
         if ino is None:
             return None
         for h in self.handles.values():
-            if h.node.ino == ino and h.uid == uid and h.cap is not None and h.readable:
+            if h.node.ino == ino and h.uid == uid and h.cap is not None and h.readable \
+                    and h.replica == replica:
                 return h.cap
         return None
 
@@ -297,22 +367,24 @@ class Caches:
         until release."""
         if node.cap is None:
             raise pyfuse3.FUSEError(errno.ESTALE)
-        reply = await self.create(owner=handle.uid)
-        await self._carry_pin(node, reply["cap"])
+        home = self.link(node)
+        reply = await self.create(owner=handle.uid, link=home)
+        await self.carry_pin(node, reply["cap"], home)
         handle.backup, node.cap = node.cap, reply["cap"]
+        handle.backup_replica = home.addr
         handle.installed = reply["cap"]
-        self._backups.add(handle.backup)
+        self._backups.add((home.addr, handle.backup))
         self.seen(node, reply)
         node.touch()
         await self.commit()
 
-    async def _carry_pin(self, node: Node, cap: str) -> None:
-        """A pinned file's new cache is pinned before it is installed; if predd refuses,
-        the new cache is freed and the file left as it was."""
+    async def carry_pin(self, node: Node, cap: str, link: PreddLink) -> None:
+        """A pinned file's new cache (`cap` on `link`) is pinned before it is installed;
+        if predd refuses, the new cache is freed and the file left as it was."""
         try:
-            await self.policy.carry_pin(node, cap)
+            await self.policy.carry_pin(node, cap, link)
         except PreddError as exc:
-            await self.free(cap)
+            await self.free(cap, link.addr)
             raise fuse_error(exc) from None
 
     async def _truncate(self, node: Node, length: int) -> None:
@@ -335,23 +407,23 @@ class Caches:
                 await self._restore_backup(handle)
 
     async def _restore_backup(self, handle: Handle) -> None:
-        node, backup = handle.node, handle.backup
+        node, backup, replica = handle.node, handle.backup, handle.backup_replica
         if backup is None:
             return
         handle.backup = None
-        self._backups.discard(backup)
-        if node.cap != handle.installed:    # replaced since by another writer: theirs
-            await self.free(backup)
+        self._backups.discard((replica, backup))
+        if node.cap != handle.installed or node.replica != replica:
+            await self.free(backup, replica)     # replaced since by another writer: theirs
             return
         old, node.cap = node.cap, backup
         try:
-            self.seen(node, await self.predd.call("kv_stat", cap=backup))
+            self.seen(node, await self.link(node).call("kv_stat", cap=backup))
         except PreddError:
             pass
         node.touch()
         await self.commit()
         if old is not None:
-            await self.free(old)
+            await self.free(old, replica)
 
     async def revoke(self, handle: Handle) -> None:
         """End an open's grant; remember it for the splice rule."""
@@ -360,7 +432,7 @@ class Caches:
             self._revoked[cap] = handle.node.ino
             while len(self._revoked) > REVOKED_KEPT:
                 self._revoked.popitem(last=False)
-            await self.free(cap)
+            await self.free(cap, handle.replica)
 
     async def release(self, handle: Handle) -> None:
         """The open is gone: apply what it left pending, and whatever happens, revoke its
@@ -378,8 +450,8 @@ class Caches:
             try:
                 await self.revoke(handle)
                 if handle.backup is not None:
-                    self._backups.discard(handle.backup)
-                    await self.free(handle.backup)
+                    self._backups.discard((handle.backup_replica, handle.backup))
+                    await self.free(handle.backup, handle.backup_replica)
                     handle.backup = None
             finally:
                 node.opens -= 1
@@ -390,15 +462,15 @@ class Caches:
     async def release_all(self, handles: list[Handle]) -> None:
         """At unmount: revoke every open's grant (the kernel sends no release then) and
         free the caches of removed files that were still open."""
-        caps: list[str | None] = []
+        caps: list[tuple[str, str | None]] = []
         for handle in handles:
             handle.node.opens -= 1
-            caps += [handle.cap, handle.backup]
-            self._backups.discard(handle.backup)
-        for cap in caps:
-            if cap is not None:
+            caps += [(handle.replica, handle.cap), (handle.backup_replica, handle.backup)]
+            self._backups.discard((handle.backup_replica, handle.backup))
+        for replica, cap in caps:
+            if cap is not None and self.replicas.known(replica):
                 try:
-                    await self.predd.call("kv_free", cap=cap, timeout=2.0)
+                    await self.replicas.get(replica).call("kv_free", cap=cap, timeout=2.0)
                 except PreddError:
                     pass
         for node in list(self.ns.nodes.values()):
@@ -408,7 +480,8 @@ class Caches:
     async def snapshot(self, node: Node) -> None:
         """fsync: store the cache's export durably in the state directory."""
         async with self.locks[node.ino]:
-            header, frames = await self.on_cache(node, "kv_export", timeout=self.predd.t.bulk_s)
+            header, frames = await self.on_cache(node, "kv_export",
+                                                 timeout=self.link(node).t.bulk_s)
             try:
                 name = await trio.to_thread.run_sync(self.state.write_snapshot, node.ino,
                                                      bytes(frames[0] if frames else b""))

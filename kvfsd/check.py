@@ -11,7 +11,8 @@ holds exactly its names; every node with a name is reachable from the root; the 
 charged to each uid are the names its nodes have.
 
 `check_state(path)` also runs SQLite's integrity check, checks that every snapshot a
-file names exists, and reports what loading had to repair (entries naming nothing,
+file names exists and that every file's home replica is an address (or empty: a state
+from before replicas), and reports what loading had to repair (entries naming nothing,
 nodes no name reaches): each commit is one transaction, so after a crash at any point
 the state loads with nothing to repair.
 """
@@ -24,6 +25,7 @@ from collections import Counter
 from kvfsd.namespace import Namespace
 from kvfsd.node import ROOT, show
 from kvfsd.state import StateDir, StateDirBusy
+from liblip import descriptor
 
 
 def problems(ns: Namespace) -> list[str]:
@@ -93,6 +95,9 @@ def check_state(path: str) -> list[str]:
         snapshots = state.snapshot_names()
         out += [f"node {n.ino}: snapshot {n.snapshot} missing" for n in ns.nodes.values()
                 if n.snapshot and n.snapshot not in snapshots]
+        out += [f"node {n.ino}: replica {n.replica[:80]!r} is not an address"
+                for n in ns.nodes.values()
+                if n.replica and not descriptor.valid_replica(n.replica)]
         return out + problems(ns)
     finally:
         state.close()

@@ -7,7 +7,7 @@ is removed — every name it has, as `rm` of each would — and its cache freed.
   used the cache, or since it was made). A predd that does not report it: last close
   only.
 * A file with an open is never removed, nor one whose ttl changed or that lost its
-  names meanwhile, nor any while predd cannot be asked.
+  names meanwhile, nor any while its home replica's predd cannot be asked.
 Only files with a ttl are looked at, when they are due: a heap of (when due, inode),
 checked every `PERIOD` seconds, so a check costs O(log n) per file due and never a scan
 of the namespace (the one scan is at start, to find the files with a ttl).
@@ -88,7 +88,7 @@ class Expiry:
         if now - quiet_since < ttl:
             self.watch(node, quiet_since + ttl)
             return
-        predd = self.caches.predd
+        predd = self.caches.link(node)           # the file's home replica
         if not predd.up or node.cap is None:
             self.watch(node, now + PERIOD)
             return

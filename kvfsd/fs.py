@@ -12,7 +12,9 @@ What the calls mean (see docs/kvfs.md):
   descriptor's length.
 * `fsync` writes a snapshot into the state directory.
 * `user.kv.pin` and `user.kv.evict` are carried out by predd (kvfsd/policy.py),
-  `user.kv.ttl` by kvfsd's timer (kvfsd/expiry.py).
+  `user.kv.ttl` by kvfsd's timer (kvfsd/expiry.py), `user.kv.rehome` by
+  kvfsd/migration.py. The mount root's `user.kv.replicas` and `user.kv.migrations`
+  tell how the replicas stand.
 Namespace-only calls (mkdir, rename, chmod, other xattrs...) never wait for predd.
 
 Every handler goes through `errno_boundary`: whatever one request raises becomes an
@@ -28,6 +30,7 @@ import itertools
 import os
 import stat
 import traceback
+from collections import Counter
 
 import pyfuse3
 import trio
@@ -36,7 +39,7 @@ from kvfsd import xattrs
 from kvfsd.caches import Caches, fuse_error
 from kvfsd.handles import Handle
 from kvfsd.namespace import Namespace
-from kvfsd.node import Node
+from kvfsd.node import ROOT, Node
 from kvfsd.predd_link import PreddError
 from liblip import descriptor
 
@@ -92,9 +95,10 @@ class KvFs(pyfuse3.Operations):
 
     def _size(self, node: Node) -> int:
         if node.is_file:
-            model = str(self.predd.info.get("model", ""))
+            info = self.caches.link(node).info or self.predd.info   # all serve one model
+            model = str(info.get("model", ""))
             return len(descriptor.render("0" * 32, "r", node.tokens, node.pages,
-                                         model).encode())
+                                         model, node.replica).encode())
         if node.is_symlink:
             return len(node.target)
         return 4096
@@ -183,15 +187,21 @@ class KvFs(pyfuse3.Operations):
 
     @errno_boundary
     async def statfs(self, ctx):
-        if self.predd.up:
-            try:
-                self.predd.stats = await self.predd.call("stats", timeout=2.0)
-            except PreddError:
-                pass                       # the last figures seen
+        """The KV pools of the live replicas together (none live: the last figures
+        seen of all)."""
+        links = self.caches.replicas.links
+        for link in links:
+            if link.up:
+                try:
+                    link.stats = await link.call("stats", timeout=2.0)
+                except PreddError:
+                    pass                   # the last figures seen
+        counted = [link for link in links if link.up] or links
         s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = int(self.predd.info.get("bytes_per_page", 0)) or 4096
-        s.f_blocks = int(self.predd.stats.get("pages_total", 0))
-        s.f_bfree = s.f_bavail = int(self.predd.stats.get("pages_free", 0))
+        s.f_bsize = s.f_frsize = int(counted[0].info.get("bytes_per_page", 0)) or 4096
+        s.f_blocks = sum(int(link.stats.get("pages_total", 0)) for link in counted)
+        s.f_bfree = s.f_bavail = sum(int(link.stats.get("pages_free", 0))
+                                     for link in counted)
         s.f_files = 1 << 32
         s.f_ffree = s.f_favail = s.f_files - len(self.ns)
         s.f_namemax = 255
@@ -275,7 +285,7 @@ class KvFs(pyfuse3.Operations):
         except OSError:
             await self.caches.free(reply["cap"])     # lost a race for the name
             raise
-        node.cap = reply["cap"]
+        node.cap, node.replica = reply["cap"], reply.get("replica", "")
         self.caches.seen(node, reply)
         await self.commit()
         return node
@@ -305,7 +315,7 @@ class KvFs(pyfuse3.Operations):
         if handle.readable:
             await self.caches.grant(handle)
         if handle.writable and flags & os.O_TRUNC:
-            if not self.predd.up:   # fail here, where the shell reports it
+            if not self.caches.link(node).up:   # fail here, where the shell reports it
                 await self.caches.revoke(handle)
                 raise pyfuse3.FUSEError(errno.EIO)
             handle.truncate = True
@@ -365,19 +375,29 @@ class KvFs(pyfuse3.Operations):
     @errno_boundary
     async def getxattr(self, inode, name, ctx):
         node = self._node(inode)
+        if node.is_file and name == xattrs.REPLICA:
+            return node.replica.encode()           # kvfsd's own: predd is not asked
         if node.is_file and name in xattrs.COMPUTED:
             await self.caches.refresh(node, strict=True)
-            info = self.predd.info
+            info = self.caches.link(node).info
             value = {b"user.kv.tokens": node.tokens, b"user.kv.bytes": node.bytes,
                      b"user.kv.pages": node.pages, b"user.kv.model": info.get("model", ""),
                      b"user.kv.tier": node.tier or "device"}[name]
             return str(value).encode()
+        if node.ino == ROOT and name == xattrs.REPLICAS:
+            files = Counter(n.replica for n in self.ns.files())   # a walk: rarely asked
+            return self.caches.replicas.report(files).encode()
+        if node.ino == ROOT and name == xattrs.MIGRATIONS:
+            replicas = self.caches.replicas
+            return f"{replicas.migrations} {replicas.migrated_bytes}".encode()
         return self.ns.getxattr(node, name)
 
     @errno_boundary
     async def listxattr(self, inode, ctx):
         node = self._node(inode)
-        return (list(xattrs.COMPUTED) if node.is_file else []) + list(node.xattrs)
+        computed = (list(xattrs.COMPUTED) if node.is_file
+                    else list(xattrs.ROOT_COMPUTED) if node.ino == ROOT else [])
+        return computed + list(node.xattrs)
 
     @errno_boundary
     async def setxattr(self, inode, name, value, ctx):
@@ -386,6 +406,9 @@ class KvFs(pyfuse3.Operations):
         xattrs.check_room(node.xattrs, name, node.is_file)
         if name == xattrs.EVICT:
             await self.caches.policy.evict(node)      # an action: nothing is stored
+            return
+        if name == xattrs.REHOME:
+            await self.caches.migration.rehome(node, value)   # an action too
             return
         if name == xattrs.PIN:                        # predd first: a refusal stores nothing
             await self.caches.policy.set_pin(node, value)

@@ -25,11 +25,13 @@ class Handle:
     node: Node
     flags: int
     uid: int = 0                    # who opened it: objects made for it are charged there
-    cap: str | None = None          # this open's grant (readable opens)
+    cap: str | None = None          # this open's grant (readable opens) ...
+    replica: str = ""               # ... on this replica (the file's home at open)
     data: bytes = b""               # the descriptor this open reads
     written: bytearray | None = None
     truncate: bool = False          # O_TRUNC: empty the cache at flush, unless written
-    backup: str | None = None       # the cache as it was before this open emptied it
+    backup: str | None = None       # the cache as it was before this open emptied it ...
+    backup_replica: str = ""        # ... on this replica
     installed: str | None = None    # the empty cache that open put in its place
     rejected: bool = False          # a non-descriptor was written: ignore the rest
 

@@ -74,7 +74,8 @@ class Namespace:
         self.names_of_uid: Counter[int] = Counter()   # names charged to each uid
         self.dirty: set[int] = set()                        # journal: inodes ...
         self.dirty_entries: set[tuple[int, bytes]] = set()  # ... and directory entries
-        self.lost_caps: list[str] = []    # caches of unreachable nodes dropped at load
+        # caches of unreachable nodes dropped at load: (replica, capability)
+        self.lost_caps: list[tuple[str, str]] = []
         self._adopt(root)
 
     def _adopt(self, node: Node) -> None:
@@ -398,7 +399,7 @@ class Namespace:
         node.touch(mtime=False)
 
     def removexattr(self, node: Node, name: bytes) -> None:
-        if name in xattrs.COMPUTED:
+        if name in xattrs.READ_ONLY:
             raise _err(errno.EPERM, f"{show(name)} is read-only")
         if name not in node.xattrs:
             raise _err(errno.ENODATA, show(name))
@@ -488,7 +489,7 @@ class Namespace:
         for ino in set(ns.nodes) - reached:       # unreachable: its cache is to be freed
             node = ns.nodes.pop(ino)
             if node.cap is not None:
-                ns.lost_caps.append(node.cap)
+                ns.lost_caps.append((node.replica, node.cap))
         for node in ns.nodes.values():
             node.nlink = 2 if node.is_dir else 0
         for d in ns.nodes.values():

@@ -52,6 +52,7 @@ class Node:
     pages: int = 0
     bytes: int = 0
     snapshot: str | None = None   # file name of the last fsync'd snapshot in the state dir
+    replica: str = ""          # the home replica's address ("": replica 0, a state from before)
     # runtime only
     lookups: int = 0
     opens: int = 0
@@ -112,6 +113,8 @@ def node_row(n: Node) -> dict:
     else:
         out.update(cap=n.cap, tokens=n.tokens, pages=n.pages, bytes=n.bytes,
                    snapshot=n.snapshot)
+        if n.replica:
+            out["replica"] = n.replica
     return out
 
 
@@ -131,4 +134,5 @@ def node_from_dict(raw: dict) -> Node:
         node.pages = int(raw.get("pages", 0))
         node.bytes = int(raw.get("bytes", 0))
         node.snapshot = raw.get("snapshot")
+        node.replica = str(raw.get("replica", ""))
     return node

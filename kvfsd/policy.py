@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 
 from kvfsd.node import Node
-from kvfsd.predd_link import PreddError
+from kvfsd.predd_link import PreddError, PreddLink
 from kvfsd.xattrs import PIN
 
 if TYPE_CHECKING:
@@ -62,12 +62,13 @@ class Policy:
                 raise pyfuse3.FUSEError(errno.EOPNOTSUPP) from None
             raise
 
-    async def carry_pin(self, node: Node, cap: str) -> None:
-        """Pin `cap`, about to become the cache of pinned file `node`; PreddError if
-        predd refuses (the caller frees `cap` and leaves the file as it was)."""
+    async def carry_pin(self, node: Node, cap: str, link: PreddLink) -> None:
+        """Pin `cap` (on replica `link`), about to become the cache of pinned file
+        `node`; PreddError if predd refuses (the caller frees `cap` and leaves the file
+        as it was)."""
         if pinned(node):
             try:
-                await self.caches.predd.call("kv_policy", cap=cap, pin=True)
+                await link.call("kv_policy", cap=cap, pin=True)
             except PreddError as exc:
                 if exc.code != "ENOSYS":
                     raise
@@ -78,7 +79,7 @@ class Policy:
         if not pinned(node) or node.cap is None:
             return True
         try:
-            await self.caches.predd.call("kv_policy", cap=node.cap, pin=True)
+            await self.caches.link(node).call("kv_policy", cap=node.cap, pin=True)
         except PreddError as exc:
             if exc.code == "ENOSYS":
                 return True

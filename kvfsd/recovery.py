@@ -1,5 +1,9 @@
 """Recovery after a predd restart: the files get caches from the new predd, or go.
 
+One `Recovery` per replica (kvfsd/replicas.py): each follows its own predd and
+re-validates, restores or drops only the files homed on it (`Node.replica`), and
+retries only the frees meant for it. Below, "predd" is that replica.
+
 A predd that restarts loses every KV object and every capability, kvfsd's persistent
 ones (a file's `Node.cap`) included. The rule:
 * kvfsd notices in one of two ways: the monitor sees a predd with another start time
@@ -29,16 +33,16 @@ import pyfuse3
 import trio
 
 from kvfsd.node import Node
-from kvfsd.predd_link import PreddError
+from kvfsd.predd_link import PreddError, PreddLink
 
 if TYPE_CHECKING:
     from kvfsd.caches import Caches
 
 
 class Recovery:
-    def __init__(self, caches: Caches) -> None:
+    def __init__(self, caches: Caches, link: PreddLink) -> None:
         self.caches = caches
-        self.predd = caches.predd
+        self.predd = link
         self.log = caches.log
         self.generation = 0          # completed re-validations
         self.stale = False           # predd restarted; caches not re-validated yet
@@ -66,10 +70,19 @@ class Recovery:
         why = ""
         if await self.predd.poll():
             self.stale = True
-            why = "first contact with predd" if first else "predd restarted"
-        if self.predd.up and (self.stale or self.caches.pending_free):
+            why = (f"first contact with predd at {self.predd.addr}" if first
+                   else f"predd at {self.predd.addr} restarted")
+        if self.predd.up and (self.stale or self._frees()):
             if await self.revalidate(None, why if self.stale else ""):
                 self.stale = False
+        if self.predd.up and not self.stale and self.caches.migration.homeless:
+            await self.caches.migration.rehome_homeless()
+
+    def _frees(self) -> list[tuple[str, str]]:
+        return [entry for entry in self.caches.pending_free if entry[0] == self.predd.addr]
+
+    def _homed_here(self) -> list[Node]:
+        return [n for n in self.caches.ns.files() if n.replica == self.predd.addr]
 
     async def revalidate(self, seen_generation: int | None = None, why: str = "") -> bool:
         """Check every cache's capability with predd. A stale one is re-imported from
@@ -81,8 +94,10 @@ class Recovery:
                 return True                   # someone re-validated meanwhile
             if why:
                 self.log(f"re-validating caches: {why}")
-            for node in list(caches.ns.files()):
+            for node in self._homed_here():
                 cap = node.cap
+                if node.replica != self.predd.addr:
+                    continue                  # re-homed meanwhile
                 if cap is not None:
                     try:
                         caches.seen(node, await self.predd.call("kv_stat", cap=cap))
@@ -91,20 +106,25 @@ class Recovery:
                         if exc.code not in ("EBADF", "ENOENT"):
                             self.log(f"re-validation stopped: {exc.code}")
                             return False
-                if node.cap == cap:           # else replaced meanwhile: fresh
-                    await self._restore(node, cap)
-            for node in list(caches.ns.files()):
+                if node.cap == cap and node.replica == self.predd.addr:
+                    await self.restore(node, cap)    # else replaced meanwhile: fresh
+            for node in self._homed_here():
                 if not await caches.policy.reapply(node):
                     self.log("re-validation stopped: predd did not answer a pin")
                     return False
-            frees, caches.pending_free = caches.pending_free, []
-            for cap in frees:
-                await caches.free(cap)
+            frees = self._frees()
+            caches.pending_free = [e for e in caches.pending_free if e[0] != self.predd.addr]
+            for replica, cap in frees:
+                await caches.free(cap, replica)
             self.generation += 1
             await caches.commit()
             return True
 
-    async def _restore(self, node: Node, stale: str | None) -> None:
+    async def restore(self, node: Node, stale: str | None,
+                      lost: str = "predd restarted") -> bool:
+        """Import the file's snapshot onto this replica in place of `stale`, or drop
+        the file (no snapshot, or it will not import; `lost` says why its cache is
+        gone). Whether it was restored."""
         caches = self.caches
         path = caches.ns.path_of(node.ino)
         if node.snapshot:
@@ -116,20 +136,22 @@ class Recovery:
                 self.log(f"{path}: cannot restore its snapshot ({exc}); removing it")
             else:
                 if node.cap != stale:         # raced with a replacement: keep that
-                    await caches.free(reply["cap"])
-                    return
+                    await caches.free(reply["cap"], self.predd.addr)
+                    return True
                 node.cap = reply["cap"]
                 caches.seen(node, reply)
                 self.log(f"{path}: restored from its fsync'd snapshot "
                          f"({node.tokens} tokens)")
-                return
+                return True
         else:
-            self.log(f"{path}: cache lost (predd restarted and it was never fsync'd); "
-                     "removing it")
+            self.log(f"{path}: cache lost ({lost} and it was never fsync'd); removing it")
         node.cap = None
         if node.snapshot:
             caches.state.remove_snapshot(node.snapshot)
             node.snapshot = None
         for parent, name in caches.ns.drop_names(node.ino):
-            pyfuse3.invalidate_entry_async(parent, name, deleted=node.ino, ignore_enoent=True)
+            if caches.mounted:             # before the mount the kernel knows no name
+                pyfuse3.invalidate_entry_async(parent, name, deleted=node.ino,
+                                               ignore_enoent=True)
         caches.ns.collect(node)
+        return False

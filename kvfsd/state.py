@@ -1,8 +1,9 @@
 """kvfsd's state directory: the namespace and the fsync'd cache snapshots.
 
     STATE/namespace.db       SQLite (WAL): a row per linked inode (modes, owners, times,
-                             xattrs, the persistent capability of each cache), a row per
-                             directory entry, and a few meta values (secrets: 0600)
+                             xattrs, the persistent capability of each cache and its home
+                             replica), a row per directory entry, and a few meta values
+                             (`pending_free`: [replica, capability] pairs) (secrets: 0600)
     STATE/snapshots/N.kvx    the kv_export bytes of inode N at its last fsync
     STATE/lock               held (flock) by the kvfsd using this directory
 

@@ -1,11 +1,14 @@
 """Which extended attributes a kvfs node has, and their bounds.
 
-* `user.kv.tokens/bytes/pages/model/tier`: computed from predd's figures (files only),
-  read-only (EPERM). `tier` is where predd keeps the cache's lowest page: device, host
-  or disk.
+* `user.kv.tokens/bytes/pages/model/tier/replica`: computed from predd's figures (files
+  only), read-only (EPERM). `tier` is where predd keeps the cache's lowest page: device,
+  host or disk; `replica` the address of the predd holding it (its home).
+* `user.kv.replicas` and `user.kv.migrations`: computed, on the mount's root only,
+  read-only (EPERM).
 * `user.kv.pin` (0 or 1) and `user.kv.ttl` (whole seconds): policy, stored (files only),
   carried out by kvfsd/policy.py and kvfsd/expiry.py.
-* `user.kv.evict` (1): an action (files only), carried out and never stored.
+* `user.kv.evict` (1) and `user.kv.rehome` (a replica's address, `auto` or empty):
+  actions (files only), carried out and never stored.
 * Any other `user.kv.*`, and any name outside `user.*`: EOPNOTSUPP.
 * Any other `user.*`: the application's own (mount_examples/rag_cache.py keeps its hit
   counts there), at most `APP_MAX` per node (ENOSPC beyond).
@@ -16,14 +19,21 @@ from __future__ import annotations
 
 import errno
 
+from liblip import descriptor
+
 KV_PREFIX = b"user.kv."
+REPLICA = b"user.kv.replica"
 COMPUTED = (b"user.kv.tokens", b"user.kv.bytes", b"user.kv.pages", b"user.kv.model",
-            b"user.kv.tier")
-PIN, TTL, EVICT = b"user.kv.pin", b"user.kv.ttl", b"user.kv.evict"
+            b"user.kv.tier", REPLICA)
+REPLICAS, MIGRATIONS = b"user.kv.replicas", b"user.kv.migrations"
+ROOT_COMPUTED = (REPLICAS, MIGRATIONS)     # the mount root's
+READ_ONLY = COMPUTED + ROOT_COMPUTED
+PIN, TTL, EVICT, REHOME = b"user.kv.pin", b"user.kv.ttl", b"user.kv.evict", b"user.kv.rehome"
 POLICY = (PIN, TTL)        # stored
-ACTIONS = (EVICT,)         # done, not stored
+ACTIONS = (EVICT, REHOME)  # done, not stored
 NAME_MAX = 64          # bytes, "user." included
 VALUE_MAX = 64         # bytes
+ADDR_MAX = descriptor.ADDR_MAX   # user.kv.rehome's value: a replica's address
 APP_MAX = 8            # application attributes per file or directory
 
 
@@ -39,12 +49,12 @@ def check(name: bytes, value: bytes) -> None:
     """Whether `name` may be set to `value` (OSError if not): in user.kv.* only the policy
     names, with well-formed values; elsewhere in user.* short names and values. Checked
     before anything is stored (the room on a node is `check_room`'s)."""
-    if name in COMPUTED:
+    if name in READ_ONLY:
         raise _err(errno.EPERM, f"{_show(name)} is read-only")
     if not name.startswith(b"user.") or (name.startswith(KV_PREFIX)
                                          and name not in POLICY + ACTIONS):
         raise _err(errno.EOPNOTSUPP, f"{_show(name)}: not supported")
-    if len(name) > NAME_MAX or len(value) > VALUE_MAX:
+    if len(name) > NAME_MAX or len(value) > (ADDR_MAX if name == REHOME else VALUE_MAX):
         raise _err(errno.E2BIG, f"{_show(name)}: name or value over "
                    f"{NAME_MAX}/{VALUE_MAX} bytes")
     text = value.strip()
@@ -54,6 +64,9 @@ def check(name: bytes, value: bytes) -> None:
         raise _err(errno.EINVAL, "user.kv.ttl is a whole number of seconds")
     if name == EVICT and text != b"1":
         raise _err(errno.EINVAL, "user.kv.evict is 1")
+    if name == REHOME and text not in (b"", b"auto") \
+            and not descriptor.valid_replica(text.decode("ascii", "replace")):
+        raise _err(errno.EINVAL, "user.kv.rehome is a replica's address, auto or empty")
 
 
 def _valid(name: bytes, value: bytes) -> bool:

@@ -239,7 +239,7 @@ def test_truncate_to_n_keeps_the_first_n_entries(kvfs, lip):
     lip.kv_close(held)
     model = lip.info()["model"]
     assert os.stat(kvfs.path("a.kv")).st_size == \
-        len(descriptor.render("0" * 32, "r", 3, 1, model).encode())
+        len(descriptor.render("0" * 32, "r", 3, 1, model, kvfs.addr).encode())
     r = sh("truncate -s 4 a.kv", cwd=m)
     assert r.returncode == 1 and "Invalid argument" in r.stderr
     r = sh("truncate -s 3 a.kv && truncate -s +0 a.kv", cwd=m)   # +0: st_size, > 3
@@ -426,7 +426,9 @@ def test_xattrs(kvfs, lip):
     assert errno_of(os.getxattr, f"{m}/a.kv", "user.absent") == errno.ENODATA
     names = os.listxattr(f"{m}/a.kv")
     assert set(names) == {"user.kv.tokens", "user.kv.pages", "user.kv.bytes", "user.kv.model",
-                          "user.kv.tier", "user.kv.pin", "user.kv.ttl", "user.note"}
+                          "user.kv.tier", "user.kv.replica", "user.kv.pin", "user.kv.ttl",
+                          "user.note"}
+    assert os.getxattr(f"{m}/a.kv", "user.kv.replica") == kvfs.addr.encode()
     ino = os.stat(f"{m}/a.kv").st_ino
     saved = saved_state(kvfs.state)["nodes"][ino]                 # recorded in the state
     assert saved["xattrs"] == {"dXNlci5rdi5waW4=": "MQ==", "dXNlci5rdi50dGw=": "MzYwMA==",

@@ -282,7 +282,7 @@ def test_xattrs_are_few_and_short(kvfs, lip, victim):
     flood = sorted(f"user.flood{i}" for i in range(8))
     assert sorted(os.listxattr(own)) == sorted(
         ["user.kv.tokens", "user.kv.pages", "user.kv.bytes", "user.kv.model", "user.kv.tier",
-         "user.kv.pin", "user.kv.ttl"] + flood)
+         "user.kv.replica", "user.kv.pin", "user.kv.ttl"] + flood)
     row = saved_state(kvfs.state)["nodes"][ino]
     assert len(row["xattrs"]) == 10 and len(json.dumps(row)) < 2048
     # Refused requests write nothing.

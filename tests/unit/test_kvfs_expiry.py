@@ -38,6 +38,9 @@ class FakeCaches:
     async def maybe_free(self, node):
         self.freed.append(node.ino)
 
+    def link(self, node):
+        return self.predd
+
 
 def ttl_file(caches, name: bytes, ttl: bytes, closed_ago: float, parent: int = ROOT):
     node = caches.ns.add(parent, name, FILE, 0, 0)

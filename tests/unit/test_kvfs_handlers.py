@@ -37,6 +37,9 @@ class FakeCaches:
     async def commit(self):
         self.commits += 1
 
+    def link(self, node):
+        return self.predd
+
     async def refresh(self, node, strict=False):
         if self.failure is not None:
             raise self.failure

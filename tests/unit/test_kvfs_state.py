@@ -157,7 +157,7 @@ def test_unreachable_rows_are_dropped_and_their_caches_reported(tmp_path):
     root["entries"] = [e for e in root["entries"] if e[1] != d.ino]       # d unnamed
     root["entries"].append(["Z2hvc3Q=", 999])                             # names nothing
     back = Namespace.from_dict(doc)
-    assert set(back.nodes) == {ROOT} and back.lost_caps == ["ab" * 16]
+    assert set(back.nodes) == {ROOT} and back.lost_caps == [("", "ab" * 16)]
     c = back.take_changes()
     assert sorted(c.gone) == [d.ino, a.ino]
     assert [(dd, name, ino) for dd, name, ino, _ in c.entries] == [(ROOT, b"ghost", None)]
@@ -191,11 +191,13 @@ def test_check_state_is_clean_for_what_kvfsd_writes_and_reports_repairs(tmp_path
     ns = Namespace()
     d = ns.add(ROOT, b"d", DIR, 0, 0)
     a = ns.add(d.ino, b"a.kv", FILE, 0, 0)
-    a.cap, a.snapshot = "ab" * 16, "9.kvx"
+    a.cap, a.snapshot, a.replica = "ab" * 16, "9.kvx", "predd.sock"
     commit(state, ns)
     state.close()
-    assert check_state(str(tmp_path / "s")) == [f"node {a.ino}: snapshot 9.kvx missing"]
-    a.snapshot = None
+    assert check_state(str(tmp_path / "s")) == [
+        f"node {a.ino}: snapshot 9.kvx missing",
+        f"node {a.ino}: replica 'predd.sock' is not an address"]
+    a.snapshot, a.replica = None, "ipc:///run/symphony/predd.sock"
     state = StateDir(str(tmp_path / "s"))
     commit(state, ns)
     state.db.execute("INSERT INTO entry (dir, name, ino, pos) VALUES (?, ?, ?, ?)",
