@@ -146,13 +146,6 @@ class PreddCollector:
                                   value=s.get("launch_wait_ms", 0.0) / 1e3)
 
 
-def _histogram(name: str, doc: str, h: dict) -> HistogramMetricFamily:
-    """A Prometheus histogram from predd's cumulative bucket counts (in ms)."""
-    buckets = [(f"{le / 1e3:g}", n) for le, n in zip(h["le_ms"], h["cumulative"])]
-    buckets.append(("+Inf", h["cumulative"][-1]))
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum_ms"] / 1e3)
-
-
     def _replicas(self, answers):
         up = GaugeMetricFamily("symphony_replica_up", "the replica's predd answered this "
                                "scrape", labels=["replica"])
@@ -169,6 +162,13 @@ def _histogram(name: str, doc: str, h: dict) -> HistogramMetricFamily:
                                       "between replicas", value=count)
             yield CounterMetricFamily("symphony_kv_migrated_bytes", "bytes of the caches "
                                       "kvfsd moved between replicas", value=size)
+
+
+def _histogram(name: str, doc: str, h: dict) -> HistogramMetricFamily:
+    """A Prometheus histogram from predd's cumulative bucket counts (in ms)."""
+    buckets = [(f"{le / 1e3:g}", n) for le, n in zip(h["le_ms"], h["cumulative"])]
+    buckets.append(("+Inf", h["cumulative"][-1]))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum_ms"] / 1e3)
 
 
 class Metrics:

@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import liblip as lip
 from gatewayd.daemons import Daemon
+from liblip.client import Client, LipError
 
 PING_EVERY_S = 2.0
 FIRST_PAUSE_S, MAX_PAUSE_S, STABLE_S = 1.0, 30.0, 60.0
@@ -93,7 +93,7 @@ class Replica:
     up: bool = False
     inflight: int = 0
     restarts: int = 0
-    _client: lip.Client | None = None
+    _client: Client | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -105,16 +105,16 @@ class Replica:
         next call opens a new one (a restarted predd, a tcp session to say hello again)."""
         with self._lock:
             if self._client is None:
-                self._client = lip.Client(self.addr, name="gatewayd")
+                self._client = Client(self.addr, name="gatewayd")
             client = self._client
         try:
             return client.call(op, timeout=timeout, **fields)
-        except lip.LipError as exc:
+        except LipError as exc:
             if exc.code == "EIO":
                 self.drop_client(client)
             raise
 
-    def drop_client(self, client: lip.Client | None = None) -> None:
+    def drop_client(self, client: Client | None = None) -> None:
         with self._lock:
             if self._client is None or (client is not None and client is not self._client):
                 return
@@ -173,7 +173,7 @@ class Replicas:
     def call(self, addr: str, op: str, timeout: float | None = 5.0, **fields) -> dict:
         index = self.index_of(addr)
         if index is None:
-            raise lip.LipError("EINVAL", f"no replica {addr}")
+            raise LipError("EINVAL", f"no replica {addr}")
         return self.all[index].call(op, timeout=timeout, **fields)
 
     # ------------------------------------------------------------ lifetime
@@ -192,7 +192,7 @@ class Replicas:
                 try:
                     await asyncio.to_thread(r.call, "ping", 5.0)
                     r.up = True
-                except lip.LipError as exc:
+                except LipError as exc:
                     self.log(f"replica {r.addr} does not answer yet ({exc})")
 
     async def watch(self) -> str:
@@ -248,7 +248,7 @@ class Replicas:
             try:
                 await asyncio.to_thread(r.call, "ping", 2.0)
                 up = True
-            except lip.LipError:
+            except LipError:
                 up = False
             if up != r.up:
                 self.log(f"replica {r.addr} is {'up' if up else 'down'}")
