@@ -31,7 +31,7 @@ import liblip as lip
 class ProcessPredd:
     """The process's one predd connection, for a gateway without replicas (and tests)."""
 
-    addrs: list[str] = []
+    live_addrs: list[str] = []
 
     def call(self, addr: str, op: str, timeout: float | None = 5.0, **fields) -> dict:
         return lip.client().call(op, timeout=timeout, **fields)
@@ -103,7 +103,7 @@ def namespace_pid(pid: int) -> int | None:
 
 class Meter:
     def __init__(self, interval: float = 0.2, lease_s: float = 10.0, predds=None) -> None:
-        self.predds = predds or ProcessPredd()   # .call(addr, op, ...), .addrs
+        self.predds = predds or ProcessPredd()   # .call(addr, op, ...), .live_addrs
         self.interval = interval
         self.lease_s = lease_s
         self.usage: dict[str, Usage] = {}
@@ -256,7 +256,7 @@ class Meter:
         figure where `ps` has one (persistent caches included), else the sum over its
         sessions."""
         total = 0
-        for addr in list(self.predds.addrs) or [""]:
+        for addr in list(self.predds.live_addrs) or [""]:
             try:
                 reply = await asyncio.to_thread(self._call, addr, "ps")
             except lip.LipError:

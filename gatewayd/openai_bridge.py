@@ -65,6 +65,8 @@ class OpenAIBridge:
         pause = 1.0
         while not self.closing:
             await self.available.wait()
+            if self.closing:
+                return
             try:
                 await self._run_once()
             except Exception as exc:   # noqa: BLE001 - logged, then started again
@@ -184,6 +186,7 @@ class OpenAIBridge:
         """Close its stdin (it exits, and liblip ends its predd session); kill it if it
         does not go within a few seconds."""
         self.closing = True
+        self.available.set()          # a suspended loop wakes up to see `closing`
         proc = self.proc
         if proc is not None and proc.returncode is None:
             proc.stdin.close()

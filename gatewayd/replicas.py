@@ -152,6 +152,10 @@ class Replicas:
     def addrs(self) -> list[str]:
         return [r.addr for r in self.all]
 
+    @property
+    def live_addrs(self) -> list[str]:
+        return [r.addr for r in self.all if r.up]
+
     def index_of(self, addr: str) -> int | None:
         for r in self.all:
             if r.addr == addr:

@@ -168,9 +168,9 @@ class Runs:
             args, stdin = _args(list(args) if isinstance(args, (list, tuple)) else args, stdin)
             extra = check_env(env or {})
             near = _near(near)
-            held = None
+            near_tokens = None
             if self.replicas is not None:
-                held = await asyncio.to_thread(near_holdings, self.launcher.mount, near,
+                near_tokens = await asyncio.to_thread(near_holdings, self.launcher.mount, near,
                                                self.replicas.addrs)
             if self.closing:
                 raise ApiError(503, "ESHUTDOWN", "the server is stopping")
@@ -187,7 +187,7 @@ class Runs:
                                "going (the limit for this key)")
             index, addr = None, self.launcher.predd_addr
             if self.replicas is not None:
-                index = choose(self.replicas.loads(), held)
+                index = choose(self.replicas.loads(), near_tokens)
                 if index is None:
                     raise ApiError(503, "EIO", "no predd replica is up; try again")
                 addr = self.replicas.all[index].addr

@@ -2,6 +2,8 @@
 affinity, ties, no hints (gatewayd/placement.py, gatewayd/prefix_routes.py)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from gatewayd.placement import choose, under_cap
@@ -150,3 +152,66 @@ def test_route_respects_cap_with_four(loads, expect):
     r = PrefixRoutes(4)
     r.remember(2, SYSTEM + "q")
     assert r.route(SYSTEM + "q2", loads) == expect
+
+
+# ---------------------------------------------------------------- near files
+
+def test_near_holdings_reads_home_and_tokens(monkeypatch):
+    from gatewayd import replicas
+    a0, a1 = "ipc:///r/predd.sock", "ipc:///r/predd-1.sock"
+    files = {"/mnt/kvfs/a.kv": (a1, b"40"), "/mnt/kvfs/d/b.kv": (a0, b"16"),
+             "/mnt/kvfs/c.kv": (a1, b"8"), "/mnt/kvfs/far.kv": ("tcp://10.0.0.9:5555", b"99"),
+             "/mnt/kvfs/bad.kv": (a0, b"many"), "/etc/x.kv": (a0, b"1000")}
+    asked = []
+
+    def getxattr(path, name, follow_symlinks=True):
+        asked.append(path)
+        assert follow_symlinks is False
+        if path not in files:
+            raise FileNotFoundError(2, "No such file or directory")
+        home, tokens = files[path]
+        return home.encode() if name == "user.kv.replica" else tokens
+
+    monkeypatch.setattr(replicas.os, "getxattr", getxattr)
+    held = replicas.near_holdings("/mnt/kvfs/", [
+        "a.kv", "/mnt/kvfs/d/b.kv", "d/../c.kv", "missing.kv", "far.kv", "bad.kv",
+        "/etc/x.kv", "../../etc/x.kv", "/mnt/kvfs", "/mnt/kvfsX/a.kv"], [a0, a1])
+    assert held == [16, 48]
+    assert "/etc/x.kv" not in asked and "/mnt/kvfsX/a.kv" not in asked
+    assert replicas.near_holdings("/mnt/kvfs", [], [a0, a1]) == [0, 0]
+
+
+# ---------------------------------------------------------------- replica command lines
+
+def test_replica_command_lines(monkeypatch):
+    from gatewayd import replicas
+    monkeypatch.setattr(replicas.os, "sched_getaffinity", lambda pid: set(range(8)))
+    base = [sys.executable, "-m", "predd", "--rundir", "/r"]
+    assert replicas.predd_argv("/r", 0, 1, None, ["--kv-pages", "64"]) == \
+        base + ["--kv-pages", "64"]                              # one replica: as before
+    assert replicas.predd_argv("/r", 0, 3, "m.gguf", []) == \
+        base + ["--model", "m.gguf", "--threads", "2"]
+    assert replicas.predd_argv("/r", 2, 3, None, ["--threads", "1"]) == \
+        base + ["--threads", "1", "--addr", "ipc:///r/predd-2.sock", "--swap-dir", "/r/swap-2"]
+    assert replicas.predd_argv("/r", 1, 16, None, ["--swap-dir=/s"])[-6:] == \
+        ["--threads", "1", "--addr", "ipc:///r/predd-1.sock", "--swap-dir", "/s-1"]
+    assert replicas.local_addr("/r", 0) == "ipc:///r/predd.sock"
+
+
+def test_loads_hide_down_and_remote_replicas():
+    from gatewayd.replicas import Replica, Replicas
+    from gatewayd.daemons import Daemon
+    rs = Replicas([Replica(0, "ipc:///a", Daemon("predd[0]", [])),
+                   Replica(1, "ipc:///b", Daemon("predd[1]", [])),
+                   Replica(2, "tcp://10.0.0.2:5555")], print)
+    rs.all[0].up = rs.all[2].up = True
+    rs.take(0)
+    rs.take(0)
+    assert rs.loads() == [2, None, None]                 # remote only when no local is up
+    rs.all[0].up = False
+    assert rs.loads() == [None, None, 0]
+    rs.release(0)
+    rs.release(0)
+    rs.release(0)                                        # never below zero
+    assert rs.all[0].inflight == 0
+    assert rs.live_addrs == ["tcp://10.0.0.2:5555"]
