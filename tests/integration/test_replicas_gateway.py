@@ -191,7 +191,6 @@ def test_a_killed_replica_is_started_again(server, http):
         "messages": [{"role": "user", "content": "Say yes."}]})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
-    assert http.get("/health").json()["replicas"] == {a0: True, a1: False}
     # and replica 1 comes back: a new process, its socket answers, its LIP is ready
     eventually(lambda: "symphony: predd[1] (" + a1 + ") is back" in server.log_text(),
                timeout=120)
