@@ -22,7 +22,7 @@ from gatewayd.errors import ApiError, error_body
 from gatewayd.keys import ApiKeys, Caller
 from gatewayd.meter import Meter
 from gatewayd.metrics import Metrics
-from gatewayd.openai_bridge import OpenAIBridge
+from gatewayd.openai_bridge import OpenAIBridge, OpenAIBridges
 from gatewayd.programs import Programs
 from gatewayd.runs import Runs
 
@@ -38,11 +38,12 @@ class Gateway:
     anonymous: Caller
     programs: Programs
     runs: Runs
-    bridge: OpenAIBridge
+    bridge: OpenAIBridge | OpenAIBridges
     meter: Meter
     metrics: Metrics
     allow_uploads: bool
     log: object
+    replicas: object = None      # gatewayd.replicas.Replicas; None: the process's predd
 
     def caller(self, request: Request) -> Caller:
         if self.keys is None:
@@ -127,16 +128,27 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        async def predd_ok() -> bool:
+        async def predd_ok(replica=None) -> bool:
+            if replica is not None and replica.local and not replica.up:
+                return False
             try:
-                await asyncio.to_thread(lip.client().call, "ping", timeout=2.0)
+                if replica is None:
+                    await asyncio.to_thread(lip.client().call, "ping", timeout=2.0)
+                else:
+                    await asyncio.to_thread(replica.call, "ping", 2.0)
                 return True
             except lip.LipError:
                 return False
-        parts = {"predd": await predd_ok(),
+        if gw.replicas is None:
+            up = {}
+        else:
+            up = {r.addr: await predd_ok(r) for r in gw.replicas.all}
+        parts = {"predd": all(up.values()) if up else await predd_ok(),
                  "kvfs": await asyncio.to_thread(os.path.ismount, gw.mount),
-                 "openai": gw.bridge.ready.is_set()}
+                 "openai": gw.bridge.is_ready()}
         ok = all(parts.values())
+        if len(up) > 1:
+            parts["replicas"] = up
         return JSONResponse({"status": "ok" if ok else "degraded", **parts},
                             status_code=200 if ok else 503)
 

@@ -32,6 +32,7 @@ class Daemon:
     argv: list[str]
     proc: asyncio.subprocess.Process | None = None
     ready_line: str = ""
+    strip: str = ""          # a prefix its own lines carry, replaced by ours (predd[1]: )
     _pumps: list[asyncio.Task] = field(default_factory=list)
 
     async def start(self, timeout: float) -> str:
@@ -72,14 +73,19 @@ class Daemon:
             if text.startswith("ready "):
                 self.ready_line = text[len("ready "):]
                 return True
-            log_line(f"{self.name}: ", text)
+            self._log(text)
+
+    def _log(self, text: str) -> None:
+        if self.strip and text.startswith(self.strip):
+            text = text[len(self.strip):]
+        log_line(f"{self.name}: ", text)
 
     async def _pump(self, stream: asyncio.StreamReader) -> None:
         while True:
             line = await stream.readline()
             if not line:
                 return
-            log_line(f"{self.name}: ", line.decode("utf-8", "replace").rstrip())
+            self._log(line.decode("utf-8", "replace").rstrip())
 
     async def wait(self) -> int:
         return await self.proc.wait()

@@ -14,6 +14,7 @@ sandbox takes is read once from `lip run --help`, so the gateway works with the 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -61,6 +62,10 @@ class Launcher:
                              capture_output=True, text=True, timeout=60,
                              env={**os.environ, "PYTHONPATH": _package_root()})
         return cls(predd_addr, mount, takes_uid="--uid" in out.stdout)
+
+    def on(self, predd_addr: str) -> Launcher:
+        """The same launcher for runs on another replica (their PREDD_ADDR)."""
+        return dataclasses.replace(self, predd_addr=predd_addr)
 
     def argv(self, program: Program, args: list[str], uid: int,
              wall_s: float | None) -> list[str]:

@@ -14,6 +14,9 @@ poll (every `interval` seconds while any run is alive; see `_owns`). From them:
   while), so a run's cost is its own even when other runs share predd. Against a predd
   without per-session figures it falls back to the difference of predd-wide counters
   over the run's lifetime, and `tokens_exclusive` says whether nothing else ran then.
+
+With replicas, a run's sessions are on the predd it was placed on (`track(addr=...)`):
+every figure of the run is read from that replica alone.
 """
 from __future__ import annotations
 
@@ -25,12 +28,22 @@ from dataclasses import dataclass, field
 import liblip as lip
 
 
+class ProcessPredd:
+    """The process's one predd connection, for a gateway without replicas (and tests)."""
+
+    live_addrs: list[str] = []
+
+    def call(self, addr: str, op: str, timeout: float | None = 5.0, **fields) -> dict:
+        return lip.client().call(op, timeout=timeout, **fields)
+
+
 @dataclass
 class Usage:
     root_pid: int
     uid: int
     started: float
     stats0: dict
+    addr: str = ""
     pids: set[int] = field(default_factory=set)
     ns_pids: set[int] = field(default_factory=set)
     sessions: set[int] = field(default_factory=set)     # predd session ids seen
@@ -89,7 +102,8 @@ def namespace_pid(pid: int) -> int | None:
 
 
 class Meter:
-    def __init__(self, interval: float = 0.2, lease_s: float = 10.0) -> None:
+    def __init__(self, interval: float = 0.2, lease_s: float = 10.0, predds=None) -> None:
+        self.predds = predds or ProcessPredd()   # .call(addr, op, ...), .live_addrs
         self.interval = interval
         self.lease_s = lease_s
         self.usage: dict[str, Usage] = {}
@@ -112,9 +126,19 @@ class Meter:
     def end_request(self, key: str) -> None:
         self.activities.discard(key)
 
-    async def track(self, run_id: str, root_pid: int, uid: int) -> None:
-        stats0 = await asyncio.to_thread(lip.stats)
-        self.usage[run_id] = Usage(root_pid, uid, time.monotonic(), stats0, pids={root_pid})
+    def _call(self, addr: str, op: str) -> dict:
+        return self.predds.call(addr, op)
+
+    def _ps(self, addr: str) -> list[dict]:
+        return self._call(addr, "ps")["sessions"]
+
+    async def track(self, run_id: str, root_pid: int, uid: int, addr: str = "") -> None:
+        try:
+            stats0 = await asyncio.to_thread(self._call, addr, "stats")
+        except lip.LipError:
+            stats0 = {"tokens_computed": 0, "tokens_reused": 0}
+        self.usage[run_id] = Usage(root_pid, uid, time.monotonic(), stats0, addr,
+                                   pids={root_pid})
         self._begin(run_id)
         self._wake.set()
 
@@ -131,11 +155,20 @@ class Meter:
                 pass
             await asyncio.sleep(self.interval)
 
-    def poll(self) -> list[dict]:
-        """One look at predd's sessions; updates every live run's usage."""
-        rows = lip.ps()
+    def poll(self) -> None:
+        """One look at the sessions of every predd a live run is on; updates every
+        live run's usage."""
+        rows_of: dict[str, list[dict]] = {}
+        for addr in {u.addr for u in self.usage.values() if u.alive}:
+            try:
+                rows_of[addr] = self._ps(addr)
+            except lip.LipError:
+                pass
         tree, _ = processes()
         for u in self.usage.values():
+            if u.addr not in rows_of:
+                continue
+            rows = rows_of[u.addr]
             if u.alive:
                 new = descendants(u.root_pid, tree) - u.pids
                 u.pids |= new
@@ -145,7 +178,6 @@ class Meter:
                 u.sessions |= {r["session"] for r in mine}
                 u.pages = sum(r.get("pages", 0) for r in mine)
                 u.peak_pages = max(u.peak_pages, u.pages)
-        return rows
 
     @staticmethod
     def _owns(u: Usage, row: dict) -> bool:
@@ -165,7 +197,7 @@ class Meter:
         deadline = time.monotonic() + self.lease_s + 2.0
         while True:
             try:
-                rows = await asyncio.to_thread(lip.ps)
+                rows = await asyncio.to_thread(self._ps, u.addr)
             except lip.LipError:
                 return False
             live = {r["session"] for r in rows} & u.sessions | {
@@ -180,7 +212,7 @@ class Meter:
         """The run's cost, once it has settled; forgets the run."""
         u = self.usage.pop(run_id)
         try:
-            ps = await asyncio.to_thread(lip.ps)
+            ps = await asyncio.to_thread(self._call, u.addr, "ps")
         except lip.LipError:
             ps = {}
         if "ended" in ps:   # per-session figures: the run's own, exactly
@@ -192,7 +224,7 @@ class Meter:
             exclusive = True
         else:
             try:
-                stats1 = await asyncio.to_thread(lip.stats)
+                stats1 = await asyncio.to_thread(self._call, u.addr, "stats")
             except lip.LipError:
                 stats1 = u.stats0
             computed = stats1["tokens_computed"] - u.stats0["tokens_computed"]
@@ -220,10 +252,19 @@ class Meter:
         return u.pages if u is not None else 0
 
     async def uid_pages(self, uid: int) -> int:
-        """KV pages `uid` holds now: predd's per-uid figure where `ps` has one
-        (persistent caches included), else the sum over its sessions."""
-        reply = await asyncio.to_thread(lambda: lip.client().call("ps"))
-        for row in reply.get("uids", []):
-            if row.get("uid") == uid:
-                return int(row.get("pages", 0))
-        return sum(r.get("pages", 0) for r in reply.get("sessions", []) if r.get("uid") == uid)
+        """KV pages `uid` holds now, summed over the replicas that answer: predd's per-uid
+        figure where `ps` has one (persistent caches included), else the sum over its
+        sessions."""
+        total = 0
+        for addr in list(self.predds.live_addrs) or [""]:
+            try:
+                reply = await asyncio.to_thread(self._call, addr, "ps")
+            except lip.LipError:
+                continue
+            rows = [r for r in reply.get("uids", []) if r.get("uid") == uid]
+            if rows:
+                total += int(rows[0].get("pages", 0))
+            else:
+                total += sum(r.get("pages", 0) for r in reply.get("sessions", [])
+                             if r.get("uid") == uid)
+        return total

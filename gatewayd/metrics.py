@@ -9,8 +9,17 @@ Two sources:
   errors answered, by errno; runs active/finished/failed by program; and for the OpenAI
   API, tokens by kind and per-request histograms of queue wait, model time and latency
   (from the `cost` predd returns to the OpenAI LIP).
+
+With replicas, predd's figures are summed over the replicas that answered (the
+histograms bucket by bucket), `symphony_predd_up` is 1 only when every replica answered,
+and per replica: `symphony_replica_up{replica}` and `symphony_replica_runs{replica}`
+(runs and OpenAI requests in flight there); kvfsd's moves of caches between replicas
+are `symphony_kv_migrations_total` and `symphony_kv_migrated_bytes_total` (the mount
+root's `user.kv.migrations`, `COUNT BYTES`).
 """
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -21,22 +30,77 @@ import liblip as lip
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-class PreddCollector:
-    """predd's figures at scrape time; `symphony_predd_up` 0 when it does not answer."""
+def _add(total: dict, s: dict) -> None:
+    """Sum one replica's `stats` into `total` (numbers, histograms, tiers)."""
+    for key, value in s.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            total[key] = total.get(key, 0) + value
+        elif key.endswith("_hist") and isinstance(value, dict):
+            if key not in total:
+                total[key] = {**value, "cumulative": list(value["cumulative"])}
+            elif total[key]["le_ms"] == value["le_ms"]:
+                total[key]["sum_ms"] += value["sum_ms"]
+                total[key]["cumulative"] = [a + b for a, b in zip(total[key]["cumulative"],
+                                                                  value["cumulative"])]
+        elif key == "tiers" and isinstance(value, dict):
+            tiers = total.setdefault("tiers", {})
+            for tier, figures in value.items():
+                mine = tiers.setdefault(tier, {"pages_total": 0, "pages_used": 0})
+                for f in ("pages_total", "pages_used"):
+                    mine[f] += figures.get(f, 0)
 
-    def __init__(self, timeout_s: float = 2.0) -> None:
+
+def read_migrations(mount: str) -> tuple[int, int]:
+    """kvfsd's `user.kv.migrations` on the mount root: (count, bytes); (0, 0) when it
+    has none (a kvfsd without replicas)."""
+    try:
+        count, size = os.getxattr(mount, "user.kv.migrations").decode().split()
+        return int(count), int(size)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+class PreddCollector:
+    """predd's figures at scrape time; `symphony_predd_up` 0 when one does not answer."""
+
+    def __init__(self, replicas=None, mount: str | None = None, timeout_s: float = 2.0) -> None:
+        self.replicas = replicas      # gatewayd.replicas.Replicas, or None: the process's predd
+        self.mount = mount
         self.timeout_s = timeout_s
 
     def describe(self):
         return []   # no help-time call to predd
 
+    def _stats(self) -> list[tuple[object, dict | None]]:
+        if self.replicas is None:
+            try:
+                return [(None, lip.client().call("stats", timeout=self.timeout_s))]
+            except lip.LipError:
+                return [(None, None)]
+        out = []
+        for r in self.replicas.all:
+            try:    # a local replica known to be down is not asked (a reconnect waits)
+                out.append((r, r.call("stats", timeout=self.timeout_s)
+                            if r.up or not r.local else None))
+            except lip.LipError:
+                out.append((r, None))
+        return out
+
     def collect(self):
-        try:
-            s = lip.client().call("stats", timeout=self.timeout_s)
-        except lip.LipError:
-            yield GaugeMetricFamily("symphony_predd_up", "predd answers stats", value=0)
+        answers = self._stats()
+        if self.replicas is not None:
+            yield from self._replicas(answers)
+        s: dict = {}
+        for _, one in answers:
+            if one is not None:
+                _add(s, one)
+        up = all(one is not None for _, one in answers)
+        yield GaugeMetricFamily("symphony_predd_up", "predd answers stats (every replica)",
+                                value=int(up))
+        if not s:
             return
-        yield GaugeMetricFamily("symphony_predd_up", "predd answers stats", value=1)
+        if sum(one is not None for _, one in answers) > 1 and s.get("steps"):
+            s["mean_batch"] = round(s.get("calls", 0) / s["steps"], 3)   # not a sum of means
         gauges = {"kv_pages_total": ("pages_total", "KV pages in predd's pool"),
                   "kv_pages_used": ("pages_used", "KV pages referenced by some object"),
                   "kv_objects": ("objects", "KV objects alive"),
@@ -82,6 +146,24 @@ class PreddCollector:
                                   value=s.get("launch_wait_ms", 0.0) / 1e3)
 
 
+    def _replicas(self, answers):
+        up = GaugeMetricFamily("symphony_replica_up", "the replica's predd answered this "
+                               "scrape", labels=["replica"])
+        runs = GaugeMetricFamily("symphony_replica_runs", "runs and OpenAI requests in "
+                                 "flight on the replica", labels=["replica"])
+        for r, one in answers:
+            up.add_metric([r.addr], int(one is not None))
+            runs.add_metric([r.addr], r.inflight)
+        yield up
+        yield runs
+        if self.mount:
+            count, size = read_migrations(self.mount)
+            yield CounterMetricFamily("symphony_kv_migrations", "cache files kvfsd moved "
+                                      "between replicas", value=count)
+            yield CounterMetricFamily("symphony_kv_migrated_bytes", "bytes of the caches "
+                                      "kvfsd moved between replicas", value=size)
+
+
 def _histogram(name: str, doc: str, h: dict) -> HistogramMetricFamily:
     """A Prometheus histogram from predd's cumulative bucket counts (in ms)."""
     buckets = [(f"{le / 1e3:g}", n) for le, n in zip(h["le_ms"], h["cumulative"])]
@@ -90,7 +172,7 @@ def _histogram(name: str, doc: str, h: dict) -> HistogramMetricFamily:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, replicas=None, mount: str | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self.http = Counter("symphony_http_requests", "HTTP requests, by route template, "
                             "method and status", ["route", "method", "status"], registry=r)
@@ -114,7 +196,7 @@ class Metrics:
         self.openai_latency = Histogram("symphony_openai_request_seconds", "per OpenAI "
                                         "request: time from arrival to its last byte",
                                         buckets=LATENCY_BUCKETS, registry=r)
-        r.register(PreddCollector())
+        r.register(PreddCollector(replicas, mount))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,9 @@ Lifetime rules:
   ends its predd session at exit), then SIGTERM to the launcher after KILL_GRACE_S.
 * A run is its caller's: other callers get 404 for it. Finished runs are kept (state
   and output) until KEEP_FINISHED newer ones have finished.
+* With replicas, a run is placed when it starts (placement.py: the replica whose copies
+  of its `near` files hold the most tokens, under the load cap), runs there (its
+  PREDD_ADDR) and counts as in flight there until it ends.
 """
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ from gatewayd.keys import Caller
 from gatewayd.launcher import Launcher, check_env
 from gatewayd.meter import Meter, running_descendants
 from gatewayd.metrics import Metrics
+from gatewayd.placement import choose
 from gatewayd.programs import Program, remove_upload
+from gatewayd.replicas import near_holdings
 
 ACTIVE = ("starting", "running")
 KILL_GRACE_S = 5.0
@@ -39,6 +44,7 @@ KEEP_FINISHED = 256
 MAX_EVENTS = 20000          # kept per run for replay; older ones are dropped
 MAX_LINE = 64 * 1024
 MAX_ARGS, MAX_ARG_LEN, MAX_STDIN = 64, 4096, 1 << 20
+MAX_NEAR = 64
 
 
 @dataclass
@@ -70,6 +76,8 @@ class Run:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     kill_reason: str | None = None
     sandbox_note: str = ""
+    replica: str = ""                  # the predd address it runs on
+    replica_index: int | None = None   # counted in flight there until it ends
 
     @property
     def active(self) -> bool:
@@ -85,6 +93,7 @@ class Run:
                 "owner": self.caller.name, "uid": self.caller.uid, "state": self.state,
                 "exit_status": self.exit_status, "reason": self.reason or None,
                 "detached": self.detached, "interactive": self.interactive,
+                "replica": self.replica,
                 "created": round(self.created, 3),
                 "ended": round(self.ended, 3) if self.ended else None, "cost": cost}
 
@@ -119,9 +128,21 @@ def _args(args, stdin) -> tuple[list[str], str]:
     return args, stdin
 
 
+def _near(near) -> list[str]:
+    if near is None:
+        return []
+    if not isinstance(near, list) or len(near) > MAX_NEAR or not all(
+            isinstance(p, str) and 0 < len(p) <= MAX_ARG_LEN and "\0" not in p for p in near):
+        raise ApiError(400, "EINVAL", f"near is a list of at most {MAX_NEAR} paths (strings, "
+                       "relative to the mount or absolute inside it)", "near")
+    return near
+
+
 class Runs:
-    def __init__(self, launcher: Launcher, meter: Meter, metrics: Metrics, log) -> None:
+    def __init__(self, launcher: Launcher, meter: Meter, metrics: Metrics, log,
+                 replicas=None) -> None:
         self.launcher = launcher
+        self.replicas = replicas      # gatewayd.replicas.Replicas; None: launcher's predd
         self.meter = meter
         self.metrics = metrics
         self.log = log
@@ -141,11 +162,16 @@ class Runs:
     async def start(self, program: Program, caller: Caller, args=(), stdin: str = "",
                     env: dict | None = None, detached: bool = False,
                     interactive: bool = False, upload_dir: str | None = None,
-                    run_id: str | None = None) -> Run:
-        """Check the request and the caller's limits, then start the process."""
+                    run_id: str | None = None, near=None) -> Run:
+        """Check the request and the caller's limits, place it, then start the process."""
         try:
             args, stdin = _args(list(args) if isinstance(args, (list, tuple)) else args, stdin)
             extra = check_env(env or {})
+            near = _near(near)
+            near_tokens = None
+            if self.replicas is not None:
+                near_tokens = await asyncio.to_thread(near_holdings, self.launcher.mount, near,
+                                               self.replicas.addrs)
             if self.closing:
                 raise ApiError(503, "ESHUTDOWN", "the server is stopping")
             limits = caller.limits
@@ -159,28 +185,38 @@ class Runs:
             if sum(r.active for r in self.of(caller)) >= limits.runs:
                 raise ApiError(429, "EAGAIN", f"{caller.name} already has {limits.runs} runs "
                                "going (the limit for this key)")
+            index, addr = None, self.launcher.predd_addr
+            if self.replicas is not None:
+                index = choose(self.replicas.loads(), near_tokens)
+                if index is None:
+                    raise ApiError(503, "EIO", "no predd replica is up; try again")
+                addr = self.replicas.all[index].addr
+                self.replicas.take(index)
         except ApiError:
             if upload_dir:
                 remove_upload(upload_dir)
             raise
         run = Run(run_id or "run_" + secrets.token_hex(8), program, caller, detached,
-                  interactive, upload_dir)
+                  interactive, upload_dir, replica=addr, replica_index=index)
         self.runs[run.id] = run
         self.metrics.run_started(program.name)
-        await run.emit("run", json.dumps({"id": run.id, "program": program.name}))
-        argv = self.launcher.argv(program, args, caller.uid, limits.wall)
+        await run.emit("run", json.dumps({"id": run.id, "program": program.name,
+                                          "replica": addr}))
+        launcher = self.launcher.on(addr)
+        argv = launcher.argv(program, args, caller.uid, limits.wall)
         try:
             run.proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, cwd="/", start_new_session=True,
-                env=self.launcher.env(program, extra, run.id))
+                env=launcher.env(program, extra, run.id))
         except OSError as exc:
             await self._end(run, "failed", f"cannot start: {exc.strerror}", settle=False)
             raise ApiError(500, "EIO", f"{program.name}: {run.reason}") from None
         run.state = "running"
         self.log(f"run {run.id}: {program.name} for {caller.name} (uid {caller.uid}) "
-                 f"pid {run.proc.pid}")
-        await self.meter.track(run.id, run.proc.pid, caller.uid)
+                 f"pid {run.proc.pid}" + (f" on {addr}" if self.replicas is not None
+                                          and len(self.replicas.all) > 1 else ""))
+        await self.meter.track(run.id, run.proc.pid, caller.uid, addr)
         asyncio.create_task(self._supervise(run, stdin, limits.wall))
         return run
 
@@ -232,6 +268,9 @@ class Runs:
         """The run's processes are gone: once predd has ended its sessions, it takes its
         final state and sends `exit` (so whoever sees either sees its pages free)."""
         ended = time.time()
+        if run.replica_index is not None and self.replicas is not None:
+            self.replicas.release(run.replica_index)
+            run.replica_index = None
         if settle:
             settled = await self.meter.settle(run.id)
             run.ended = time.time()

@@ -1,7 +1,8 @@
 """Programs over HTTP (the paper's remote LIPs).
 
     GET    /v1/programs                       installed programs
-    POST   /v1/programs/{name}/runs           start one: {args, stdin, env, interactive, detach}
+    POST   /v1/programs/{name}/runs           start one: {args, stdin, env, interactive, detach,
+                                              near}
     POST   /v1/runs                           start an uploaded one: {filename, source, ...}
     GET    /v1/runs                           the caller's runs
     GET    /v1/runs/{id}                      state, exit status, cost
@@ -29,7 +30,7 @@ from gatewayd.programs import Program, save_upload
 from gatewayd.runs import Run
 
 router = APIRouter()
-START_FIELDS = {"args", "stdin", "env", "interactive", "detach"}
+START_FIELDS = {"args", "stdin", "env", "interactive", "detach", "near"}
 UPLOAD_FIELDS = START_FIELDS | {"filename", "source"}
 
 
@@ -70,7 +71,7 @@ async def _start(request: Request, program: Program, body: dict,
                               stdin=body.get("stdin", ""), env=body.get("env") or {},
                               detached=_flag(body, "detach"),
                               interactive=_flag(body, "interactive"),
-                              upload_dir=upload_dir, run_id=run_id)
+                              upload_dir=upload_dir, run_id=run_id, near=body.get("near"))
     if run.detached:
         return JSONResponse(run.public(gw.meter), status_code=201,
                             headers={"X-Symphony-Run": run.id})

@@ -2,7 +2,8 @@
 
     symphony serve [--model PATH] [--listen HOST:PORT] [--mount DIR] [--programs DIR]...
                    [--api-keys FILE] [--allow-uploads] [--limits 'runs=4 wall=600 pages=0']
-                   [--rundir DIR] [--state DIR] [predd flags...]
+                   [--rundir DIR] [--state DIR] [--replicas N] [--predd ADDR]...
+                   [predd flags...]
 
 Starts predd (`python -m predd`, any flag this command does not know is passed to it)
 and waits for its `ready ADDR`; mounts kvfsd on --mount (default $KVFS_MOUNT or
@@ -15,6 +16,11 @@ SIGTERM or SIGINT stops the gateway (runs killed, their objects freed), then kvf
 (unmounted), then predd, and exits 0. If a part cannot start (port taken, mount busy,
 model missing, not root) or dies later, the others are stopped and the exit status is
 1 (2 for bad arguments), after a `symphony: ...` line saying why.
+
+`--replicas N` starts N local predds (replicas.py) under the one kvfsd (given every
+replica's address, in order) and the one gateway; `--predd ADDR` attaches a running
+remote predd as a further replica. With N > 1 a replica that dies is started again
+while the others serve.
 
 Runs as root: kvfsd mounts for every user and `lip run --sandbox` switches uids.
 """
@@ -34,6 +40,8 @@ import uvicorn
 
 from gatewayd.daemons import Daemon, log_line
 from gatewayd.keys import ApiKeys, Caller, Limits
+from gatewayd.replicas import Replicas, local_addr
+from liblip.descriptor import valid_replica
 from liblip.protocol import default_mount, default_rundir, is_loopback_host
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
@@ -88,6 +96,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rundir", help="sockets and uploads (default $SYMPHONY_RUNDIR or "
                     "/run/symphony)")
     ap.add_argument("--state", help="kvfsd's state directory (default kvfsd's)")
+    ap.add_argument("--replicas", type=int, default=1, metavar="N",
+                    help="local predd replicas (default 1); with more, one that dies is "
+                    "started again")
+    ap.add_argument("--predd", action="append", default=[], metavar="ADDR",
+                    help="a running remote predd to attach as a further replica "
+                    "(repeatable; $SYMPHONY_TOKEN must be a trusted token there)")
     return ap
 
 
@@ -105,6 +119,11 @@ def check_setup(args) -> tuple[str, int, ApiKeys | None, Limits]:
                     "loopback only (anyone who can connect could run programs)")
     if args.model and not os.path.exists(args.model):
         raise Fatal(f"--model {args.model}: no such file or directory")
+    if not 1 <= args.replicas <= 64:
+        raise ValueError(f"--replicas {args.replicas}: expected 1 to 64")
+    for addr in args.predd:
+        if not valid_replica(addr):
+            raise ValueError(f"--predd {addr}: expected ipc://PATH or tcp://HOST:PORT")
     return host, port, keys, limits
 
 
@@ -141,25 +160,28 @@ def check_mount(mount: str) -> None:
         raise Fatal(f"--mount {mount}: {exc.strerror}") from None
 
 
-def check_rundir(rundir: str) -> None:
-    """No other predd may be serving this run directory's socket."""
+def check_rundir(rundir: str, replicas: int = 1) -> None:
+    """No other predd may be serving this run directory's sockets."""
     os.makedirs(rundir, mode=0o755, exist_ok=True)
     os.chmod(rundir, 0o755)       # sandboxed runs reach predd's socket through it
-    path = os.path.join(rundir, "predd.sock")
-    if os.path.exists(path):
+    for index in range(replicas):
+        path = local_addr(rundir, index)[len("ipc://"):]
+        if not os.path.exists(path):
+            continue
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             try:
                 s.connect(path)
             except OSError:
-                return                # a stale socket: predd replaces it
+                continue              # a stale socket: predd replaces it
         raise Fatal(f"--rundir {rundir}: a predd already serves {path}")
 
 
 # ---------------------------------------------------------------- the gateway
 
-def prepare_cache_dir(mount: str, uid: int) -> None:
-    """MOUNT/openai: the OpenAI LIP's own directory (its prefix cache files)."""
-    path = os.path.join(mount, "openai")
+def prepare_cache_dir(mount: str, uid: int, sub: str = "") -> None:
+    """MOUNT/openai (/K with replicas): the OpenAI LIP's own directory (its prefix cache
+    files)."""
+    path = os.path.join(mount, "openai", sub) if sub else os.path.join(mount, "openai")
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
@@ -196,34 +218,42 @@ class Uvicorn(uvicorn.Server):
         yield
 
 
-async def start_gateway(args, addr: str, mount: str, rundir: str, keys, limits,
+async def start_gateway(args, replicas: Replicas, mount: str, rundir: str, keys, limits,
                         sock: socket.socket):
     import liblip as lip
     from gatewayd.app import Gateway, create_app
     from gatewayd.launcher import Launcher
     from gatewayd.meter import Meter
     from gatewayd.metrics import Metrics
-    from gatewayd.openai_bridge import OpenAIBridge
+    from gatewayd.openai_bridge import OpenAIBridge, OpenAIBridges
     from gatewayd.programs import EXAMPLES, Programs
     from gatewayd.runs import Runs
 
+    addr = replicas.all[0].addr
     lip.connect(addr)
     launcher = await asyncio.to_thread(Launcher.probe, addr, mount)
     if not launcher.takes_uid:
         gateway_log("this `lip run --sandbox` takes no --uid: runs get the sandbox's own "
                     "uid, not their key's")
-    metrics = Metrics()
-    meter = Meter()
-    runs = Runs(launcher, meter, metrics, gateway_log)
-    bridge = OpenAIBridge(launcher, OPENAI_UID, args.model, gateway_log)
+    metrics = Metrics(replicas, mount)
+    meter = Meter(predds=replicas)
+    runs = Runs(launcher, meter, metrics, gateway_log, replicas)
+    many = len(replicas.local) > 1
+    bridge = OpenAIBridges([
+        OpenAIBridge(launcher.on(r.addr), OPENAI_UID, args.model, gateway_log,
+                     cache_dir=os.path.join(mount, "openai", str(r.index)) if many else None,
+                     name=f"openai[{r.index}]" if many else "openai")
+        for r in replicas.local], replicas)
     gw = Gateway(mount=mount, rundir=rundir, keys=keys,
                  anonymous=Caller("anonymous", ANONYMOUS_UID, limits),
                  programs=Programs([*args.programs, EXAMPLES]), runs=runs, bridge=bridge,
                  meter=meter, metrics=metrics, allow_uploads=args.allow_uploads,
-                 log=gateway_log)
+                 log=gateway_log, replicas=replicas)
     meter_task = asyncio.create_task(meter.loop())
     try:
         prepare_cache_dir(mount, OPENAI_UID)
+        for r in replicas.local if many else ():
+            prepare_cache_dir(mount, OPENAI_UID, str(r.index))
         await bridge.start()
     except BaseException:
         await bridge.stop()
@@ -254,7 +284,7 @@ async def serve(args, predd_args: list[str]) -> int:
     mount = os.path.abspath(args.mount or default_mount())
     rundir = os.path.abspath(args.rundir or default_rundir())
     check_mount(mount)
-    check_rundir(rundir)
+    check_rundir(rundir, args.replicas)
     sock = bind(host, port)
 
     stopping = asyncio.Event()
@@ -262,15 +292,14 @@ async def serve(args, predd_args: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
 
-    predd = Daemon("predd", [sys.executable, "-m", "predd", "--rundir", rundir,
-                             *(["--model", args.model] if args.model else []), *predd_args])
+    replicas = Replicas.plan(rundir, args.replicas, args.predd, args.model, predd_args, log)
     kvfsd = Daemon("kvfsd", [sys.executable, "-m", "kvfsd", mount,
                              *(["--state", args.state] if args.state else [])])
     stop_gateway = None
     code = 0
     try:
-        starting = asyncio.create_task(_start_all(args, predd, kvfsd, mount, rundir, keys,
-                                                  limits, sock))
+        starting = asyncio.create_task(_start_all(args, replicas, kvfsd, mount, rundir,
+                                                  keys, limits, sock))
         stop_wait = asyncio.create_task(stopping.wait())
         done, _ = await asyncio.wait({starting, stop_wait},
                                      return_when=asyncio.FIRST_COMPLETED)
@@ -282,10 +311,13 @@ async def serve(args, predd_args: list[str]) -> int:
             return 0
         serving, stop_gateway = starting.result()
         print(f"ready http://{host if ':' not in host else f'[{host}]'}:{port}", flush=True)
-        watch = {asyncio.create_task(predd.wait()): "predd",
+        watch = {asyncio.create_task(replicas.watch()): "predd",
                  asyncio.create_task(kvfsd.wait()): "kvfsd", serving: "the gateway"}
-        done, _ = await asyncio.wait({stop_wait, *watch},
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, pending = await asyncio.wait({stop_wait, *watch},
+                                           return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            if task in watch and task is not serving:
+                task.cancel()
         for task in done:
             if task in watch:
                 status = task.result() if task is not serving else "stopped"
@@ -306,17 +338,19 @@ async def serve(args, predd_args: list[str]) -> int:
         if is_mounted(mount):
             log(f"{mount} is still mounted; detaching it")
             subprocess.run(["fusermount3", "-u", "-z", mount], check=False)
-        await predd.stop()
+        await replicas.stop()
     if code == 0:
         log("stopped")
     return code
 
 
-async def _start_all(args, predd: Daemon, kvfsd: Daemon, mount, rundir, keys, limits, sock):
-    addr = await predd.start(START_TIMEOUT_S)
-    kvfsd.argv += ["--predd", addr]
+async def _start_all(args, replicas: Replicas, kvfsd: Daemon, mount, rundir, keys, limits,
+                     sock):
+    await replicas.start(START_TIMEOUT_S)
+    for addr in replicas.addrs:      # in order: the first is replica 0
+        kvfsd.argv += ["--predd", addr]
     await kvfsd.start(60.0)
-    return await start_gateway(args, addr, mount, rundir, keys, limits, sock)
+    return await start_gateway(args, replicas, mount, rundir, keys, limits, sock)
 
 
 def main(argv: list[str] | None = None) -> int:
