@@ -297,11 +297,11 @@ class Caches:
     async def _fork_into(self, node: Node, desc: descriptor.Descriptor,
                          handle: Handle) -> None:
         path = self.ns.path_of(node.ino)
-        if desc.replica and not self.replicas.known(desc.replica):
+        source = self.replicas.named(desc.replica) if desc.replica else self.link(node)
+        if source is None:
             self.log(f"{path}: descriptor refused: not one of kvfsd's replicas")
             raise pyfuse3.FUSEError(errno.EINVAL)
-        source_addr = desc.replica or node.replica
-        source = self.replicas.get(source_addr)
+        source_addr = source.addr
         model = source.info.get("model")
         if desc.model and model and desc.model != model:
             self.log(f"{path}: descriptor refused: another model")

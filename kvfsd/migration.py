@@ -53,9 +53,10 @@ class Migration:
             if link is None:
                 raise pyfuse3.FUSEError(errno.EIO)
             return link
-        if not self.replicas.known(text):
+        link = self.replicas.named(text)
+        if link is None:
             raise pyfuse3.FUSEError(errno.EINVAL)
-        return self.replicas.get(text)
+        return link
 
     async def rehome(self, node: Node, value: bytes) -> None:
         """`setfattr -n user.kv.rehome -v ADDR FILE`: move the file's cache to ADDR."""

@@ -237,3 +237,14 @@ def test_grants_name_the_home_and_a_state_from_before_is_replica_0s(tmp_path):
     assert desc.cap in fakes[B].objects
     run(caches.revoke, handle)
     assert desc.cap not in fakes[B].objects
+
+
+def test_a_replica_is_named_by_its_address_or_the_same_socket_spelled_otherwise():
+    two = Replicas([A, B, "ipc:///run/a.sock"], print)           # one link per address
+    assert [link.addr for link in two] == [A, B]
+    assert two.named("ipc:///run//x/../a.sock") is two.first
+    assert two.known("ipc:///run/./b.sock") and not two.known(C)
+    assert two.named(C) is None                                   # several: EINVAL
+    one = Replicas([A], print)
+    assert one.named(C) is one.first        # one predd: whatever a LIP calls it
+    assert not one.known(C)                 # ... but a file homed on C is not A's
