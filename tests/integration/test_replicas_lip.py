@@ -1,0 +1,95 @@
+"""A LIP and `lip` over two replicas: a program on replica A that opens a file homed on
+B brings it over (kvfsd's rehome: counted, same logits), or — when the file is open
+elsewhere — works on it where it is; `lip rehome`, `lip run --near` and `lip stats`."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from tests.integration.kvfs_fixtures import finish, start_kvfsd
+from tests.integration.test_kvfs_replicas import (facts, home, make_on, migrations, on,
+                                                  replicas)  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.slow
+
+PROGRAM = """\
+import json, sys
+import numpy as np
+import liblip as lip
+kv = lip.kv_open(sys.argv[1])
+fork = lip.kv_fork(kv)
+logits = lip.pred(fork, [int(sys.argv[2])]).logits
+np.save(sys.argv[3], logits)
+print(json.dumps({"replica": kv.replica, "tokens": lip.kv_tokens(kv)}))
+"""
+
+
+def run(args: list[str], addr: str, mount: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREDD_ADDR": addr, "KVFS_MOUNT": mount, "PYTHONPATH": ROOT}
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+
+
+def lip_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "liblip.cli", *args]
+
+
+def test_a_program_brings_a_file_to_its_replica_or_uses_it_where_it_is(replicas, tmp_path):
+    a, b = replicas
+    A, B = a.addr, b.addr
+    kvfs = start_kvfsd(A, str(tmp_path / "state"), "--predd", B)
+    m = kvfs.mount
+    prog = tmp_path / "prog.py"
+    prog.write_text(PROGRAM)
+    try:
+        tokens = on(A).tokenize("A document kept on replica B, read from replica A.")
+        probe = on(A).tokenize(" next")[0]
+        doc = os.path.join(m, "doc.kv")
+        make_on(B, doc, tokens)
+        assert home(doc) == B
+        want_tokens, want_logits, size = facts(doc, probe)
+
+        # A program on A opens it: kvfsd moves it to A first (one migration).
+        out = run([sys.executable, str(prog), "doc.kv", str(probe), str(tmp_path / "a.npy")],
+                  A, m)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == {"replica": A, "tokens": want_tokens}
+        assert np.array_equal(np.load(tmp_path / "a.npy"), want_logits)
+        assert home(doc) == A and migrations(m) == f"1 {size}"
+
+        # `lip rehome` sends it back; `lip run --near` starts a program on its replica.
+        out = run(lip_cmd("rehome", "doc.kv", "--to", B), A, m)
+        assert (out.returncode, out.stdout) == (0, f"doc.kv: {B}\n"), out.stderr
+        assert home(doc) == B and migrations(m) == f"2 {2 * size}"
+        out = run(lip_cmd("run", "--near", "doc.kv", "--", sys.executable, "-c",
+                          "import os; print(os.environ['PREDD_ADDR'])"), A, m)
+        assert (out.returncode, out.stdout) == (0, f"{B}\n"), out.stderr
+
+        # Open elsewhere, it cannot move (EBUSY): the program works on it on B.
+        held = os.open(doc, os.O_RDONLY)
+        try:
+            out = run([sys.executable, str(prog), "doc.kv", str(probe),
+                       str(tmp_path / "b.npy")], A, m)
+        finally:
+            os.close(held)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == {"replica": B, "tokens": want_tokens}
+        assert np.array_equal(np.load(tmp_path / "b.npy"), want_logits)
+        assert home(doc) == B and migrations(m) == f"2 {2 * size}"
+
+        # `lip stats` shows both replicas and the moves.
+        out = run(lip_cmd("stats"), A, m)
+        assert out.returncode == 0, out.stderr
+        stats = json.loads(out.stdout)
+        assert [(r["addr"], r["up"], r["files"]) for r in stats["replicas"]] == [
+            (A, True, 0), (B, True, 1)]
+        assert stats["migrations"] == {"count": 2, "bytes": 2 * size}
+        out = run(lip_cmd("rehome", "doc.kv", "--to", "ipc:///nowhere.sock"), A, m)
+        assert (out.returncode, out.stdout) == (1, "")
+        assert out.stderr.startswith("lip: EINVAL: ")
+    finally:
+        assert finish(kvfs) == 0
