@@ -52,7 +52,8 @@ sys.path.insert(0, os.path.join(ROOT, "mount_examples"))
 import bench_vllm  # noqa: E402
 from bench_common import (Mount, log, machine, percentile, quick_defaults,  # noqa: E402
                           result, serving_flags, start_predd)
-from rag_workload import Request, Run, Workload, closed_loop, make_workload  # noqa: E402
+from rag_workload import (Request, Run, Workload, closed_loop,  # noqa: E402
+                          make_workload, workload_flags)
 
 PAGE = 16                     # predd's page, in tokens
 VLLM_BLOCK = 32               # the smallest block vLLM's CPU attention takes
@@ -358,11 +359,7 @@ def report(args, work: Workload, budget: Budget, ours: dict, vllm: dict,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--docs", type=int, default=64)
-    ap.add_argument("--doc-tokens", type=int, default=400)
-    ap.add_argument("--question-tokens", type=int, default=20)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--clients", type=int, default=8)
+    workload_flags(ap)
     ap.add_argument("--alphas", default="0.5,1,2,4")
     ap.add_argument("--requests", type=int, default=64, help="timed requests per alpha")
     ap.add_argument("--warmup", type=int, default=32, help="untimed requests per alpha first")

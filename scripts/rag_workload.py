@@ -70,6 +70,15 @@ def pareto_ranks(alpha: float, n: int, count: int, rng: random.Random) -> list[i
     return rng.choices(range(n), pareto_weights(alpha, n), k=count)
 
 
+def workload_flags(ap, clients_help: str = "closed-loop clients") -> None:
+    """The flags that shape make_workload's documents, questions and answers."""
+    ap.add_argument("--docs", type=int, default=64)
+    ap.add_argument("--doc-tokens", type=int, default=400)
+    ap.add_argument("--question-tokens", type=int, default=20)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--clients", type=int, default=8, help=clients_help)
+
+
 def make_workload(args) -> Workload:
     """Documents, and per alpha the warm-up and timed requests, all seeded, tokenized
     by the predd the process is connected to (the LIP counts the same way)."""

@@ -18,6 +18,7 @@ from kvfsd.namespace import ROOT, Namespace
 from kvfsd.predd_link import PreddError
 from kvfsd.replicas import Replicas
 from kvfsd.state import StateDir
+from tests.unit.test_kvfs_handlers import errno_of, run
 from liblip import descriptor
 
 A, B, C = "ipc:///run/a.sock", "ipc:///run/b.sock", "ipc:///run/c.sock"
@@ -83,18 +84,6 @@ def add_file(caches, fakes, name: bytes, addr: str, tokens: list[int]):
     node.cap = fakes[addr]._new(tokens)["cap"]
     node.replica, node.tokens = addr, len(tokens)
     return node
-
-
-def run(fn, *args):
-    async def go():
-        return await fn(*args)
-    return trio.run(go)
-
-
-def errno_of(fn, *args) -> int:
-    with pytest.raises(pyfuse3.FUSEError) as e:
-        run(fn, *args)
-    return e.value.errno
 
 
 def test_replicas_in_order_unknown_addresses_and_the_report():
