@@ -3,8 +3,8 @@
 A replica is named by its address, exactly as kvfsd is given it, in order (replica 0
 first). `--replicas N` makes N local ones: replica 0 at `ipc://RUNDIR/predd.sock` (as
 with one), replica k at `ipc://RUNDIR/predd-k.sock`, each a predd child with the same
-flags (plus `--threads cores // N` unless the operator chose, and its own swap
-directory). `--predd ADDR` adds a running remote predd after them; the gateway reaches
+flags (plus `--threads cores // N` unless the operator chose, `--device cuda:k` for
+`--device cuda`, and its own swap directory). `--predd ADDR` adds a running remote predd after them; the gateway reaches
 it with $SYMPHONY_TOKEN and checks it with a `ping` every PING_EVERY_S.
 
 Lifetime rules:
@@ -58,6 +58,8 @@ def predd_argv(rundir: str, index: int, count: int, model: str | None,
     if count > 1 and _flag_value(predd_args, "--threads") is None:
         cores = len(os.sched_getaffinity(0))
         argv += ["--threads", str(max(1, cores // count))]
+    if count > 1 and _flag_value(predd_args, "--device") == "cuda":
+        argv += ["--device", f"cuda:{index}"]       # one GPU each
     if index > 0:   # later flags win in argparse: its own socket and swap directory
         swap = _flag_value(predd_args, "--swap-dir") or os.path.join(rundir, "swap")
         argv += ["--addr", local_addr(rundir, index), "--swap-dir", f"{swap}-{index}"]

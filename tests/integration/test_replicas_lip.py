@@ -1,6 +1,7 @@
 """A LIP and `lip` over two replicas: a program on replica A that opens a file homed on
 B brings it over (kvfsd's rehome: counted, same logits), or — when the file is open
 elsewhere — works on it where it is; `lip rehome`, `lip run --near` and `lip stats`."""
+import errno
 import json
 import os
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from liblip import descriptor
+from liblip.client import Client
 from tests.conftest import ROOT
 from tests.integration.kvfs_fixtures import finish, start_kvfsd
 from tests.integration.test_kvfs_replicas import (facts, home, make_on, migrations, on,
@@ -93,3 +96,48 @@ def test_a_program_brings_a_file_to_its_replica_or_uses_it_where_it_is(replicas,
         assert out.stderr.startswith("lip: EINVAL: ")
     finally:
         assert finish(kvfs) == 0
+
+
+def test_kvfsd_keeps_files_on_a_tcp_predd_with_a_trusted_token(tmp_path):
+    """A replica on another host, here on loopback: predd on tcp with --auth-keys, kvfsd
+    with that predd's trusted token in $SYMPHONY_TOKEN. With a plain token kvfsd may not
+    keep caches there (persistent capabilities are for trusted sessions): EPERM."""
+    from predd.tp import free_port
+    from tests.conftest import start_predd
+    trusted, plain = "a-trusted-token-for-kvfsd", "a-plain-token-of-a-user"
+    keys = tmp_path / "keys.tsv"
+    keys.write_text(f"{trusted} {os.geteuid()} trusted kvfsd on host A\n{plain} 1000\n")
+    keys.chmod(0o600)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    daemon = start_predd(str(tmp_path / "p"), "--addr", addr, "--auth-keys", str(keys),
+                         "--kv-pages", "64", "--threads", "1")
+    try:
+        kvfs = start_kvfsd(addr, str(tmp_path / "state"), env={"SYMPHONY_TOKEN": trusted})
+        try:
+            a = os.path.join(kvfs.mount, "a.kv")
+            open(a, "w").close()
+            assert home(a) == addr
+            fd = os.open(a, os.O_RDWR)
+            try:
+                desc = descriptor.parse(os.pread(fd, 4096, 0))
+                assert (desc.replica, desc.rights) == (addr, "rw")
+                user = Client(addr, token=plain)       # a LIP elsewhere, as uid 1000
+                try:
+                    user.call("pred", cap=desc.cap, tokens=[1, 2, 3])
+                finally:
+                    user.close()
+            finally:
+                os.close(fd)
+            assert os.getxattr(a, "user.kv.tokens") == b"3"
+        finally:
+            assert finish(kvfs) == 0
+        kvfs = start_kvfsd(addr, str(tmp_path / "state2"), env={"SYMPHONY_TOKEN": plain})
+        try:
+            b = os.path.join(kvfs.mount, "b.kv")
+            with pytest.raises(OSError) as err:
+                open(b, "w").close()
+            assert err.value.errno == errno.EPERM
+        finally:
+            assert finish(kvfs) == 0
+    finally:
+        assert daemon.stop() == 0

@@ -195,6 +195,12 @@ def test_replica_command_lines(monkeypatch):
         base + ["--threads", "1", "--addr", "ipc:///r/predd-2.sock", "--swap-dir", "/r/swap-2"]
     assert replicas.predd_argv("/r", 1, 16, None, ["--swap-dir=/s"])[-6:] == \
         ["--threads", "1", "--addr", "ipc:///r/predd-1.sock", "--swap-dir", "/s-1"]
+    assert replicas.predd_argv("/r", 1, 2, None, ["--device", "cuda"])[5:9] == \
+        ["--device", "cuda", "--threads", "4"]
+    assert replicas.predd_argv("/r", 1, 2, None, ["--device", "cuda"])[9:11] == \
+        ["--device", "cuda:1"]                                   # one GPU each
+    assert "cuda:0" not in replicas.predd_argv("/r", 0, 1, None, ["--device", "cuda"])
+    assert replicas.predd_argv("/r", 1, 2, None, ["--device", "cuda:3"]).count("--device") == 1
     assert replicas.local_addr("/r", 0) == "ipc:///r/predd.sock"
 
 
