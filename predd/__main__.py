@@ -7,6 +7,7 @@
           [--uid-quota PAGES] [--latency-factor F] [--auth-keys FILE]
           [--host-pages N] [--disk-pages N] [--swap-dir DIR] [--pin-quota PAGES]
           [--admit-wait S] [--linear auto|plain|packed] [--tp N]
+          [--dist-backend auto|gloo|nccl]
 
 Prints `ready <addr>` on stdout once it serves; progress and logs go to stderr.
 A tcp:// address off loopback needs --auth-keys (docs/identity.md).
@@ -84,6 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="tensor parallel ranks (default 1). On one host predd starts "
                     "the other N-1 itself; across hosts run it under torchrun "
                     "(docs/scaling.md)")
+    ap.add_argument("--dist-backend", default="auto", choices=tp_mod.BACKENDS,
+                    help="torch.distributed backend for --tp (default auto: nccl on CUDA, "
+                    "gloo on CPU)")
     ap.add_argument("--auth-keys", metavar="FILE",
                     help="tokens for tcp clients: lines `TOKEN UID [trusted] [comment]`, "
                     "mode 0600 (`trusted`: kvfsd on another host; docs/identity.md)")
@@ -132,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     tp, children, threads = None, [], args.threads
     if args.tp > 1:
         try:
+            tp_mod.backend_for(args.dist_backend, args.device)   # refused before any rank
             rank, children = tp_mod.ranks(args.tp, sys.argv[1:] if argv is None else argv)
-            group = tp_mod.join(args.tp, rank, args.device)
+            group = tp_mod.join(args.tp, rank, args.device, args.dist_backend)
         except (ValueError, RuntimeError) as exc:
             log(str(exc))
             tp_mod.end(children, 0.0)

@@ -101,11 +101,27 @@ def part_of(world: int, rank: int):
     return of
 
 
-def join(world: int, rank: int, device: str):
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def backend_for(requested: str, device: str) -> str:
+    """`--dist-backend`: auto is nccl on CUDA, gloo on CPU; nccl needs CUDA (ValueError
+    with an errno-named message)."""
+    if requested not in BACKENDS:
+        raise ValueError(f"--dist-backend must be one of {', '.join(BACKENDS)}, not "
+                         f"{requested!r} (EINVAL)")
+    if requested == "auto":
+        return "nccl" if device.startswith("cuda") else "gloo"
+    if requested == "nccl" and not device.startswith("cuda"):
+        raise ValueError(f"--dist-backend nccl needs a CUDA device, not {device} (EINVAL)")
+    return requested
+
+
+def join(world: int, rank: int, device: str, backend: str = "auto"):
     """Joins the ranks (rendezvous from torchrun's environment: MASTER_ADDR, MASTER_PORT)
     and returns the group every command runs on, with TIMEOUT_S per collective."""
     import torch.distributed as dist
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    backend = backend_for(backend, device)
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
     return dist.new_group(list(range(world)), backend=backend,

@@ -69,3 +69,23 @@ def test_chunks_round_trip_through_the_broadcast_array():
         for field in ("tokens", "positions", "pages", "outputs"):
             assert getattr(b, field).tolist() == getattr(a, field).tolist()
         assert b.kv_len == a.kv_len
+
+
+def test_dist_backend_is_nccl_on_cuda_and_gloo_on_cpu_unless_asked():
+    assert tp.backend_for("auto", "cpu") == "gloo"
+    assert tp.backend_for("auto", "cuda:1") == "nccl"
+    assert tp.backend_for("gloo", "cuda") == "gloo"
+    with pytest.raises(ValueError, match=r"^--dist-backend nccl needs a CUDA device, "
+                       r"not cpu \(EINVAL\)$"):
+        tp.backend_for("nccl", "cpu")
+
+
+def test_predd_refuses_nccl_on_cpu_before_starting_a_rank(tmp_path, capsys):
+    from predd.__main__ import main
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"not a model: predd must stop before reading it")
+    code = main(["--model", str(model), "--tp", "2", "--dist-backend", "nccl",
+                 "--rundir", str(tmp_path), "--addr", f"ipc://{tmp_path}/p.sock"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "predd: --dist-backend nccl needs a CUDA device, not cpu (EINVAL)")
