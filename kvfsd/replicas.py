@@ -94,13 +94,15 @@ class Replicas:
 
     def report(self, files: Counter[str]) -> str:
         """`user.kv.replicas`: a line per replica, in order, `ADDR up|down files=N
-        pages=USED/TOTAL` (`files`: how many files each homes; pages: its last stats)."""
+        pages=USED/TOTAL calls=N` (`files`: how many files each homes; pages and calls
+        in flight, its load: its last stats)."""
         lines = []
         for link in self.links:
             total = int(link.stats.get("pages_total", 0))
             used = total - int(link.stats.get("pages_free", total))
             lines.append(f"{link.addr} {'up' if link.up else 'down'} "
-                         f"files={files.get(link.addr, 0)} pages={used}/{total}\n")
+                         f"files={files.get(link.addr, 0)} pages={used}/{total} "
+                         f"calls={int(link.stats.get('pending_calls', 0))}\n")
         return "".join(lines)
 
     def count_migration(self, nbytes: int) -> None:

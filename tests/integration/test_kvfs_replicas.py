@@ -133,7 +133,7 @@ def replicas_table(mount: str) -> list[tuple[str, str, int, int]]:
     """(address, up|down, files, pages total) per line of the root's user.kv.replicas."""
     out = []
     for line in os.getxattr(mount, "user.kv.replicas").decode().splitlines():
-        m = re.fullmatch(r"(\S+) (up|down) files=(\d+) pages=(\d+)/(\d+)", line)
+        m = re.fullmatch(r"(\S+) (up|down) files=(\d+) pages=(\d+)/(\d+) calls=(\d+)", line)
         assert m is not None, line
         assert int(m[4]) <= int(m[5])
         out.append((m[1], m[2], int(m[3]), int(m[5])))

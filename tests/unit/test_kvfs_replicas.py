@@ -98,11 +98,12 @@ def test_replicas_in_order_unknown_addresses_and_the_report():
     assert e.value.errno == errno.EIO
     assert r.first_live() is None and r.most_free() is None
     for link, free in zip(r, (10, 30)):
-        link.up, link.stats = True, {"pages_total": 64, "pages_free": free}
+        link.up, link.stats = True, {"pages_total": 64, "pages_free": free,
+                                     "pending_calls": free // 10}
     assert r.first_live() is r.links[0] and r.most_free() is r.links[1]
     r.links[0].up = False
     assert r.report(Counter({A: 2, B: 1, C: 5})) == \
-        f"{A} down files=2 pages=54/64\n{B} up files=1 pages=34/64\n"
+        f"{A} down files=2 pages=54/64 calls=1\n{B} up files=1 pages=34/64 calls=3\n"
     r.count_migration(100)
     r.count_migration(23)
     assert (r.migrations, r.migrated_bytes, r.restored) == (2, 123, 0)

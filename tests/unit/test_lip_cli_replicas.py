@@ -35,11 +35,11 @@ def test_near_picks_the_replica_holding_most_tokens(xattrs):
 def test_stats_reads_the_replicas_of_the_mount_root(xattrs, tmp_path):
     assert cli.replicas() == {}                                # one predd: nothing added
     xattrs[(str(tmp_path), "user.kv.replicas")] = (
-        f"{A} up files=3 pages=10/4096\n{B} down files=1 pages=0/4096\n")
+        f"{A} up files=3 pages=10/4096 calls=5\n{B} down files=1 pages=0/4096 calls=0\n")
     xattrs[(str(tmp_path), "user.kv.migrations")] = "2 1572864"
     assert cli.replicas() == {
         "replicas": [{"addr": A, "up": True, "files": 3, "pages_used": 10,
-                      "pages_total": 4096},
+                      "pages_total": 4096, "calls": 5},
                      {"addr": B, "up": False, "files": 1, "pages_used": 0,
-                      "pages_total": 4096}],
+                      "pages_total": 4096, "calls": 0}],
         "migrations": {"count": 2, "bytes": 1572864}}
