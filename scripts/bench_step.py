@@ -1,0 +1,55 @@
+"""predd's decode step alone: `Runner.execute` in-process for B calls of one new token
+over contexts of L entries each (pages in a seeded random order, as a pool that has
+been in use hands them out), best and median of --reps after 3 warm-up steps. No
+server, no scheduler: what the model and the attention backend cost.
+
+    python scripts/bench_step.py --calls 8 --context 440 [--reps 8] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from predd.loader import default_model_path  # noqa: E402
+from predd.runner import Chunk, Runner, RunnerConfig  # noqa: E402
+
+PAGE = 16
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--context", type=int, default=440)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    per = -(-(args.context + 1) // PAGE)
+    runner = Runner(RunnerConfig(default_model_path(), kv_pages=args.calls * per + 8,
+                                 page_size=PAGE, threads=args.threads))
+    order = np.random.default_rng(0).permutation(args.calls * per).astype(np.int32)
+    chunks = [Chunk(np.array([5], np.int32), np.array([args.context], np.int32),
+                    order[b * per:(b + 1) * per], args.context + 1, np.array([0]))
+              for b in range(args.calls)]
+    with torch.inference_mode():
+        for _ in range(3):
+            runner.execute(chunks)
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            runner.execute(chunks)
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    print(f"calls {args.calls} context {args.context}: best {times[0] * 1e3:.1f} ms, "
+          f"median {times[len(times) // 2] * 1e3:.1f} ms a step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
