@@ -408,7 +408,7 @@ class KvFs(pyfuse3.Operations):
             await self.caches.policy.evict(node)      # an action: nothing is stored
             return
         if name == xattrs.REHOME:
-            await self.caches.migration.rehome(node, value)   # an action too
+            await self.caches.migration.rehome(node, value, ctx.uid)   # an action too
             return
         if name == xattrs.PIN:                        # predd first: a refusal stores nothing
             await self.caches.policy.set_pin(node, value)

@@ -22,6 +22,7 @@ and files whose replica kvfsd no longer has.
 from __future__ import annotations
 
 import errno
+from collections import defaultdict
 from typing import TYPE_CHECKING
 
 import pyfuse3
@@ -42,6 +43,10 @@ class Migration:
         # files homed on an address kvfsd does not have, still to re-home
         self.homeless: set[int] = {n.ino for n in caches.ns.files()
                                    if not self.replicas.known(n.replica)}
+        # one move at a time per asking uid: a uid that moves files back and forth
+        # queues behind its own moves, never ahead of other uids' (trusted kvfsd's
+        # exports and imports have no rate limit in predd)
+        self.movers: defaultdict[int, trio.Lock] = defaultdict(trio.Lock)
 
     def target(self, value: bytes) -> PreddLink:
         """The replica `user.kv.rehome=value` names (checked by kvfsd/xattrs.py): an
@@ -58,11 +63,12 @@ class Migration:
             raise pyfuse3.FUSEError(errno.EINVAL)
         return link
 
-    async def rehome(self, node: Node, value: bytes) -> None:
-        """`setfattr -n user.kv.rehome -v ADDR FILE`: move the file's cache to ADDR."""
+    async def rehome(self, node: Node, value: bytes, uid: int) -> None:
+        """`setfattr -n user.kv.rehome -v ADDR FILE` by `uid`: move the file's cache to
+        ADDR."""
         target = self.target(value)
         caches = self.caches
-        async with caches.locks[node.ino]:
+        async with self.movers[uid], caches.locks[node.ino]:
             home = caches.link(node)
             if target is home and home.up:
                 return

@@ -10,6 +10,7 @@ from collections import Counter
 import pyfuse3
 import pytest
 import trio
+import trio.testing
 
 from kvfsd import xattrs
 from kvfsd.caches import Caches
@@ -130,12 +131,12 @@ def test_rehome_moves_the_cache_and_counts_it(tmp_path):
     caches, fakes, lines = setup(tmp_path)
     node = add_file(caches, fakes, b"a.kv", A, [1, 2, 3])
     old = node.cap
-    run(caches.migration.rehome, node, B.encode())
+    run(caches.migration.rehome, node, B.encode(), 1000)
     assert node.replica == B and fakes[B].objects[node.cap] == [1, 2, 3]
     assert old not in fakes[A].objects and fakes[A].objects == {}
     size = len(json.dumps([1, 2, 3]).encode())
     assert (caches.replicas.migrations, caches.replicas.migrated_bytes) == (1, size)
-    run(caches.migration.rehome, node, B.encode())          # already there: nothing
+    run(caches.migration.rehome, node, B.encode(), 1000)          # already there: nothing
     assert caches.replicas.migrations == 1 and fakes[B].calls.count("kv_import") == 1
     assert lines == [f"/a.kv: moved from {A} to {B} ({size} bytes)"]
     assert caches.state.load() is not None
@@ -148,14 +149,14 @@ def test_rehome_errors_change_nothing(tmp_path):
     node = add_file(caches, fakes, b"a.kv", A, [1, 2])
     cap = node.cap
     node.opens = 1
-    assert errno_of(caches.migration.rehome, node, B.encode()) == errno.EBUSY
+    assert errno_of(caches.migration.rehome, node, B.encode(), 1000) == errno.EBUSY
     node.opens = 0
-    assert errno_of(caches.migration.rehome, node, C.encode()) == errno.EINVAL
+    assert errno_of(caches.migration.rehome, node, C.encode(), 1000) == errno.EINVAL
     caches.replicas.get(B).up = False
-    assert errno_of(caches.migration.rehome, node, B.encode()) == errno.EIO
+    assert errno_of(caches.migration.rehome, node, B.encode(), 1000) == errno.EIO
     caches.replicas.get(A).up = False                         # no snapshot: stays
     caches.replicas.get(B).up = True
-    assert errno_of(caches.migration.rehome, node, B.encode()) == errno.EIO
+    assert errno_of(caches.migration.rehome, node, B.encode(), 1000) == errno.EIO
     assert (node.cap, node.replica, caches.replicas.migrations) == (cap, A, 0)
     assert fakes[B].objects == {}
 
@@ -167,7 +168,7 @@ def test_rehome_off_a_dead_home_restores_the_snapshot(tmp_path):
     old = node.cap
     caches.replicas.get(A).up = False
     caches.replicas.get(B).stats = {"pages_free": 9}
-    run(caches.migration.rehome, node, b"auto")               # the live one: B
+    run(caches.migration.rehome, node, b"auto", 1000)               # the live one: B
     assert node.replica == B and fakes[B].objects[node.cap] == [5, 6, 7, 8]
     assert (caches.replicas.migrations, caches.replicas.restored) == (0, 1)
     assert caches.pending_free == [(A, old)]                  # freed when A answers
@@ -238,3 +239,39 @@ def test_a_replica_is_named_by_its_address_or_the_same_socket_spelled_otherwise(
     one = Replicas([A], print)
     assert one.named(C) is one.first        # one predd: whatever a LIP calls it
     assert not one.known(C)                 # ... but a file homed on C is not A's
+
+
+def test_one_uid_moves_one_file_at_a_time_and_never_holds_up_another(tmp_path):
+    caches, fakes, _ = setup(tmp_path)
+    files = [add_file(caches, fakes, name, A, [1, 2, 3]) for name in (b"x", b"y", b"z")]
+    release = trio.Event()
+    started: list[str] = []
+    plain = fakes[A].request
+
+    async def slow_export(op, **f):
+        if op == "kv_export":
+            started.append(f["cap"])
+            await release.wait()
+        return await plain(op, **f)
+
+    caches.replicas.get(A).request = slow_export
+    done: list[int] = []
+
+    async def move(node, uid):
+        await caches.migration.rehome(node, B.encode(), uid)
+        done.append(node.ino)
+
+    async def go():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(move, files[0], 1000)
+            nursery.start_soon(move, files[1], 1000)     # queues behind uid 1000's first
+            nursery.start_soon(move, files[2], 2000)     # another uid: goes at once
+            await trio.testing.wait_all_tasks_blocked()
+            # one of uid 1000's two moves, and uid 2000's (trio starts tasks in any order)
+            assert len(started) == 2 and files[2].cap in started
+            assert len({files[0].cap, files[1].cap} & set(started)) == 1
+            release.set()
+    trio.run(go)
+    assert sorted(done) == sorted(n.ino for n in files)
+    assert [n.replica for n in files] == [B, B, B]
+    assert caches.replicas.migrations == 3
