@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 import httpx
+import pytest
 
 from liblip.client import Client
 from predd.launch import die_with_parent, terminate, wait_ready
@@ -142,3 +143,10 @@ def checked_client(server):
         assert report["clean"], report["problems"]
     finally:
         c.close()
+
+
+@pytest.fixture
+def http(server):
+    """An HTTP client of the module's `server` fixture (a `Serve`)."""
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c

@@ -7,13 +7,12 @@ import json
 import math
 import os
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gatewayd.launcher import Launcher
-from tests.integration.gateway_fixtures import (LIPS, Event, checked_client, eventually,
-                                                finish, sse_events, start_serve)
+from tests.integration.gateway_fixtures import (LIPS, Event, checked_client, eventually,  # noqa: F401
+                                                finish, http, sse_events, start_serve)
 
 ALICE, BOB, CAROL = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdef", \
     "sk-carol-0123456789abcdef"
@@ -31,12 +30,6 @@ def server(tmp_path_factory):
     s = start_serve(str(tmp), "--api-keys", str(keys), "--allow-uploads", "--programs", LIPS)
     yield s
     finish(s)
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture

@@ -16,14 +16,13 @@ import signal
 import subprocess
 import sys
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from liblip.client import Client, LipError
 from tests.conftest import ROOT
-from tests.integration.gateway_fixtures import (LIPS, eventually, finish, sse_events,
-                                                start_serve)
+from tests.integration.gateway_fixtures import (LIPS, eventually, finish, http,  # noqa: F401
+                                                sse_events, start_serve)
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="symphony serve needs root"),
               pytest.mark.slow]
@@ -38,12 +37,6 @@ def server(tmp_path_factory):
     s = start_serve(str(tmp), "--replicas", "2", "--threads", "1", "--programs", LIPS)
     yield s
     finish(s)
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def addrs(server) -> list[str]:
