@@ -14,18 +14,11 @@
 """
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterator
 
 from kvfsd.predd_link import PreddLink, Timeouts
-
-
-def canonical(addr: str) -> str:
-    """One spelling per ipc socket path (normalized, absolute); other addresses as given."""
-    if addr.startswith("ipc://") and len(addr) > 6:
-        return "ipc://" + os.path.normpath(os.path.abspath(addr[6:]))
-    return addr
+from liblip.protocol import same_endpoint_key
 
 
 class Replicas:
@@ -36,10 +29,10 @@ class Replicas:
         self.links: list[PreddLink] = []
         self._by_addr: dict[str, PreddLink] = {}
         for addr in addrs:
-            if canonical(addr) not in self._by_addr:      # one link per address
+            if same_endpoint_key(addr) not in self._by_addr:      # one link per address
                 link = PreddLink(addr, log, timeouts)
                 self.links.append(link)
-                self._by_addr[addr] = self._by_addr[canonical(addr)] = link
+                self._by_addr[same_endpoint_key(addr)] = link
         self._absent: dict[str, PreddLink] = {}    # addresses kvfsd does not have
         self.migrations = 0
         self.migrated_bytes = 0
@@ -60,21 +53,21 @@ class Replicas:
         socket spelled another way (`ipc://a//b/../p.sock`); with one replica, whatever
         a client calls its predd (a LIP's $PREDD_ADDR need not be spelled as kvfsd's
         --predd). None: not one of kvfsd's."""
-        link = self._by_addr.get(addr) or self._by_addr.get(canonical(addr))
+        link = self._by_addr.get(same_endpoint_key(addr))
         if link is None and len(self.links) == 1 and addr:
             return self.first
         return link
 
     def known(self, addr: str) -> bool:
         """Whether `addr` is one of kvfsd's replicas (as given, or the same ipc socket)."""
-        return addr in self._by_addr or canonical(addr) in self._by_addr
+        return same_endpoint_key(addr) in self._by_addr
 
     def get(self, addr: str) -> PreddLink:
         """The link of replica `addr` ("" is replica 0); an address kvfsd does not have
         gets a link that is never connected (its calls fail with EIO)."""
         if not addr:
             return self.first
-        link = self._by_addr.get(addr) or self._by_addr.get(canonical(addr))
+        link = self._by_addr.get(same_endpoint_key(addr))
         if link is None:
             link = self._absent.get(addr)
             if link is None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from liblip import descriptor
 from liblip.client import Client, LipError
-from liblip.protocol import default_mount
+from liblip.protocol import default_mount, same_endpoint_key
 
 _client: Client | None = None
 _client_lock = threading.Lock()
@@ -280,7 +280,7 @@ def _bring_here(full: str) -> None:
     except OSError:
         return                     # no such file (open says so), or one predd only
     own = client().addr
-    if home and home != own:
+    if home and same_endpoint_key(home) != same_endpoint_key(own):
         try:
             os.setxattr(full, REHOME, own.encode())
         except OSError as exc:

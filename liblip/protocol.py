@@ -724,6 +724,15 @@ def default_rundir() -> str:
     return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"symphony-{os.geteuid()}")
 
 
+def same_endpoint_key(addr: str) -> str:
+    """One spelling per ipc socket path (normalized, absolute), so two spellings of one
+    predd compare equal; other addresses as given."""
+    import os
+    if addr.startswith("ipc://") and len(addr) > 6:
+        return "ipc://" + os.path.normpath(os.path.abspath(addr[6:]))
+    return addr
+
+
 def default_addr(rundir: str | None = None) -> str:
     """Where a client finds predd: $PREDD_ADDR, else the socket in $SYMPHONY_RUNDIR,
     else the system predd's (/run/symphony/predd.sock) when it exists, else the socket
