@@ -1,7 +1,7 @@
 """`predd`: serve a model's pred() to LIPs over ZeroMQ.
 
     predd [--model PATH] [--device cpu|cuda] [--dtype auto|float32|bfloat16]
-          [--attention auto|torch|flashinfer] [--kv-pages N]
+          [--attention auto|torch|cpu|flashinfer] [--kv-pages N]
           [--page-size N] [--addr ADDR] [--rundir DIR] [--max-step-tokens N]
           [--max-batch N] [--lease S] [--threads N] [--session-quota PAGES]
           [--uid-quota PAGES] [--latency-factor F] [--auth-keys FILE]
@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "natively, float32 otherwise")
     ap.add_argument("--attention", default="auto", choices=attention.CHOICES,
                     help="attention backend; auto (default): flashinfer on CUDA where it "
-                    "is installed and the dtype is bf16/fp16, torch otherwise")
+                    "is installed and the dtype is bf16/fp16, cpu (predd's own kernel, "
+                    "built on first use) on the CPU in float32, torch otherwise")
     ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")

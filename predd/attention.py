@@ -4,9 +4,11 @@ A backend's `prepare(tables)` runs once per step with the step's `PageTables` an
 returns the per-layer callable the model uses: it writes the step's new K/V into their
 reserved slots (`slot_writer`, shared by every backend), then lets every new token
 attend to all entries of its call before it and causally to the new tokens before it.
-`torch` is the reference (CPU and CUDA); `flashinfer` (CUDA, predd/attention_flashinfer.py)
-takes the same tables. `resolve` picks one for `predd --attention auto|torch|flashinfer`;
-nothing on the per-token path asks which backend runs.
+`torch` is the reference (CPU and CUDA); `cpu` is torch with predd's own kernel for
+every row that reads a past (predd/cpu_kernels.py: no gather); `flashinfer` (CUDA,
+predd/attention_flashinfer.py) takes the same tables. `resolve` picks one for
+`predd --attention auto|torch|cpu|flashinfer`; nothing on the per-token path asks which
+backend runs.
 """
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from predd import cpu_kernels
 from predd.paged_kv import PagedKVCache
 from predd.page_table import PageTables
 
-CHOICES = ("auto", "torch", "flashinfer")
+CHOICES = ("auto", "torch", "cpu", "flashinfer")
+CPU_DTYPES = ("float32",)                        # the cpu kernel's
 FLASHINFER_DTYPES = ("bfloat16", "float16")      # its kernels have no float32 variant
 
 StoreKV = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -52,48 +56,65 @@ class TorchAttention:
         self.cache = cache
 
     def prepare(self, tables: PageTables) -> Callable:
-        cache, dev = self.cache, self.cache.device
-        ps = cache.page_size
-        store = slot_writer(cache, tables)
-        q_len = tables.q_len
+        store = slot_writer(self.cache, tables)
         single, multi = tables.by_phase()
-
-        if single:
-            table = tables.padded(single)                           # [B, W]
-            pages = torch.from_numpy(table.reshape(-1)).to(dev)
-            single_q = torch.from_numpy(tables.qo_indptr[single].astype(np.int64)).to(dev)
-            lengths = torch.from_numpy(tables.kv_len[single].astype(np.int64)).to(dev)
-            single_pad = (torch.arange(table.shape[1] * ps, device=dev)[None, :]
-                          >= lengths[:, None])[None, :, None, :]    # [1, B, 1, W*ps]
-            kv_heads, head_dim = cache.kv[0].shape[-2:]
-            single_shape = (2, kv_heads, len(single), table.shape[1] * ps, head_dim)
-
-        multi_parts = []
-        for i in multi:
-            start, n, kv_len = int(tables.qo_indptr[i]), int(q_len[i]), int(tables.kv_len[i])
-            past = kv_len - n
-            if not past:                        # sees only itself: no gather, causal
-                multi_parts.append((start, n, None, None, kv_len))
-                continue
-            mask = (torch.arange(kv_len, device=dev)[None, :]
-                    <= past + torch.arange(n, device=dev)[:, None])          # [n, L]
-            pages_t = torch.from_numpy(tables.pages_of(i).astype(np.int64)).to(dev)
-            multi_parts.append((start, n, pages_t, mask, kv_len))
+        decode = self._plan_decode(tables, single)
+        chunks = self._plan_chunks(tables, multi)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                    ) -> torch.Tensor:
             store(layer, k, v)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # [T, H, D]
+            decode(layer, q, out)
+            chunks(layer, q, k, v, out)
+            return out
+
+        return attend
+
+    def _plan_decode(self, tables: PageTables, calls: list[int]) -> Callable:
+        """`run(layer, q, out)` for `calls`, one new token each: one gather straight into
+        K and V as [2, Hkv, B, W*ps, D] (pages picked from the head-major view [2, Hkv,
+        P, ps, D]), so that for each (kv head, call) both matmuls take one contiguous
+        matrix."""
+        if not calls:
+            return lambda layer, q, out: None
+        cache, dev, ps = self.cache, self.cache.device, self.cache.page_size
+        table = tables.padded(calls)                                    # [B, W]
+        pages = torch.from_numpy(table.reshape(-1)).to(dev)
+        rows = torch.from_numpy(tables.qo_indptr[calls].astype(np.int64)).to(dev)
+        lengths = torch.from_numpy(tables.kv_len[calls].astype(np.int64)).to(dev)
+        pad = (torch.arange(table.shape[1] * ps, device=dev)[None, :]
+               >= lengths[:, None])[None, :, None, :]                  # [1, B, 1, W*ps]
+        kv_heads, head_dim = cache.kv[0].shape[-2:]
+        shape = (2, kv_heads, len(calls), table.shape[1] * ps, head_dim)
+
+        def run(layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+            kv = cache.kv[layer].permute(1, 3, 0, 2, 4).index_select(2, pages).view(shape)
+            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kv[0], kv[1], pad))
+
+        return run
+
+    def _plan_chunks(self, tables: PageTables, calls: list[int]) -> Callable:
+        """`run(layer, q, k, v, out)` for `calls` of several new tokens, one SDPA each:
+        causal over its own K/V when it sees only itself, else over its gathered
+        entries with a mask."""
+        cache, dev = self.cache, self.cache.device
+        parts = []
+        for i in calls:
+            start, n, kv_len = int(tables.qo_indptr[i]), int(tables.q_len[i]), int(tables.kv_len[i])
+            past = kv_len - n
+            if not past:                        # sees only itself: no gather, causal
+                parts.append((start, n, None, None, kv_len))
+                continue
+            mask = (torch.arange(kv_len, device=dev)[None, :]
+                    <= past + torch.arange(n, device=dev)[:, None])          # [n, L]
+            pages_t = torch.from_numpy(tables.pages_of(i).astype(np.int64)).to(dev)
+            parts.append((start, n, pages_t, mask, kv_len))
+
+        def run(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor) -> None:
             paged = cache.kv[layer]                        # [P, 2, ps, Hkv, D]
-            out = torch.empty_like(q)                      # [T, H, D]
-            if single:
-                # One gather straight into K and V as [2, Hkv, B, W*ps, D] (pages picked
-                # from the head-major view [2, Hkv, P, ps, D]): each (kv head, call) one
-                # contiguous matrix, so both matmuls run without another copy.
-                kv = (paged.permute(1, 3, 0, 2, 4).index_select(2, pages)
-                      .view(single_shape))
-                out.index_copy_(0, single_q, self._decode(
-                    q.index_select(0, single_q), kv[0], kv[1], single_pad))
-            for start, n, pages_t, mask, kv_len in multi_parts:
+            for start, n, pages_t, mask, kv_len in parts:
                 qm = q[start:start + n].transpose(0, 1)[None]             # [1, H, n, D]
                 if pages_t is None:
                     km, vm = k[start:start + n], v[start:start + n]       # [n, Hkv, D]
@@ -104,9 +125,8 @@ class TorchAttention:
                     qm, km.transpose(0, 1)[None], vm.transpose(0, 1)[None],
                     attn_mask=mask, is_causal=mask is None, enable_gqa=True)
                 out[start:start + n] = o[0].transpose(0, 1)
-            return out
 
-        return attend
+        return run
 
     @staticmethod
     def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor
@@ -127,6 +147,47 @@ class TorchAttention:
         return out.view(kv_heads, b, g, d).transpose(0, 1).reshape(b, h, d)
 
 
+class CpuAttention(TorchAttention):
+    """The torch backend with predd's own kernel (predd/cpu_kernels.py) for every row
+    that reads a past: decode calls and chunks of up to `KERNEL_ROWS` new tokens after
+    a cached prefix attend over their pages in place, no gather. A fresh prefill (it
+    sees only itself) and a long chunk after a past stay on SDPA, where a GEMM pays."""
+
+    name = "cpu"
+    KERNEL_ROWS = 64
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        super().__init__(cache)
+        self.kernel = cpu_kernels.kernels()
+
+    def prepare(self, tables: PageTables) -> Callable:
+        store = slot_writer(self.cache, tables)
+        q_len, kv_len = tables.q_len, tables.kv_len
+        mine = [i for i in range(len(tables))
+                if q_len[i] == 1 or (q_len[i] < kv_len[i] and q_len[i] <= self.KERNEL_ROWS)]
+        chunks = self._plan_chunks(tables, sorted(set(range(len(tables))) - set(mine)))
+        n = q_len[mine].astype(np.int64)
+        row_token = tables.query_rows(mine)
+        # row j of a chunk of n after `past` entries sees past + j + 1 of them
+        row_visible = (np.repeat(kv_len[mine].astype(np.int64) - n, n)
+                       + np.arange(len(row_token)) - np.repeat(np.cumsum(n) - n, n) + 1)
+        row_pages = np.repeat(tables.indptr[mine].astype(np.int64), n)
+        most = int(row_visible.max(initial=0))
+        indices, paged = tables.indices, self.cache.kv
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                   ) -> torch.Tensor:
+            store(layer, k, v)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # [T, H, D]
+            if len(row_token):
+                self.kernel.attend(q, out, paged[layer], indices, row_token, row_pages,
+                                row_visible, most)
+            chunks(layer, q, k, v, out)
+            return out
+
+        return attend
+
+
 def flashinfer_problem(device: str, dtype: str) -> tuple[str, str] | None:
     """Why the flashinfer backend cannot run here, as (reason, errno name), or None;
     the reason reads after "flashinfer". Checked in this order so that a CPU machine
@@ -143,23 +204,42 @@ def flashinfer_problem(device: str, dtype: str) -> tuple[str, str] | None:
     return None
 
 
+def cpu_problem(device: str, dtype: str) -> tuple[str, str] | None:
+    """Why the cpu backend cannot run here, as (reason, errno name), or None; the reason
+    reads after "cpu". Building its kernel is the last check (a compile, once)."""
+    if device != "cpu":
+        return f"is for the CPU, not {device}", "EINVAL"
+    if dtype not in CPU_DTYPES:
+        return f"computes only in {' or '.join(CPU_DTYPES)}, not {dtype}", "EINVAL"
+    problem = cpu_kernels.problem()
+    if problem:
+        return f"kernel unavailable: {problem}", "ENOPKG"
+    return None
+
+
 def resolve(requested: str, device: str, dtype: str) -> tuple[str, str]:
     """(backend name, why) for `--attention requested` on `device` computing in `dtype`
-    (a name from predd.dtype.DTYPES). `auto` is flashinfer where it can run, else torch.
-    Raises ValueError with an errno-named message when the asked-for one cannot run."""
+    (a name from predd.dtype.DTYPES). `auto` is flashinfer on CUDA and cpu on the CPU
+    where they can run, else torch. Raises ValueError with an errno-named message when
+    the asked-for one cannot run."""
     if requested not in CHOICES:
         raise ValueError(f"--attention must be one of {', '.join(CHOICES)}, "
                          f"not {requested!r} (EINVAL)")
     if requested == "torch":
         return "torch", "asked for"
-    problem = flashinfer_problem(device, dtype)
-    if requested == "flashinfer":
+    if requested == "auto":
+        name = "cpu" if device == "cpu" else "flashinfer"
+    else:
+        name = requested
+    problem = (cpu_problem if name == "cpu" else flashinfer_problem)(device, dtype)
+    if requested != "auto":
         if problem:
-            raise ValueError(f"--attention flashinfer {problem[0]} ({problem[1]})")
-        return "flashinfer", "asked for"
+            raise ValueError(f"--attention {name} {problem[0]} ({problem[1]})")
+        return name, "asked for"
     if problem:
-        return "torch", f"auto: flashinfer {problem[0]}"
-    return "flashinfer", "auto: CUDA and flashinfer are here"
+        return "torch", f"auto: {name} {problem[0]}"
+    return name, ("auto: predd's CPU kernel builds and agrees with torch here" if name == "cpu"
+                  else "auto: CUDA and flashinfer are here")
 
 
 def make_backend(name: str, cache: PagedKVCache):
@@ -169,4 +249,6 @@ def make_backend(name: str, cache: PagedKVCache):
     if name == "flashinfer":
         from predd.attention_flashinfer import FlashInferAttention
         return FlashInferAttention(cache)
+    if name == "cpu":
+        return CpuAttention(cache)
     return TorchAttention(cache)

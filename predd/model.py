@@ -57,6 +57,36 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class TorchOps:
+    """A layer's small ops in plain torch, for every device and dtype: the reference.
+    predd/cpu_kernels.py's `CpuOps` does the same in one pass each (float32 on the
+    CPU); `LlamaModel.ops` is one or the other."""
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)); x alone when delta is None."""
+        if delta is not None:
+            x = x + delta
+        return x, norm(x)
+
+    def rotary(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for `rope` from the rows' angles [T, D/2]."""
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]           # [T, 1, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def rope(self, qkv: torch.Tensor, heads: int, rotary: tuple[torch.Tensor, torch.Tensor]
+             ) -> torch.Tensor:
+        """[T, heads, D]: the first `heads` heads of qkv [T, n, D] turned by RoPE."""
+        cos, sin = rotary
+        qk = qkv[:, :heads]
+        return qk * cos + rotate_half(qk) * sin
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's product: silu(gate) * up for gate_up = (gate | up) [T, 2n] -> [T, n]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class Attention(nn.Module):
     """q, k and v come out of one GEMM (`qkv_proj`, fused from Hugging Face's three at
     load) and RoPE turns q and k together: one op each where there were three and two."""
@@ -68,14 +98,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         self.shape = (h, kv, d)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                layer: int, attend: StepAttention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary, ops: TorchOps, layer: int,
+                attend: StepAttention) -> torch.Tensor:
         h, kv, d = self.shape
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, h + 2 * kv, d)
-        qk = qkv[:, :h + kv]
-        qk = qk * cos + rotate_half(qk) * sin     # cos/sin: [T, 1, D]
-        out = attend(layer, qk[:, :h], qk[:, h:], qkv[:, h + kv:])   # [T, H, D]
+        qk = ops.rope(qkv, h + kv, rotary)
+        out = attend(layer, qk[:, :h], qk[:, h:h + kv], qkv[:, h + kv:])   # [T, H, D]
         return self.o_proj(out.reshape(t, h * d))
 
 
@@ -87,9 +116,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -146,6 +174,7 @@ class LlamaModel(nn.Module):
         self.model = Inner(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.ops = TorchOps()
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         """Loads Hugging Face's names; q/k/v and gate/up are fused here (`fuse`)."""
@@ -159,21 +188,20 @@ class LlamaModel(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]           # [T, 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attend: StepAttention, out_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; out_rows: [R] rows whose logits are wanted -> [R, V] fp32."""
+        ops = self.ops
         x = self.model.embed_tokens(input_ids)                         # [T, C]
-        cos, sin = self.rope(positions, x.dtype)
+        rotary = ops.rotary(positions.float()[:, None] * self.inv_freq[None, :], x.dtype)
+        delta = None          # each block's output, added into x by the next norm
         for i, layer in enumerate(self.model.layers):
-            x = x + self.reduce(layer.self_attn(layer.input_layernorm(x), cos, sin, i, attend))
-            x = x + self.reduce(layer.mlp(layer.post_attention_layernorm(x)))
+            x, h = ops.add_norm(x, delta, layer.input_layernorm)
+            delta = self.reduce(layer.self_attn(h, rotary, ops, i, attend))
+            x, h = ops.add_norm(x, delta, layer.post_attention_layernorm)
+            delta = self.reduce(layer.mlp(h, ops))
         if out_rows.numel() == 0:
             return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        x = self.model.norm(x[out_rows])
+        x = self.model.norm((x + delta)[out_rows])
         return self.lm_head(x).float()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from predd import linear
+from predd import cpu_kernels, linear
 from predd import tp as tp_mod
 from predd.attention import make_backend
 from predd.paged_kv import PagedKVCache
@@ -87,6 +87,8 @@ class Runner:
         self.linear, linear_reason = self._pack(config.linear)
         pool = PagedKVCache(local, config.kv_pages, config.page_size, self.dtype, self.device)
         self.backend = make_backend(config.attention, pool)
+        if self.backend.name == "cpu":     # its kernels do the layers' small ops too
+            self.model.ops = cpu_kernels.CpuOps(cpu_kernels.kernels())
         self.cache = pool
         if tp and tp.rank == 0:
             self.cache = tp_mod.ShardedCache(

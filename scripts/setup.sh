@@ -38,7 +38,8 @@ missing_debs() {
         pkg-config --exists fuse3 2>/dev/null || missing+=(libfuse3-dev)
         command -v getfattr >/dev/null 2>&1 || missing+=(attr)
     fi
-    # pyfuse3 ships as a source distribution: building it needs a C compiler.
+    # pyfuse3 ships as a source distribution: building it needs a C compiler, and so
+    # does predd's CPU attention kernel (built on first use, predd/cpu_kernels.py).
     command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
     echo "${missing[*]}"
 }

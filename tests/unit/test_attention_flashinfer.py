@@ -181,7 +181,7 @@ def test_torch_is_taken_when_asked_and_auto_keeps_cpu_off_flashinfer(monkeypatch
     monkeypatch.setattr(attention.importlib, "import_module", no_import)
     assert resolve("torch", "cuda", "float32") == ("torch", "asked for")
     assert resolve("auto", "cpu", "bfloat16") == (
-        "torch", "auto: flashinfer needs a CUDA device, not cpu")
+        "torch", "auto: cpu computes only in float32, not bfloat16")
     assert resolve("auto", "cuda", "float32") == (
         "torch", "auto: flashinfer computes only in bfloat16 or float16, not float32 "
         "(pass --dtype bfloat16)")
@@ -218,12 +218,13 @@ def test_auto_takes_flashinfer_on_cuda_when_it_imports(monkeypatch):
 def test_unknown_backend_is_einval():
     with pytest.raises(ValueError) as err:
         resolve("triton", "cuda", "float16")
-    assert str(err.value) == "--attention must be one of auto, torch, flashinfer, not 'triton' (EINVAL)"
+    assert str(err.value) == "--attention must be one of auto, torch, cpu, flashinfer, not 'triton' (EINVAL)"
 
 
 def test_make_backend_on_cpu():
     cache = random_pool(layers=1)
-    assert make_backend("auto", cache).name == "torch"
+    assert make_backend("auto", cache).name == "cpu"      # float32 on a CPU with a compiler
+    assert make_backend("torch", cache).name == "torch"
     assert isinstance(make_backend("torch", cache), TorchAttention)
     with pytest.raises(ValueError, match=r"needs a CUDA device, not cpu \(EINVAL\)$"):
         make_backend("flashinfer", cache)

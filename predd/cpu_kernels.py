@@ -1,0 +1,280 @@
+"""predd's own CPU kernels (predd/csrc/*.c), built for this machine on first use.
+
+torch's CPU ops cannot read K and V where they lie in the paged pool: attention over a
+page table costs a gather (a copy of every entry, each layer, each step) before its
+matmuls. `paged_attention` (predd/csrc/paged_attention.c) reads them in place. And at
+decode's few rows a step, a layer's small ops (RMSNorm, RoPE, SwiGLU's product: some
+twenty torch ops a layer) cost more in dispatch than in arithmetic; predd/csrc/
+layer_ops.c does each in one pass (`CpuOps`, the same interface as predd.model.TorchOps).
+
+The library is compiled here with the machine's C compiler (`$CC`, else `cc`) for this
+CPU (`-march=native`), cached under `$SYMPHONY_CACHE` (default `~/.cache/symphony`) by a
+hash of the sources, the flags, the compiler and the CPU's flags, loaded through ctypes
+and probed against torch. OpenMP in it is the libgomp torch already loaded, so it runs
+on torch's threads (`--threads`). The attention backend `cpu` (predd/attention.py) uses
+it, and a runner with that backend gives its model `CpuOps`.
+
+Where it cannot build or load (no compiler, no OpenMP, a read-only cache and /tmp) or
+its probe disagrees with torch, `problem()` says why and predd keeps the torch backend.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c")
+HEADERS = (CSRC / "exp_approx.h",)
+LIBRARY = "predd-cpu"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+PROBE_TOLERANCE = 1e-4      # float32, another summation order
+
+
+class KernelUnavailable(Exception):
+    """The kernels cannot build, load or agree with torch here; the message says why."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SYMPHONY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "symphony")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS,
+           name: str = LIBRARY) -> Path:
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise KernelUnavailable(f"no C compiler ({compiler}) on PATH")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"{compiler} --version failed: {exc}") from None
+    texts = [p.read_text() for p in (*sources, *headers)]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, platform.machine(),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    last_error = ""
+    for where in (cache_dir(), Path(tempfile.gettempdir()) / f"symphony-kernels-{os.geteuid()}"):
+        target = where / f"{name}-{key}.so"
+        try:
+            where.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not _ours(where):     # a library someone else could replace: never load it
+                last_error = f"{where} is not this user's alone"
+                continue
+            if target.exists():
+                return target
+            fd, partial = tempfile.mkstemp(suffix=".so", dir=where)
+            os.close(fd)
+        except OSError as exc:
+            last_error = f"cannot write {where}: {exc.strerror}"
+            continue
+        try:
+            done = subprocess.run([compiler, *FLAGS, "-o", partial, *map(str, sources)],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise KernelUnavailable(f"{compiler} failed on {LIBRARY}: "
+                                        f"{(done.stderr or done.stdout).strip()[-400:]}")
+            os.replace(partial, target)      # atomic: racing builders write the same file
+            return target
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    raise KernelUnavailable(last_error)
+
+
+def _ours(where: Path) -> bool:
+    """Whether `where` is owned by this euid and writable by no one else."""
+    st = where.stat()
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+class Kernels:
+    """The loaded library: paged attention (`attend`) and a layer's small ops
+    (`add_rms_norm`, `rope`, `silu_mul`), float32, on CPU tensors."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise KernelUnavailable(f"cannot load {path.name}: {exc}") from None
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        signatures = {
+            "paged_attention_f32": (ctypes.c_int, [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr,
+                                                   ptr, ptr, ptr, i64, i64, f32, i64]),
+            "add_rms_norm_f32": (None, [ptr, ptr, ptr, ptr, i64, i64, f32]),
+            "rope_f32": (None, [ptr, i64, ptr, ptr, i64, i64, i64]),
+            "silu_mul_f32": (None, [ptr, ptr, i64, i64]),
+        }
+        for name, (restype, argtypes) in signatures.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        self._lib = lib
+
+    def attend(self, q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor,
+               indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
+               row_visible: np.ndarray, max_visible: int) -> None:
+        """Row r of the query rows (`row_token[r]`, a token of q [T, H, D] and of out, a
+        contiguous [T, H, D]) attends to the first `row_visible[r]` entries of the page
+        table starting at `indices[row_pages[r]]`, in `paged` [P, 2, ps, Hkv, D] (one
+        layer of the pool). The arrays are int32 (indices) and int64, contiguous."""
+        _, _, page_size, kv_heads, head_dim = paged.shape
+        heads = q.shape[1]
+        if (q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim
+                or not out.is_contiguous() or not paged.is_contiguous()):
+            raise ValueError("paged_attention takes float32 rows of contiguous heads")
+        # a task per row reads each entry's K and V once, all heads together; with
+        # fewer rows than threads to share, a task per (row, kv head)
+        span = kv_heads if len(row_token) >= 2 * torch.get_num_threads() else 1
+        status = self._lib.paged_attention_f32(
+            q.data_ptr(), q.stride(0), out.data_ptr(), paged.data_ptr(), page_size, kv_heads,
+            heads, head_dim, indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
+            row_visible.ctypes.data, len(row_token), max_visible, head_dim ** -0.5, span)
+        if status != 0:
+            raise MemoryError("paged_attention could not allocate its score buffers (ENOMEM)")
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += delta in place (when given), then RMSNorm(x) * weight as a new tensor;
+        x, delta [T, C] contiguous."""
+        _contiguous(x, delta, weight)
+        out = torch.empty_like(x)
+        self._lib.add_rms_norm_f32(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                                   weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def rope(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotates the first `heads` heads of x [T, n, D] (rows may be strided, heads
+        contiguous) in place by cos, sin [T, D/2]."""
+        _contiguous(cos, sin)
+        t, _, d = x.shape
+        if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d:
+            raise ValueError("rope takes float32 rows of contiguous heads")
+        self._lib.rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [T, 2n] = (gate | up) -> [T, n]."""
+        _contiguous(gate_up)
+        t, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(t, n, dtype=gate_up.dtype)
+        self._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, n)
+        return out
+
+
+def _contiguous(*tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()
+                              or t.device.type != "cpu"):
+            raise ValueError("the CPU kernels take contiguous float32 CPU tensors")
+
+
+@functools.cache
+def kernels() -> Kernels:
+    """The library, built (or found in the cache), loaded and probed; KernelUnavailable
+    with the reason where it cannot run here. Built once per process."""
+    lib = Kernels(_build())
+    error = _probe(lib)
+    if error > PROBE_TOLERANCE:
+        raise KernelUnavailable(f"its probe differs from torch by {error:.2g}")
+    return lib
+
+
+def problem() -> str | None:
+    """Why the kernels cannot run here, or None."""
+    try:
+        kernels()
+    except KernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
+class CpuOps:
+    """predd.model.TorchOps in one kernel call each: the residual add and RMSNorm
+    together, RoPE in place on q and k, silu and the product together."""
+
+    def __init__(self, lib: Kernels) -> None:
+        self.lib = lib
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As TorchOps.add_norm, but x takes delta in place (x is the model's own
+        residual stream, made by the embedding lookup)."""
+        return x, self.lib.add_rms_norm(x, delta, norm.weight, norm.eps)
+
+    def rotary(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return freqs.cos().contiguous(), freqs.sin().contiguous()     # [T, D/2] each
+
+    def rope(self, qkv: torch.Tensor, heads: int, rotary: tuple[torch.Tensor, torch.Tensor]
+             ) -> torch.Tensor:
+        """Turns q and k where they are, in qkv; returns qkv (its first `heads` heads)."""
+        self.lib.rope(qkv, heads, *rotary)
+        return qkv
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.lib.silu_mul(gate_up)
+
+
+def _probe(lib: Kernels) -> float:
+    """The largest difference from torch over every kernel on small random cases."""
+    with torch.inference_mode():
+        return max(_probe_attention(lib), _probe_layer_ops(lib))
+
+
+def _probe_layer_ops(lib: Kernels) -> float:
+    """CpuOps against TorchOps on a random layer's worth of rows (relative to scale)."""
+    from predd.model import RMSNorm, TorchOps
+    gen = torch.Generator().manual_seed(0)
+    ours, ref = CpuOps(lib), TorchOps()
+    norm = RMSNorm(48, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48, generator=gen) + 0.5)
+    x, delta = torch.randn(5, 48, generator=gen), torch.randn(5, 48, generator=gen)
+    x_ref, h_ref = ref.add_norm(x, delta, norm)
+    x_got, h_got = ours.add_norm(x.clone(), delta, norm)
+    freqs = torch.rand(5, 8, generator=gen) * 50
+    qkv = torch.randn(5, 4, 16, generator=gen)
+    turned = ref.rope(qkv, 3, ref.rotary(freqs, torch.float32))
+    got = ours.rope(qkv.clone(), 3, ours.rotary(freqs, torch.float32))
+    gate_up = torch.randn(5, 64, generator=gen) * 8
+    return max(float((x_got - x_ref).abs().max()), float((h_got - h_ref).abs().max()),
+               float((got[:, :3] - turned).abs().max()),
+               float((ours.silu_mul(gate_up) - ref.silu_mul(gate_up)).abs().max()) / 8)
+
+
+def _probe_attention(lib: Kernels) -> float:
+    """The largest difference from plain softmax attention on a small random case: three
+    rows over 1, 19 and 40 entries of scattered pages, two query heads per kv head."""
+    gen = torch.Generator().manual_seed(0)
+    ps, kv_heads, heads, d = 4, 2, 4, 16
+    paged = torch.randn(16, 2, ps, kv_heads, d, generator=gen)
+    q = torch.randn(3, heads, d, generator=gen)
+    out = torch.zeros(3, heads, d)
+    indices = np.random.default_rng(0).permutation(16).astype(np.int32)
+    visible = np.array([1, 19, 40], np.int64)
+    starts = np.array([0, 1, 6], np.int64)
+    lib.attend(q, out, paged, indices, np.arange(3, dtype=np.int64), starts, visible, 40)
+    worst = 0.0
+    for r in range(3):
+        pages = torch.from_numpy(indices[starts[r]:].astype(np.int64))[:-(-visible[r] // ps)]
+        k = paged[pages, 0].flatten(0, 1)[:visible[r]].repeat_interleave(heads // kv_heads, 1)
+        v = paged[pages, 1].flatten(0, 1)[:visible[r]].repeat_interleave(heads // kv_heads, 1)
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", q[r], k) * d ** -0.5, dim=-1)
+        worst = max(worst, float((torch.einsum("hl,lhd->hd", probs, v) - out[r]).abs().max()))
+    return worst

@@ -1,0 +1,25 @@
+/* e^x in plain float operations, so that loops calling it vectorise (libm's expf does
+ * not without -ffast-math): x = n ln2 + f with |f| <= ln2 / 2, e^f by its Taylor
+ * polynomial to degree 7 (relative error ~1e-7), 2^n put into the exponent bits. x is
+ * clamped to [-87, 88], where e^x stays a normal float (e^-87 ~ 1.6e-38 stands for 0). */
+#ifndef PREDD_EXP_APPROX_H
+#define PREDD_EXP_APPROX_H
+#include <stdint.h>
+
+static inline float exp_approx(float x)
+{
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    const float f = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * f + 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    union { float f; int32_t i; } scale = { .i = ((int32_t)n + 127) << 23 };
+    return p * scale.f;
+}
+#endif

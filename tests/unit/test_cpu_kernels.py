@@ -1,0 +1,175 @@
+"""predd's CPU kernels (predd/csrc): the cpu attention backend against the torch backend
+on the same steps, the layer ops against torch's, and how they are built and chosen."""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from predd import attention, cpu_kernels
+from predd.attention import CpuAttention, TorchAttention, resolve
+from predd.page_table import PageTables
+from predd.paged_kv import PagedKVCache
+
+
+def _step(calls, kv_heads=2, heads=6, head_dim=16, ps=4, pages=64, seed=0):
+    """Two pools with the same random entries, the step's tables and its q/k/v."""
+    rng = np.random.default_rng(seed)
+    cfg = SimpleNamespace(name="t", num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim)
+    ours = PagedKVCache(cfg, pages, ps, torch.float32, torch.device("cpu"))
+    torch.manual_seed(seed)
+    ours.kv.normal_()
+    ref = PagedKVCache(cfg, pages, ps, torch.float32, torch.device("cpu"))
+    ref.kv.copy_(ours.kv)
+    free = list(rng.permutation(pages))
+    tables = PageTables.build(ps, [np.array([free.pop() for _ in range(-(-kv // ps))])
+                                   for kv, _ in calls],
+                              [c[0] for c in calls], [c[1] for c in calls])
+    total = sum(n for _, n in calls)
+    qkv = torch.randn(total, heads + 2 * kv_heads, head_dim)   # q is a strided view, as in the model
+    return ours, ref, tables, (qkv[:, :heads], qkv[:, heads:heads + kv_heads],
+                               qkv[:, heads + kv_heads:])
+
+
+@pytest.mark.parametrize("calls", [
+    # decode calls (one new token), chunks after a past (kernel up to 64 rows, SDPA
+    # beyond), fresh prefills (SDPA): every kind in one step
+    [(9, 1), (1, 1), (14, 1), (11, 5), (6, 6), (100, 70), (30, 3), (64, 64)],
+    [(37, 1)],                              # one row: a task per (row, kv head)
+    [(5 + i, 1) for i in range(12)],        # many rows: a task per row, all heads
+])
+def test_cpu_backend_matches_torch_on_every_kind_of_call(calls):
+    ours, ref, tables, (q, k, v) = _step(calls)
+    got = CpuAttention(ours).prepare(tables)(0, q, k, v)
+    want = TorchAttention(ref).prepare(tables)(0, q, k, v)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=2e-6), float((got - want).abs().max())
+    assert torch.equal(ours.kv, ref.kv)        # the new K/V written where torch writes them
+
+
+def test_cpu_backend_sends_only_rows_with_a_past_to_the_kernel(monkeypatch):
+    """The kernel sees decode rows and the rows of short chunks after a past, each with
+    the entries it may see (causal within its chunk); fresh prefills and long chunks
+    go to SDPA."""
+    calls = [(9, 1), (11, 5), (6, 6), (100, 70)]
+    ours, _, tables, (q, k, v) = _step(calls)
+    backend = CpuAttention(ours)
+    seen = []
+    monkeypatch.setattr(backend.kernel, "attend", lambda q, out, paged, indices, token, pages,
+                        visible, most: seen.append((token.tolist(), pages.tolist(),
+                                                    visible.tolist(), most)))
+    backend.prepare(tables)(0, q, k, v)
+    assert seen == [([0, 1, 2, 3, 4, 5], [0, 3, 3, 3, 3, 3], [9, 7, 8, 9, 10, 11], 11)]
+
+
+def test_probe_and_cache(tmp_path, monkeypatch):
+    """A build lands in $SYMPHONY_CACHE under a name keyed by source, flags, compiler
+    and CPU; the next one finds it; the probe agrees with torch."""
+    monkeypatch.setenv("SYMPHONY_CACHE", str(tmp_path))
+    built = cpu_kernels._build()
+    assert built.parent == tmp_path / "kernels" and built.name.startswith("predd-cpu-")
+    stamp = built.stat().st_mtime_ns
+    assert cpu_kernels._build() == built
+    assert built.stat().st_mtime_ns == stamp
+    assert cpu_kernels._probe(cpu_kernels.Kernels(built)) < cpu_kernels.PROBE_TOLERANCE
+
+
+def test_a_cache_others_can_write_is_never_loaded(tmp_path, monkeypatch):
+    """A group- or world-writable cache directory could hold someone else's library:
+    the build goes to the per-user directory under /tmp instead."""
+    shared = tmp_path / "shared"
+    (shared / "kernels").mkdir(parents=True)
+    os.chmod(shared / "kernels", 0o777)
+    monkeypatch.setenv("SYMPHONY_CACHE", str(shared))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", None)    # re-read TMPDIR
+    built = cpu_kernels._build()
+    assert built.parent == tmp_path / "tmp" / f"symphony-kernels-{os.geteuid()}"
+    assert list((shared / "kernels").iterdir()) == []
+
+
+def test_no_compiler_is_enopkg_and_auto_keeps_torch(tmp_path, monkeypatch):
+    monkeypatch.setenv("SYMPHONY_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    cpu_kernels.kernels.cache_clear()
+    try:
+        with pytest.raises(ValueError) as err:
+            resolve("cpu", "cpu", "float32")
+        assert str(err.value) == ("--attention cpu kernel unavailable: no C compiler "
+                                  "(no-such-cc) on PATH (ENOPKG)")
+        assert resolve("auto", "cpu", "float32") == (
+            "torch", "auto: cpu kernel unavailable: no C compiler (no-such-cc) on PATH")
+    finally:
+        cpu_kernels.kernels.cache_clear()
+
+
+def test_choosing_the_cpu_backend():
+    assert resolve("auto", "cpu", "float32") == (
+        "cpu", "auto: predd's CPU kernel builds and agrees with torch here")
+    assert resolve("cpu", "cpu", "float32") == ("cpu", "asked for")
+    assert resolve("torch", "cpu", "float32") == ("torch", "asked for")
+    with pytest.raises(ValueError) as err:
+        resolve("cpu", "cuda:0", "float32")
+    assert str(err.value) == "--attention cpu is for the CPU, not cuda:0 (EINVAL)"
+    with pytest.raises(ValueError) as err:
+        resolve("cpu", "cpu", "bfloat16")
+    assert str(err.value) == "--attention cpu computes only in float32, not bfloat16 (EINVAL)"
+    assert "cpu" in attention.CHOICES
+
+
+# ----------------------------------------------------------------- a layer's small ops
+
+@pytest.mark.parametrize("rows", [1, 7, 300])       # 300 x 576 floats: split over threads
+def test_cpu_ops_match_torch_ops(rows):
+    from predd.model import RMSNorm, TorchOps
+    gen = torch.Generator().manual_seed(rows)
+    ours, ref = cpu_kernels.CpuOps(cpu_kernels.kernels()), TorchOps()
+    norm = RMSNorm(576, 1e-5)
+    with torch.inference_mode():
+        norm.weight.copy_(torch.rand(576, generator=gen) + 0.5)
+        x, delta = torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen)
+        x_ref, h_ref = ref.add_norm(x, delta, norm)
+        mine = x.clone()
+        x_got, h_got = ours.add_norm(mine, delta, norm)
+        assert x_got is mine and torch.allclose(mine, x_ref, atol=1e-6)   # added in place
+        assert torch.allclose(h_got, h_ref, atol=1e-5)
+        _, h_alone = ours.add_norm(x.clone(), None, norm)
+        assert torch.allclose(h_alone, norm(x), atol=1e-5)
+        # RoPE on q and k (9 + 3 heads) of a qkv buffer whose v (3 heads) stays put
+        qkv = torch.randn(rows, 15, 64, generator=gen)
+        freqs = torch.arange(rows, dtype=torch.float32)[:, None] * (
+            10000.0 ** (-torch.arange(0, 64, 2).float() / 64))[None, :]
+        want = ref.rope(qkv, 12, ref.rotary(freqs, torch.float32))
+        turned = qkv.clone()
+        assert ours.rope(turned, 12, ours.rotary(freqs, torch.float32)) is turned
+        assert torch.allclose(turned[:, :12], want, atol=1e-5)
+        assert torch.equal(turned[:, 12:], qkv[:, 12:])
+        gate_up = torch.randn(rows, 2 * 1536, generator=gen) * 6
+        assert torch.allclose(ours.silu_mul(gate_up), ref.silu_mul(gate_up), rtol=1e-5,
+                              atol=1e-5)
+
+
+def test_model_with_cpu_ops_gives_torch_ops_logits():
+    """A tiny seeded Llama: the same logits (within float32 reordering) whichever ops run."""
+    from predd.attention import TorchAttention
+    from predd.loader import ModelConfig
+    from predd.model import LlamaModel
+    cfg = ModelConfig(name="tiny", vocab_size=97, hidden_size=64, intermediate_size=96,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position=256,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaModel(cfg).eval()
+    for param in model.parameters():
+        param.data.normal_(0, 0.2)
+    pool = PagedKVCache(cfg, 8, 4, torch.float32, torch.device("cpu"))
+    tables = PageTables.build(4, [np.array([3, 0, 5])], [11], [11])
+    ids, pos, rows = torch.arange(11) * 7 % 97, torch.arange(11), torch.arange(11)
+    want = model(ids, pos, TorchAttention(pool).prepare(tables), rows)
+    model.ops = cpu_kernels.CpuOps(cpu_kernels.kernels())
+    got = model(ids, pos, CpuAttention(pool).prepare(tables), rows)
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
