@@ -6,7 +6,7 @@
           [--max-batch N] [--lease S] [--threads N] [--session-quota PAGES]
           [--uid-quota PAGES] [--latency-factor F] [--auth-keys FILE]
           [--host-pages N] [--disk-pages N] [--swap-dir DIR] [--pin-quota PAGES]
-          [--admit-wait S] [--linear auto|plain|packed] [--tp N]
+          [--admit-wait S] [--linear auto|plain|packed|quantized] [--tp N]
           [--dist-backend auto|gloo|nccl]
 
 Prints `ready <addr>` on stdout once it serves; progress and logs go to stderr.
@@ -58,8 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="seconds of silence after which a session ends")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--linear", default="auto", choices=LINEAR_CHOICES,
-                    help="projections: packed (weights laid out once for oneDNN; auto, the "
-                    "default, where a probe shows it runs here) or plain nn.Linear")
+                    help="projections: quantized (packed, and computed from a GGUF's "
+                    "Q4_1/Q8_0 blocks at decode's few rows), packed (float32 weights laid "
+                    "out once for oneDNN) or plain nn.Linear; auto (default): the first "
+                    "of quantized and packed that runs here")
     ap.add_argument("--session-quota", type=int, default=0, metavar="PAGES",
                     help="KV pages one session may hold (0: no limit; EDQUOT beyond)")
     ap.add_argument("--uid-quota", type=int, default=None, metavar="PAGES",

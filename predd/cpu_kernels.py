@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c")
+SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c")
 HEADERS = (CSRC / "exp_approx.h",)
 LIBRARY = "predd-cpu"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -122,6 +122,8 @@ class Kernels:
             "add_rms_norm_f32": (None, [ptr, ptr, ptr, ptr, i64, i64, f32]),
             "rope_f32": (None, [ptr, i64, ptr, ptr, i64, i64, i64]),
             "silu_mul_f32": (None, [ptr, ptr, i64, i64]),
+            "linear_q4_1_f32": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
+            "linear_q8_0_f32": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
         }
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(lib, name)
@@ -176,6 +178,28 @@ class Kernels:
         out = torch.empty(t, n, dtype=gate_up.dtype)
         self._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, n)
         return out
+
+
+    def quant_linear(self, x: torch.Tensor, blocks, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] times the weight held as `blocks` (predd.loader.QuantBlocks: Q4_1
+        or Q8_0, [N, K/32, ...]) transposed, plus bias -> [M, N]."""
+        _contiguous(x, bias)
+        m, k = x.shape
+        n = blocks.q.shape[0]
+        if blocks.q.shape[1] * 32 != k:
+            raise ValueError(f"x has {k} columns, the weight {blocks.q.shape[1] * 32}")
+        y = torch.empty(m, n, dtype=torch.float32)
+        b = None if bias is None else bias.data_ptr()
+        if blocks.kind == "Q4_1":
+            self._lib.linear_q4_1_f32(x.data_ptr(), m, k, blocks.q.ctypes.data,
+                                      blocks.d.ctypes.data, blocks.m.ctypes.data, n, b,
+                                      y.data_ptr())
+        elif blocks.kind == "Q8_0":
+            self._lib.linear_q8_0_f32(x.data_ptr(), m, k, blocks.q.ctypes.data,
+                                      blocks.d.ctypes.data, n, b, y.data_ptr())
+        else:
+            raise ValueError(f"no kernel for {blocks.kind} blocks")
+        return y
 
 
 def _contiguous(*tensors: torch.Tensor | None) -> None:
@@ -234,7 +258,37 @@ class CpuOps:
 def _probe(lib: Kernels) -> float:
     """The largest difference from torch over every kernel on small random cases."""
     with torch.inference_mode():
-        return max(_probe_attention(lib), _probe_layer_ops(lib))
+        return max(_probe_attention(lib), _probe_layer_ops(lib), _probe_quant_linear(lib))
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0):
+    """Random QuantBlocks of `kind` for a [rows, cols] weight, and that weight dequantised
+    as the loader does it (numpy, float32)."""
+    from predd.loader import QuantBlocks
+    rng = np.random.default_rng(seed)
+    shape = (rows, cols // 32)
+    d = (rng.random(shape) * 0.02).astype(np.float16).astype(np.float32)
+    if kind == "Q4_1":
+        q = rng.integers(0, 256, (*shape, 16), dtype=np.uint8)
+        m = (-rng.random(shape) * 0.1).astype(np.float16).astype(np.float32)
+        values = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.float32)
+        weight = d[..., None] * values + m[..., None]
+        return QuantBlocks(kind, q, d, m), weight.reshape(rows, cols)
+    q = rng.integers(-128, 128, (*shape, 32), dtype=np.int8)
+    return QuantBlocks(kind, q, d, None), (q.astype(np.float32) * d[..., None]).reshape(rows, cols)
+
+
+def _probe_quant_linear(lib: Kernels) -> float:
+    """Both block kinds against F.linear on their dequantised weights (relative)."""
+    worst = 0.0
+    for kind in ("Q4_1", "Q8_0"):
+        blocks, weight = random_blocks(kind, 19, 96)
+        x = torch.randn(11, 96, generator=torch.Generator().manual_seed(1))
+        bias = torch.randn(19, generator=torch.Generator().manual_seed(2))
+        want = torch.nn.functional.linear(x, torch.from_numpy(weight), bias)
+        got = lib.quant_linear(x, blocks, bias)
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    return worst
 
 
 def _probe_layer_ops(lib: Kernels) -> float:

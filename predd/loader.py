@@ -211,6 +211,50 @@ def _load_gguf(
     return config, _finish(weights, config.tie_word_embeddings)
 
 
+@dataclass(frozen=True)
+class QuantBlocks:
+    """One weight as its GGUF blocks of 32, rows in Hugging Face order: `kind` "Q4_1"
+    (w = d q + m, q 4-bit: `q` [rows, K/32, 16] bytes, byte j holding weight j low and
+    j + 16 high) or "Q8_0" (w = d q: `q` [rows, K/32, 32] int8, `m` None); `d`, `m`
+    [rows, K/32] float32. Exactly the weights `load_weights` dequantises."""
+    kind: str
+    q: np.ndarray
+    d: np.ndarray
+    m: np.ndarray | None
+
+    def rows(self) -> int:
+        return self.q.shape[0]
+
+
+QUANT_KINDS = {"Q4_1": 20, "Q8_0": 34}      # bytes per block of 32
+
+
+def quantized_blocks(path: str, config: ModelConfig) -> dict[str, QuantBlocks]:
+    """The weights of the GGUF file at `path` stored as Q4_1 or Q8_0 blocks, by Hugging
+    Face name (q/k rows un-permuted as `load_weights` does); {} for any other file."""
+    if not (path.endswith(".gguf") and os.path.isfile(path)):
+        return {}
+    reader = gguf_reader(path)
+    arch = reader.fields["general.architecture"].contents()
+    found = {}
+    for t in reader.tensors:
+        name, kind = _hf_name(t.name), t.tensor_type.name
+        if name is None or kind not in QUANT_KINDS:
+            continue
+        raw = np.asarray(t.data).reshape(-1, int(t.shape[0]) // 32, QUANT_KINDS[kind])
+        if arch in _PERMUTED_ARCHS and ".attn_q." in t.name:
+            raw = _unpermute(raw, config.num_heads)
+        elif arch in _PERMUTED_ARCHS and ".attn_k." in t.name:
+            raw = _unpermute(raw, config.num_kv_heads)
+        d = np.ascontiguousarray(raw[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        if kind == "Q4_1":
+            m = np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+            found[name] = QuantBlocks(kind, np.ascontiguousarray(raw[..., 4:]), d, m)
+        else:
+            found[name] = QuantBlocks(kind, np.ascontiguousarray(raw[..., 2:]).view(np.int8), d, None)
+    return found
+
+
 # --- Hugging Face directory ----------------------------------------------------------
 
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from predd import cpu_kernels, linear
+from predd import cpu_kernels, linear, quant_linear
 from predd import tp as tp_mod
 from predd.attention import make_backend
 from predd.paged_kv import PagedKVCache
 from predd.dtype import DTYPES
-from predd.loader import ModelConfig, load_weights
+from predd.loader import ModelConfig, load_weights, quantized_blocks
 from predd.model import LlamaModel
 from predd.page_table import PageTables
 
@@ -36,10 +36,10 @@ class RunnerConfig:
     page_size: int = 16
     attention: str = "torch"  # a predd.attention.CHOICES name; `auto` is resolved at start
     threads: int = 0          # torch intra-op threads on CPU; 0 keeps torch's default
-    linear: str = "auto"      # a LINEAR_CHOICES name: packed where the probe passes
+    linear: str = "auto"      # a LINEAR_CHOICES name: quantized, else packed, where they run
 
 
-LINEAR_CHOICES = ("auto", "plain", "packed")
+LINEAR_CHOICES = ("auto", "plain", "packed", "quantized")
 
 
 @dataclass(frozen=True)
@@ -101,22 +101,47 @@ class Runner:
                  f"x {config.page_size} = {pool.kv.numel() * pool.kv.element_size() / 2**20:.0f} MiB")
 
     def _pack(self, requested: str) -> tuple[str, str]:
-        """(`packed` or `plain`, why) for `--linear requested`; packs the model's
-        projections (predd/linear.py) where chosen. ValueError (EINVAL) when `packed`
-        is asked for and cannot run here."""
+        """(`quantized`, `packed` or `plain`, why) for `--linear requested`: packs the
+        model's projections (predd/linear.py) and gives them their checkpoint's blocks
+        (predd/quant_linear.py) where chosen. `auto` takes the most of the two that runs
+        here. ValueError (EINVAL) when `packed` or `quantized` is asked for and cannot run."""
         if requested not in LINEAR_CHOICES:
             raise ValueError(f"--linear must be one of {', '.join(LINEAR_CHOICES)}, "
                              f"not {requested!r} (EINVAL)")
         if requested == "plain":
             return "plain", "asked for"
+        why = "asked for" if requested != "auto" else "auto"
         problem = linear.packing_problem(self.device, self.dtype)
         if problem:
-            if requested == "packed":
-                raise ValueError(f"--linear packed: {problem} (EINVAL)")
+            if requested != "auto":
+                raise ValueError(f"--linear {requested}: {problem} (EINVAL)")
             return "plain", f"auto: {problem}"
-        count = linear.pack_linears(self.model)
-        return "packed", f"{'asked for' if requested == 'packed' else 'auto'}: " \
-                         f"{count} projections packed for oneDNN"
+        packed = f"{linear.pack_linears(self.model)} projections packed for oneDNN"
+        if requested == "packed":
+            return "packed", f"{why}: {packed}"
+        problem, count = self._quantize()
+        if problem:
+            if requested == "quantized":
+                raise ValueError(f"--linear quantized: {problem} (EINVAL)")
+            return "packed", f"{why}: {packed}; not quantized: {problem}"
+        return "quantized", (f"{why}: {packed}, {count} of them computed from the "
+                             f"checkpoint's Q4_1/Q8_0 blocks at <= {quant_linear.QUANT_ROWS} rows")
+
+    def _quantize(self) -> tuple[str | None, int]:
+        """(why not, how many): the packed projections given their GGUF blocks."""
+        if self.tp:
+            return "not under tensor parallelism", 0
+        if self.dtype != torch.float32:
+            return "the block kernels compute in float32", 0
+        problem = cpu_kernels.problem()
+        if problem:
+            return f"CPU kernels unavailable: {problem}", 0
+        blocks = quantized_blocks(self.config.model_path, self.model_config)
+        count = quant_linear.attach(self.model, blocks, cpu_kernels.kernels(),
+                                    self.model_config.tie_word_embeddings)
+        if not count:
+            return "the checkpoint has no Q4_1 or Q8_0 projections", 0
+        return None, count
 
     def execute(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """One forward pass; per chunk a [len(outputs), vocab] float32 tensor (CPU).

@@ -1,0 +1,147 @@
+/* Projections computed from a GGUF checkpoint's own quantised blocks, float32 out.
+ *
+ * At decode's few rows a step a projection reads its whole weight for little
+ * arithmetic: it is bound by memory, and a float32 copy of a Q4_1 weight is 7x the
+ * bytes of the blocks it was dequantised from. These kernels read the blocks (Q4_1:
+ * 32 weights as 4-bit q with a scale d and a minimum m, w = d q + m; Q8_0: 8-bit q and
+ * a scale, w = d q), make each weight exactly the float32 value the loader's
+ * dequantisation gives (the same multiply, then the same add: never fused), and
+ * accumulate x . w in float32. Rows of x are taken eight at a time; output rows are
+ * split over torch's OpenMP threads.
+ *
+ * Layout (predd/quant_linear.py): q [N, K / 32, 16] bytes for Q4_1 (byte j holds weight
+ * j in its low nibble and j + 16 in its high one), [N, K / 32, 32] int8 for Q8_0; d and
+ * m [N, K / 32] float32. x [M, K] and y [M, N] contiguous; K a multiple of 32.
+ */
+#pragma GCC optimize("fp-contract=off")   /* w = d q + m rounded as numpy rounds it */
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VECTOR 8
+#endif
+
+#define BLOCK 32
+#define ROWS 8                               /* rows of x per pass over a weight row */
+
+/* The 32 weights of one block as float32, into w. */
+static inline void q4_1_block(const uint8_t *q, float d, float m, float *w)
+{
+    for (int j = 0; j < 16; j++) {
+        w[j] = d * (float)(q[j] & 0x0F) + m;
+        w[j + 16] = d * (float)(q[j] >> 4) + m;
+    }
+}
+
+static inline void q8_0_block(const int8_t *q, float d, float *w)
+{
+    for (int j = 0; j < BLOCK; j++)
+        w[j] = (float)q[j] * d;
+}
+
+#ifdef VECTOR
+/* The same weights in four vectors (weights 0-7, 8-15, 16-23, 24-31). */
+static inline void q4_1_vectors(const uint8_t *q, float d, float m, __m256 *w)
+{
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int i = 0; i < 4; i++) {
+        const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+        w[i] = _mm256_add_ps(_mm256_mul_ps(vd, qf), vm);
+    }
+}
+
+static inline void q8_0_vectors(const int8_t *q, float d, __m256 *w)
+{
+    const __m256 vd = _mm256_set1_ps(d);
+    for (int i = 0; i < 4; i++) {
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
+        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
+    }
+}
+
+static inline float hsum(__m256 a)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* y[r, n] = x[r] . w_n (+ bias[n]) for rows r of x, rows < ROWS; w_n's blocks come
+ * from `unpack(n, block, w)`. */
+#define LINEAR_BODY(UNPACK)                                                          \
+    const int64_t blocks = K / BLOCK;                                                \
+    for (int64_t r0 = 0; r0 < M; r0 += ROWS) {                                       \
+        const int64_t rows = M - r0 < ROWS ? M - r0 : ROWS;                          \
+        const float *xs = x + r0 * K;                                                \
+        _Pragma("omp parallel for schedule(static) if (N * K >= 65536)")             \
+        for (int64_t n = 0; n < N; n++) {                                            \
+            ACCUMULATE(UNPACK)                                                       \
+        }                                                                            \
+    }
+
+#ifdef VECTOR
+#define ACCUMULATE(UNPACK)                                                           \
+    __m256 acc[ROWS];                                                                \
+    for (int r = 0; r < ROWS; r++)                                                   \
+        acc[r] = _mm256_setzero_ps();                                                \
+    for (int64_t b = 0; b < blocks; b++) {                                           \
+        __m256 wv[4];                                                                \
+        UNPACK;                                                                      \
+        const __m256 w0 = wv[0], w1 = wv[1], w2 = wv[2], w3 = wv[3];                 \
+        const float *xb = xs + b * BLOCK;                                            \
+        for (int r = 0; r < rows; r++) {                                             \
+            const float *xr = xb + r * K;                                            \
+            __m256 a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[r]);             \
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, a);                     \
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, a);                    \
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, a);               \
+        }                                                                            \
+    }                                                                                \
+    for (int r = 0; r < rows; r++)                                                   \
+        y[(r0 + r) * N + n] = hsum(acc[r]) + (bias ? bias[n] : 0.0f);
+#else
+#define ACCUMULATE(UNPACK)                                                           \
+    float acc[ROWS] = {0};                                                           \
+    for (int64_t b = 0; b < blocks; b++) {                                           \
+        float w[BLOCK];                                                              \
+        UNPACK;                                                                      \
+        for (int r = 0; r < rows; r++) {                                             \
+            const float *xr = xs + r * K + b * BLOCK;                                \
+            float s = 0.0f;                                                          \
+            for (int j = 0; j < BLOCK; j++)                                          \
+                s += xr[j] * w[j];                                                   \
+            acc[r] += s;                                                             \
+        }                                                                            \
+    }                                                                                \
+    for (int r = 0; r < rows; r++)                                                   \
+        y[(r0 + r) * N + n] = acc[r] + (bias ? bias[n] : 0.0f);
+#endif
+
+#ifdef VECTOR
+#define Q4_1(n, b) q4_1_vectors(q + ((n) * blocks + (b)) * 16, d[(n) * blocks + (b)], \
+                                m[(n) * blocks + (b)], wv)
+#define Q8_0(n, b) q8_0_vectors(q + ((n) * blocks + (b)) * BLOCK, d[(n) * blocks + (b)], wv)
+#else
+#define Q4_1(n, b) q4_1_block(q + ((n) * blocks + (b)) * 16, d[(n) * blocks + (b)], \
+                              m[(n) * blocks + (b)], w)
+#define Q8_0(n, b) q8_0_block(q + ((n) * blocks + (b)) * BLOCK, d[(n) * blocks + (b)], w)
+#endif
+
+void linear_q4_1_f32(const float *x, int64_t M, int64_t K, const uint8_t *q,
+                     const float *d, const float *m, int64_t N, const float *bias, float *y)
+{
+    LINEAR_BODY(Q4_1(n, b))
+}
+
+void linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *q,
+                     const float *d, int64_t N, const float *bias, float *y)
+{
+    LINEAR_BODY(Q8_0(n, b))
+}

@@ -1,0 +1,73 @@
+"""SmolLM2-135M's Q4_1 / Q8_0 blocks, read for decode by `--linear quantized` (predd's
+default where it runs): the blocks are the weights predd dequantises, to the bit, and a
+runner computing from them gives the packed float32 runner's logits and greedy tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from predd.loader import load_weights, quantized_blocks
+from predd.runner import Chunk, Runner, RunnerConfig
+
+
+def dequantised(blocks) -> np.ndarray:
+    if blocks.kind == "Q4_1":
+        q = np.concatenate([blocks.q & 0x0F, blocks.q >> 4], axis=-1).astype(np.float32)
+        w = blocks.d[..., None] * q + blocks.m[..., None]
+    else:
+        w = blocks.q.astype(np.float32) * blocks.d[..., None]
+    return w.reshape(w.shape[0], -1)
+
+
+def test_the_blocks_are_the_loaded_weights_to_the_bit(gguf_path):
+    config, weights = load_weights(gguf_path, torch.float32)
+    blocks = quantized_blocks(gguf_path, config)
+    assert len(blocks) == 211                    # 30 layers x 7 projections + the embedding
+    assert {b.kind for b in blocks.values()} == {"Q4_1", "Q8_0"}
+    for name in ("model.layers.0.self_attn.q_proj.weight",     # rows un-permuted
+                 "model.layers.29.self_attn.k_proj.weight",
+                 "model.layers.7.mlp.down_proj.weight",
+                 "model.embed_tokens.weight"):                 # Q8_0: the tied lm_head
+        assert np.array_equal(dequantised(blocks[name]), weights[name].numpy()), name
+
+
+def _greedy(runner: Runner, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Prefill `prompt`, then decode `steps` tokens one at a time (one row: the blocks)."""
+    pages = np.arange(8, dtype=np.int32)
+    n = len(prompt)
+    logits = runner.execute([Chunk(np.array(prompt, np.int32), np.arange(n, dtype=np.int32),
+                                   pages[:-(-n // 16)], n, np.array([n - 1]))])[0]
+    tokens, seen = [], []
+    for _ in range(steps):
+        seen.append(logits[0].numpy())
+        tokens.append(int(logits[0].argmax()))
+        logits = runner.execute([Chunk(np.array([tokens[-1]], np.int32), np.array([n], np.int32),
+                                       pages[:-(-(n + 1) // 16)], n + 1, np.array([0]))])[0]
+        n += 1
+    return tokens, seen
+
+
+@pytest.mark.slow
+def test_quantized_runner_gives_the_packed_runners_tokens(gguf_path):
+    prompt = [1, 504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30]
+    runs = {}
+    for mode in ("packed", "quantized"):
+        runner = Runner(RunnerConfig(gguf_path, kv_pages=8, linear=mode))
+        assert runner.linear == mode
+        with torch.inference_mode():
+            runs[mode] = _greedy(runner, prompt, 24)
+    assert runs["quantized"][0] == runs["packed"][0]
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(runs["quantized"][1], runs["packed"][1]))
+    assert worst <= 1e-3, worst
+
+
+def test_quantized_is_refused_where_it_cannot_run_and_auto_says_why(gguf_path, monkeypatch):
+    from predd import cpu_kernels
+    monkeypatch.setattr(cpu_kernels, "problem", lambda: "no C compiler (cc) on PATH")
+    with pytest.raises(ValueError) as err:
+        Runner(RunnerConfig(gguf_path, kv_pages=8, linear="quantized"))
+    assert str(err.value) == ("--linear quantized: CPU kernels unavailable: no C compiler "
+                              "(cc) on PATH (EINVAL)")
+    runner = Runner(RunnerConfig(gguf_path, kv_pages=8))
+    assert runner.linear == "packed"

@@ -1,0 +1,99 @@
+"""predd/quant_linear.py and its kernels (predd/csrc/quant_linear.c): projections computed
+from Q4_1 / Q8_0 blocks give F.linear's result on the dequantised weights, are used for
+up to QUANT_ROWS rows only, and find their blocks under the model's fused names."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from predd import cpu_kernels, quant_linear
+from predd.cpu_kernels import random_blocks
+from predd.loader import ModelConfig
+from predd.model import LlamaModel
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])         # 17: three passes of 8 rows
+@pytest.mark.parametrize("bias", [False, True])
+def test_block_kernels_match_f_linear_on_the_dequantised_weight(kind, rows, bias):
+    blocks, weight = random_blocks(kind, 70, 128, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 128, generator=gen)
+    b = torch.randn(70, generator=gen) if bias else None
+    want = F.linear(x, torch.from_numpy(weight), b)
+    got = cpu_kernels.kernels().quant_linear(x, blocks, b)
+    assert got.shape == (rows, 70)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_block_kernel_refuses_a_wrong_width():
+    blocks, _ = random_blocks("Q4_1", 4, 64)
+    with pytest.raises(ValueError, match="x has 96 columns, the weight 64"):
+        cpu_kernels.kernels().quant_linear(torch.randn(2, 96), blocks, None)
+
+
+def test_quant_linear_takes_the_blocks_up_to_quant_rows_and_the_inner_beyond(monkeypatch):
+    blocks, weight = random_blocks("Q8_0", 6, 32)
+    inner = nn.Linear(32, 6, bias=False)
+    with torch.no_grad():
+        inner.weight.copy_(torch.from_numpy(weight) * 2)     # tell the two paths apart
+    layer = quant_linear.QuantLinear(inner, blocks, cpu_kernels.kernels())
+    with torch.inference_mode():
+        for rows, scale in ((1, 1), (quant_linear.QUANT_ROWS, 1), (quant_linear.QUANT_ROWS + 1, 2)):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(layer(x), F.linear(x, torch.from_numpy(weight)) * scale,
+                                       rtol=1e-5, atol=1e-5)
+
+
+def _tiny(tied: bool) -> LlamaModel:
+    cfg = ModelConfig(name="tiny", vocab_size=50, hidden_size=64, intermediate_size=96,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position=64,
+                      tie_word_embeddings=tied)
+    return LlamaModel(cfg).eval()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_attach_finds_blocks_under_fused_names_and_a_tied_head(tied):
+    """q/k/v stacked into qkv_proj and gate/up into gate_up_proj by rows, in the order
+    predd.model.fuse concatenates the weights; a tied lm_head reads the embedding's."""
+    model = _tiny(tied)
+    sizes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64),
+             "self_attn.v_proj": (32, 64), "self_attn.o_proj": (64, 64),
+             "mlp.gate_proj": (96, 64), "mlp.up_proj": (96, 64), "mlp.down_proj": (64, 96)}
+    blocks, weights, seed = {}, {}, 0
+    for layer in range(2):
+        for part, (rows, cols) in sizes.items():
+            name = f"model.layers.{layer}.{part}.weight"
+            seed += 1
+            blocks[name], weights[name] = random_blocks("Q4_1", rows, cols, seed)
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    blocks[head], weights[head] = random_blocks("Q8_0", 50, 64, 99)
+    assert quant_linear.attach(model, blocks, cpu_kernels.kernels(), tied) == 2 * 4 + 1
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, quant_linear.QuantLinear) and qkv.blocks.rows() == 128
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        want = F.linear(x, torch.from_numpy(np.concatenate(
+            [weights[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])))
+        torch.testing.assert_close(qkv(x), want, rtol=1e-5, atol=1e-5)
+        gate_up = model.model.layers[0].mlp.gate_up_proj
+        want = F.linear(x, torch.from_numpy(np.concatenate(
+            [weights[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])))
+        torch.testing.assert_close(gate_up(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.lm_head(x), F.linear(x, torch.from_numpy(weights[head])),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_attach_skips_a_group_with_a_part_missing_or_of_another_kind():
+    model = _tiny(False)
+    blocks = {}
+    for part, rows in (("q_proj", 64), ("k_proj", 32)):      # v_proj missing
+        blocks[f"model.layers.0.self_attn.{part}.weight"], _ = random_blocks("Q4_1", rows, 64)
+    blocks["model.layers.0.mlp.gate_proj.weight"], _ = random_blocks("Q4_1", 96, 64)
+    blocks["model.layers.0.mlp.up_proj.weight"], _ = random_blocks("Q8_0", 96, 64)
+    blocks["model.layers.0.self_attn.o_proj.weight"], _ = random_blocks("Q4_1", 64, 32)  # wrong width
+    assert quant_linear.attach(model, blocks, cpu_kernels.kernels(), False) == 0
