@@ -378,6 +378,7 @@ class InfoReply(Reply):
     max_message_bytes: int
     host_pages: int = 0        # the host tier (0: none)
     disk_pages: int = 0        # the disk tier (0: none)
+    linear: str = ""           # the projections: quantized, packed or plain (predd --linear)
 
 
 @dataclass(kw_only=True)

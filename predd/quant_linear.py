@@ -11,8 +11,9 @@ order. Longer inputs (prefill) take the packed float32 GEMM, where arithmetic, n
 memory, is the limit.
 
 Measured on 2 AVX2 cores, all of SmolLM2-135M's projections and its lm_head for one
-step: 8 rows 21.2 ms from the blocks against 33.2 ms packed float32, 1 row 14.1 vs
-21.7, 16 rows 42.2 vs 47.6, 32 rows 82.2 vs 73.9 (hence 16).
+step (30 layers' weights, so none stays in cache), from the blocks against packed
+float32: 1 row 11.0 vs 21.5 ms, 8 rows 19.1 vs 33.4, 16 rows 37.4 vs 47.3, 24 rows
+55.8 vs 59.4, 28 rows 67.8 vs 66.8, 48 rows 110.7 vs 104.9 (hence 24).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from torch import nn
 from predd.loader import QuantBlocks
 from predd.model import FUSED
 
-QUANT_ROWS = 16
+QUANT_ROWS = 24
 
 
 class QuantLinear(nn.Module):

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -84,9 +85,19 @@ def percentile(values: list[float], q: float) -> float:
 # ------------------------------------------------------------------ daemons
 
 def start_predd(*args: str, timeout: float = 600.0):
-    """A predd with `args` in a fresh run directory (predd.launch.Daemon)."""
+    """A predd with `args`, then those of $SYMPHONY_BENCH_PREDD_ARGS (e.g. `--linear
+    packed`), in a fresh run directory (predd.launch.Daemon); logs the attention backend
+    and projections it chose."""
+    import liblip as lip
     from predd import launch
-    return launch.start(tempfile.mkdtemp(prefix="symphony-bench-"), *args, timeout=timeout)
+    args = (*args, *shlex.split(os.environ.get("SYMPHONY_BENCH_PREDD_ARGS", "")))
+    daemon = launch.start(tempfile.mkdtemp(prefix="symphony-bench-"), *args, timeout=timeout)
+    lip.connect(daemon.addr)                # closed again before any program forks
+    info = lip.info()
+    lip.client().close()
+    log(f"bench: predd {' '.join(args)}: attention {info['attention']}, "
+        f"linear {info.get('linear') or '?'}")
+    return daemon
 
 
 class Mount:

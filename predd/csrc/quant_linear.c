@@ -73,75 +73,86 @@ static inline float hsum(__m256 a)
 }
 #endif
 
-/* y[r, n] = x[r] . w_n (+ bias[n]) for rows r of x, rows < ROWS; w_n's blocks come
- * from `unpack(n, block, w)`. */
-#define LINEAR_BODY(UNPACK)                                                          \
-    const int64_t blocks = K / BLOCK;                                                \
-    for (int64_t r0 = 0; r0 < M; r0 += ROWS) {                                       \
-        const int64_t rows = M - r0 < ROWS ? M - r0 : ROWS;                          \
-        const float *xs = x + r0 * K;                                                \
-        _Pragma("omp parallel for schedule(static) if (N * K >= 65536)")             \
-        for (int64_t n = 0; n < N; n++) {                                            \
-            ACCUMULATE(UNPACK)                                                       \
-        }                                                                            \
+/* y[r, n] = x[r] . w_n (+ bias[n]) for the rows r < R of xs (R a constant where this
+ * is inlined, so that its R accumulators stay in registers), w_n's blocks of `kind` 4
+ * (Q4_1) or 8 (Q8_0); y row r at y + r * N. */
+static inline __attribute__((always_inline)) void rows_times_weight_row(
+    const int R, const int kind, const float *xs, int64_t K, const uint8_t *q,
+    const float *d, const float *m, int64_t n, const float *bias, float *y, int64_t N)
+{
+    const int64_t blocks = K / BLOCK;
+#ifdef VECTOR
+    __m256 acc[ROWS];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256 w[4];
+        const int64_t at = n * blocks + b;
+        if (kind == 4)
+            q4_1_vectors(q + at * 16, d[at], m[at], w);
+        else
+            q8_0_vectors((const int8_t *)q + at * BLOCK, d[at], w);
+        const float *xb = xs + b * BLOCK;
+        for (int r = 0; r < R; r++) {
+            const float *xr = xb + r * K;
+            __m256 a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], acc[r]);
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], a);
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], a);
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], a);
+        }
     }
-
-#ifdef VECTOR
-#define ACCUMULATE(UNPACK)                                                           \
-    __m256 acc[ROWS];                                                                \
-    for (int r = 0; r < ROWS; r++)                                                   \
-        acc[r] = _mm256_setzero_ps();                                                \
-    for (int64_t b = 0; b < blocks; b++) {                                           \
-        __m256 wv[4];                                                                \
-        UNPACK;                                                                      \
-        const __m256 w0 = wv[0], w1 = wv[1], w2 = wv[2], w3 = wv[3];                 \
-        const float *xb = xs + b * BLOCK;                                            \
-        for (int r = 0; r < rows; r++) {                                             \
-            const float *xr = xb + r * K;                                            \
-            __m256 a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[r]);             \
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, a);                     \
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, a);                    \
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, a);               \
-        }                                                                            \
-    }                                                                                \
-    for (int r = 0; r < rows; r++)                                                   \
-        y[(r0 + r) * N + n] = hsum(acc[r]) + (bias ? bias[n] : 0.0f);
+    for (int r = 0; r < R; r++)
+        y[r * N + n] = hsum(acc[r]) + (bias ? bias[n] : 0.0f);
 #else
-#define ACCUMULATE(UNPACK)                                                           \
-    float acc[ROWS] = {0};                                                           \
-    for (int64_t b = 0; b < blocks; b++) {                                           \
-        float w[BLOCK];                                                              \
-        UNPACK;                                                                      \
-        for (int r = 0; r < rows; r++) {                                             \
-            const float *xr = xs + r * K + b * BLOCK;                                \
-            float s = 0.0f;                                                          \
-            for (int j = 0; j < BLOCK; j++)                                          \
-                s += xr[j] * w[j];                                                   \
-            acc[r] += s;                                                             \
-        }                                                                            \
-    }                                                                                \
-    for (int r = 0; r < rows; r++)                                                   \
-        y[(r0 + r) * N + n] = acc[r] + (bias ? bias[n] : 0.0f);
+    float acc[ROWS] = {0};
+    for (int64_t b = 0; b < blocks; b++) {
+        float w[BLOCK];
+        const int64_t at = n * blocks + b;
+        if (kind == 4)
+            q4_1_block(q + at * 16, d[at], m[at], w);
+        else
+            q8_0_block((const int8_t *)q + at * BLOCK, d[at], w);
+        for (int r = 0; r < R; r++) {
+            const float *xr = xs + r * K + b * BLOCK;
+            float s = 0.0f;
+            for (int j = 0; j < BLOCK; j++)
+                s += xr[j] * w[j];
+            acc[r] += s;
+        }
+    }
+    for (int r = 0; r < R; r++)
+        y[r * N + n] = acc[r] + (bias ? bias[n] : 0.0f);
 #endif
+}
 
-#ifdef VECTOR
-#define Q4_1(n, b) q4_1_vectors(q + ((n) * blocks + (b)) * 16, d[(n) * blocks + (b)], \
-                                m[(n) * blocks + (b)], wv)
-#define Q8_0(n, b) q8_0_vectors(q + ((n) * blocks + (b)) * BLOCK, d[(n) * blocks + (b)], wv)
-#else
-#define Q4_1(n, b) q4_1_block(q + ((n) * blocks + (b)) * 16, d[(n) * blocks + (b)], \
-                              m[(n) * blocks + (b)], w)
-#define Q8_0(n, b) q8_0_block(q + ((n) * blocks + (b)) * BLOCK, d[(n) * blocks + (b)], w)
-#endif
+/* y = x w^T (+ bias): ROWS rows of x per pass over the weight, its rows split over
+ * the threads. */
+static void linear(const int kind, const float *x, int64_t M, int64_t K, const uint8_t *q,
+                   const float *d, const float *m, int64_t N, const float *bias, float *y)
+{
+    for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+        const int64_t rows = M - r0 < ROWS ? M - r0 : ROWS;
+        const float *xs = x + r0 * K;
+        float *ys = y + r0 * N;
+        #pragma omp parallel for schedule(static) if (N * K >= 65536)
+        for (int64_t n = 0; n < N; n++) {
+            switch (rows) {
+#define CASE(R) case R: rows_times_weight_row(R, kind, xs, K, q, d, m, n, bias, ys, N); break;
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+            }
+        }
+    }
+}
 
 void linear_q4_1_f32(const float *x, int64_t M, int64_t K, const uint8_t *q,
                      const float *d, const float *m, int64_t N, const float *bias, float *y)
 {
-    LINEAR_BODY(Q4_1(n, b))
+    linear(4, x, M, K, q, d, m, N, bias, y);
 }
 
 void linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *q,
                      const float *d, int64_t N, const float *bias, float *y)
 {
-    LINEAR_BODY(Q8_0(n, b))
+    linear(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
 }

@@ -55,7 +55,8 @@ def info(e: Engine, s: Session, r: p.Info, extra: list[bytes], now: float) -> p.
         device=run.device, dtype=run.dtype, dtype_reason=run.dtype_reason,
         attention=e.runner.backend.name, num_layers=model.num_layers,
         version=p.PROTOCOL_VERSION, max_message_bytes=e.max_message_bytes,
-        host_pages=e.pool.capacity[1], disk_pages=e.pool.capacity[2])
+        host_pages=e.pool.capacity[1], disk_pages=e.pool.capacity[2],
+        linear=e.runner.linear)
 
 
 def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> p.StatsReply:

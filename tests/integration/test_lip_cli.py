@@ -22,6 +22,8 @@ def lip_cmd(*args: str, cwd: str | None = None, check: bool = True):
 def test_info_stats_fsck(lip, predd):
     info = json.loads(lip_cmd("info").stdout)
     assert info["model"] == "SmolLM2-135M-Instruct" and info["vocab_size"] == 49152
+    # float32 on this CPU: predd's own kernels, and decode from the GGUF's blocks
+    assert (info["dtype"], info["attention"], info["linear"]) == ("float32", "cpu", "quantized")
     stats = json.loads(lip_cmd("stats").stdout)
     assert {"pages_total", "pages_free", "steps", "calls", "tokens_computed",
             "tokens_reused", "queue_wait_ms", "step_ms"} <= set(stats)
