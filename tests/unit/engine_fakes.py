@@ -49,6 +49,7 @@ class FakeRunner:
                                             num_layers=LAYERS)
         self.cache = FakeCache(kv_pages, page_size)
         self.backend = SimpleNamespace(name="fake")
+        self.linear = "plain"
         self.fail = lambda chunk: False       # raise in the pass (after scribbling NaN)
         self.nan = lambda chunk: False        # NaN logits, no exception
         self.batches: list[int] = []          # chunks per execute call

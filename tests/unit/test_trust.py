@@ -37,6 +37,7 @@ class FakeRunner:
         self.cache = FakePages(PAGES, PS)
         self.cache.bytes_per_page = 1000
         self.backend = SimpleNamespace(name="fake")
+        self.linear = "plain"
 
     def execute(self, chunks):
         return [torch.zeros(len(c.outputs), VOCAB) for c in chunks]
