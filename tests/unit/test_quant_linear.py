@@ -16,16 +16,19 @@ from predd.model import LlamaModel
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])         # 17: three passes of 8 rows
+# up to 8 rows: one pass, blocks unpacked into registers; more: weight rows unpacked two
+# at a time and run over x four rows at a time (a tail of 1-3 rows; an odd last row)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 30, 64])
+@pytest.mark.parametrize("out", [70, 71])
 @pytest.mark.parametrize("bias", [False, True])
-def test_block_kernels_match_f_linear_on_the_dequantised_weight(kind, rows, bias):
-    blocks, weight = random_blocks(kind, 70, 128, seed=rows)
+def test_block_kernels_match_f_linear_on_the_dequantised_weight(kind, rows, out, bias):
+    blocks, weight = random_blocks(kind, out, 128, seed=rows)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 128, generator=gen)
-    b = torch.randn(70, generator=gen) if bias else None
+    b = torch.randn(out, generator=gen) if bias else None
     want = F.linear(x, torch.from_numpy(weight), b)
     got = cpu_kernels.kernels().quant_linear(x, blocks, b)
-    assert got.shape == (rows, 70)
+    assert got.shape == (rows, out)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
