@@ -172,16 +172,16 @@ class CpuAttention(TorchAttention):
         row_visible = (np.repeat(kv_len[mine].astype(np.int64) - n, n)
                        + np.arange(len(row_token)) - np.repeat(np.cumsum(n) - n, n) + 1)
         row_pages = np.repeat(tables.indptr[mine].astype(np.int64), n)
-        most = int(row_visible.max(initial=0))
-        indices, paged = tables.indices, self.cache.kv
+        kernel = self.kernel.bind_attention(tables.indices, row_token, row_pages, row_visible,
+                                            int(row_visible.max(initial=0)))
+        paged = self.cache.kv
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                    ) -> torch.Tensor:
             store(layer, k, v)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # [T, H, D]
             if len(row_token):
-                self.kernel.attend(q, out, paged[layer], indices, row_token, row_pages,
-                                row_visible, most)
+                kernel(q, out, paged[layer])
             chunks(layer, q, k, v, out)
             return out
 

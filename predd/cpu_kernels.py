@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -137,20 +138,35 @@ class Kernels:
         contiguous [T, H, D]) attends to the first `row_visible[r]` entries of the page
         table starting at `indices[row_pages[r]]`, in `paged` [P, 2, ps, Hkv, D] (one
         layer of the pool). The arrays are int32 (indices) and int64, contiguous."""
-        _, _, page_size, kv_heads, head_dim = paged.shape
-        heads = q.shape[1]
-        if (q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim
-                or not out.is_contiguous() or not paged.is_contiguous()):
-            raise ValueError("paged_attention takes float32 rows of contiguous heads")
-        # a task per row reads each entry's K and V once, all heads together; with
-        # fewer rows than threads to share, a task per (row, kv head)
-        span = kv_heads if len(row_token) >= 2 * torch.get_num_threads() else 1
-        status = self._lib.paged_attention_f32(
-            q.data_ptr(), q.stride(0), out.data_ptr(), paged.data_ptr(), page_size, kv_heads,
-            heads, head_dim, indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
-            row_visible.ctypes.data, len(row_token), max_visible, head_dim ** -0.5, span)
-        if status != 0:
-            raise MemoryError("paged_attention could not allocate its score buffers (ENOMEM)")
+        self.bind_attention(indices, row_token, row_pages, row_visible, max_visible)(q, out, paged)
+
+    def bind_attention(self, indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
+                       row_visible: np.ndarray, max_visible: int
+                       ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+        """`attend` with one step's rows fixed (their pointers taken once), for every
+        layer: `run(q, out, paged)`."""
+        rows = len(row_token)
+        tables = (indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
+                  row_visible.ctypes.data, rows, max_visible)
+        threads = torch.get_num_threads()
+
+        def run(q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor) -> None:
+            _, _, page_size, kv_heads, head_dim = paged.shape
+            if (q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim
+                    or not out.is_contiguous() or not paged.is_contiguous() or not q.is_cpu):
+                raise ValueError("paged_attention takes float32 rows of contiguous heads")
+            # a task per row reads each entry's K and V once, all heads together; with
+            # fewer rows than threads to share, a task per (row, kv head)
+            span = kv_heads if rows >= 2 * threads else 1
+            status = self._lib.paged_attention_f32(
+                q.data_ptr(), q.stride(0), out.data_ptr(), paged.data_ptr(), page_size,
+                kv_heads, q.shape[1], head_dim, *tables, head_dim ** -0.5, span)
+            if status != 0:
+                raise MemoryError("paged_attention could not allocate its score buffers "
+                                  "(ENOMEM)")
+
+        run.keeps = (indices, row_token, row_pages, row_visible)   # behind the pointers
+        return run
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -183,29 +199,38 @@ class Kernels:
     def quant_linear(self, x: torch.Tensor, blocks, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] times the weight held as `blocks` (predd.loader.QuantBlocks: Q4_1
         or Q8_0, [N, K/32, ...]) transposed, plus bias -> [M, N]."""
-        _contiguous(x, bias)
-        m, k = x.shape
-        n = blocks.q.shape[0]
-        if blocks.q.shape[1] * 32 != k:
-            raise ValueError(f"x has {k} columns, the weight {blocks.q.shape[1] * 32}")
-        y = torch.empty(m, n, dtype=torch.float32)
-        b = None if bias is None else bias.data_ptr()
+        return self.bind(blocks, bias)(x)
+
+    def bind(self, blocks, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`quant_linear` with `blocks` and `bias` fixed: their pointers are taken once
+        (the closure keeps them alive), so a projection's call costs one ctypes call."""
+        _contiguous(bias)
+        n, k = blocks.q.shape[0], blocks.q.shape[1] * 32
         if blocks.kind == "Q4_1":
-            self._lib.linear_q4_1_f32(x.data_ptr(), m, k, blocks.q.ctypes.data,
-                                      blocks.d.ctypes.data, blocks.m.ctypes.data, n, b,
-                                      y.data_ptr())
+            fn, weight = self._lib.linear_q4_1_f32, (blocks.q.ctypes.data, blocks.d.ctypes.data,
+                                                     blocks.m.ctypes.data)
         elif blocks.kind == "Q8_0":
-            self._lib.linear_q8_0_f32(x.data_ptr(), m, k, blocks.q.ctypes.data,
-                                      blocks.d.ctypes.data, n, b, y.data_ptr())
+            fn, weight = self._lib.linear_q8_0_f32, (blocks.q.ctypes.data, blocks.d.ctypes.data)
         else:
             raise ValueError(f"no kernel for {blocks.kind} blocks")
-        return y
+        b = None if bias is None else bias.data_ptr()
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != k:
+                _contiguous(x)
+                raise ValueError(f"x has {x.shape[1]} columns, the weight {k}")
+            y = torch.empty(x.shape[0], n, dtype=torch.float32)
+            fn(x.data_ptr(), x.shape[0], k, *weight, n, b, y.data_ptr())
+            return y
+
+        run.keeps = (blocks, bias)          # the memory behind the pointers
+        return run
 
 
 def _contiguous(*tensors: torch.Tensor | None) -> None:
     for t in tensors:
         if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()
-                              or t.device.type != "cpu"):
+                              or not t.is_cpu):
             raise ValueError("the CPU kernels take contiguous float32 CPU tensors")
 
 

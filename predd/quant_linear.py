@@ -34,15 +34,15 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.inner = inner
         self.blocks = blocks
-        self.kernels = kernels
         self.out_features = blocks.rows()
         bias = getattr(inner, "bias", None)
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.run = kernels.bind(blocks, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > QUANT_ROWS or x.dtype != torch.float32:
             return self.inner(x)
-        return self.kernels.quant_linear(x.contiguous(), self.blocks, self.bias)
+        return self.run(x.contiguous())
 
 
 def blocks_for(name: str, blocks: dict[str, QuantBlocks], tied: bool) -> QuantBlocks | None:

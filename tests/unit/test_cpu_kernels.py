@@ -58,9 +58,9 @@ def test_cpu_backend_sends_only_rows_with_a_past_to_the_kernel(monkeypatch):
     ours, _, tables, (q, k, v) = _step(calls)
     backend = CpuAttention(ours)
     seen = []
-    monkeypatch.setattr(backend.kernel, "attend", lambda q, out, paged, indices, token, pages,
+    monkeypatch.setattr(backend.kernel, "bind_attention", lambda indices, token, pages,
                         visible, most: seen.append((token.tolist(), pages.tolist(),
-                                                    visible.tolist(), most)))
+                                                    visible.tolist(), most)) or (lambda *a: None))
     backend.prepare(tables)(0, q, k, v)
     assert seen == [([0, 1, 2, 3, 4, 5], [0, 3, 3, 3, 3, 3], [9, 7, 8, 9, 10, 11], 11)]
 
