@@ -17,12 +17,11 @@ import json
 import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from predd import launch  # noqa: E402
+from bench_common import start_predd  # noqa: E402  (scripts/, beside this file)
 
 
 def lip_program(addr: str, prompt: str, tokens: int, mode: str, go, done) -> None:
@@ -84,7 +83,7 @@ def main() -> int:
                     if f.startswith(("avx", "amx"))}) if os.path.exists("/proc/cpuinfo") else []
     print(f"cpu flags: {' '.join(flags)}", flush=True)
     import liblip as lip
-    daemon = launch.start(tempfile.mkdtemp(prefix="bench-overhead-"), "--kv-pages", "2048")
+    daemon = start_predd("--kv-pages", "2048")
     try:
         lip.connect(daemon.addr)
         print(f"predd dtype {lip.info()['dtype']}: {lip.info()['dtype_reason']}", flush=True)
