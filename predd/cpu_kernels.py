@@ -296,11 +296,10 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0):
     if kind == "Q4_1":
         q = rng.integers(0, 256, (*shape, 16), dtype=np.uint8)
         m = (-rng.random(shape) * 0.1).astype(np.float16).astype(np.float32)
-        values = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.float32)
-        weight = d[..., None] * values + m[..., None]
-        return QuantBlocks(kind, q, d, m), weight.reshape(rows, cols)
-    q = rng.integers(-128, 128, (*shape, 32), dtype=np.int8)
-    return QuantBlocks(kind, q, d, None), (q.astype(np.float32) * d[..., None]).reshape(rows, cols)
+        blocks = QuantBlocks(kind, q, d, m)
+    else:
+        blocks = QuantBlocks(kind, rng.integers(-128, 128, (*shape, 32), dtype=np.int8), d, None)
+    return blocks, blocks.dequantised()
 
 
 def _probe_quant_linear(lib: Kernels) -> float:

@@ -225,6 +225,16 @@ class QuantBlocks:
     def rows(self) -> int:
         return self.q.shape[0]
 
+    def dequantised(self) -> np.ndarray:
+        """The [rows, K] float32 weight, as gguf's dequantisation computes it (the
+        reference the kernels of predd/csrc/quant_linear.c reproduce to the bit)."""
+        if self.kind == "Q4_1":
+            q = np.concatenate([self.q & 0x0F, self.q >> 4], axis=-1).astype(np.float32)
+            w = self.d[..., None] * q + self.m[..., None]
+        else:
+            w = self.q.astype(np.float32) * self.d[..., None]
+        return w.reshape(self.rows(), -1)
+
 
 QUANT_KINDS = {"Q4_1": 20, "Q8_0": 34}      # bytes per block of 32
 

@@ -11,15 +11,6 @@ from predd.loader import load_weights, quantized_blocks
 from predd.runner import Chunk, Runner, RunnerConfig
 
 
-def dequantised(blocks) -> np.ndarray:
-    if blocks.kind == "Q4_1":
-        q = np.concatenate([blocks.q & 0x0F, blocks.q >> 4], axis=-1).astype(np.float32)
-        w = blocks.d[..., None] * q + blocks.m[..., None]
-    else:
-        w = blocks.q.astype(np.float32) * blocks.d[..., None]
-    return w.reshape(w.shape[0], -1)
-
-
 def test_the_blocks_are_the_loaded_weights_to_the_bit(gguf_path):
     config, weights = load_weights(gguf_path, torch.float32)
     blocks = quantized_blocks(gguf_path, config)
@@ -29,7 +20,7 @@ def test_the_blocks_are_the_loaded_weights_to_the_bit(gguf_path):
                  "model.layers.29.self_attn.k_proj.weight",
                  "model.layers.7.mlp.down_proj.weight",
                  "model.embed_tokens.weight"):                 # Q8_0: the tied lm_head
-        assert np.array_equal(dequantised(blocks[name]), weights[name].numpy()), name
+        assert np.array_equal(blocks[name].dequantised(), weights[name].numpy()), name
 
 
 def _greedy(runner: Runner, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
