@@ -56,16 +56,20 @@ class TorchAttention:
         self.cache = cache
 
     def prepare(self, tables: PageTables) -> Callable:
-        store = slot_writer(self.cache, tables)
         single, multi = tables.by_phase()
-        decode = self._plan_decode(tables, single)
-        chunks = self._plan_chunks(tables, multi)
+        return self._attend(tables, self._plan_decode(tables, single), multi)
+
+    def _attend(self, tables: PageTables, rows: Callable, chunk_calls: list[int]) -> Callable:
+        """The step's per-layer callable: the new K/V stored, then `rows(layer, q, out)`
+        for the calls one kernel serves and one SDPA for each of `chunk_calls`."""
+        store = slot_writer(self.cache, tables)
+        chunks = self._plan_chunks(tables, chunk_calls)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                    ) -> torch.Tensor:
             store(layer, k, v)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # [T, H, D]
-            decode(layer, q, out)
+            rows(layer, q, out)
             chunks(layer, q, k, v, out)
             return out
 
@@ -161,11 +165,12 @@ class CpuAttention(TorchAttention):
         self.kernel = cpu_kernels.kernels()
 
     def prepare(self, tables: PageTables) -> Callable:
-        store = slot_writer(self.cache, tables)
         q_len, kv_len = tables.q_len, tables.kv_len
         mine = [i for i in range(len(tables))
                 if q_len[i] == 1 or (q_len[i] < kv_len[i] and q_len[i] <= self.KERNEL_ROWS)]
-        chunks = self._plan_chunks(tables, sorted(set(range(len(tables))) - set(mine)))
+        others = sorted(set(range(len(tables))) - set(mine))
+        if not mine:
+            return self._attend(tables, lambda layer, q, out: None, others)
         n = q_len[mine].astype(np.int64)
         row_token = tables.query_rows(mine)
         # row j of a chunk of n after `past` entries sees past + j + 1 of them
@@ -173,19 +178,9 @@ class CpuAttention(TorchAttention):
                        + np.arange(len(row_token)) - np.repeat(np.cumsum(n) - n, n) + 1)
         row_pages = np.repeat(tables.indptr[mine].astype(np.int64), n)
         kernel = self.kernel.bind_attention(tables.indices, row_token, row_pages, row_visible,
-                                            int(row_visible.max(initial=0)))
+                                            int(row_visible.max()))
         paged = self.cache.kv
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                   ) -> torch.Tensor:
-            store(layer, k, v)
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # [T, H, D]
-            if len(row_token):
-                kernel(q, out, paged[layer])
-            chunks(layer, q, k, v, out)
-            return out
-
-        return attend
+        return self._attend(tables, lambda layer, q, out: kernel(q, out, paged[layer]), others)
 
 
 def flashinfer_problem(device: str, dtype: str) -> tuple[str, str] | None:
