@@ -4,7 +4,9 @@ been in use hands them out), best and median of --reps after 3 warm-up steps. No
 server, no scheduler: what the model and the attention backend cost.
 
     python scripts/bench_step.py --calls 8 --context 440 [--reps 8] [--threads 2]
-                                 [--attention auto|torch|cpu] [--linear auto|packed|...]
+                                 [--attention auto|torch|cpu|flashinfer]
+                                 [--linear auto|packed|...] [--device cuda --dtype float16]
+                                 [--model PATH]
 """
 from __future__ import annotations
 
@@ -32,11 +34,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attention", default="auto", help="a predd --attention choice")
     ap.add_argument("--linear", default="auto", help="a predd --linear choice")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", help="a predd --dtype name (not auto)")
+    ap.add_argument("--model", help="GGUF or Hugging Face directory (default: SmolLM2-135M)")
     args = ap.parse_args()
     per = -(-(args.context + 1) // PAGE)
-    runner = Runner(RunnerConfig(default_model_path(), kv_pages=args.calls * per + 8,
-                                 page_size=PAGE, threads=args.threads,
-                                 attention=args.attention, linear=args.linear))
+    runner = Runner(RunnerConfig(args.model or default_model_path(), args.device, args.dtype,
+                                 kv_pages=args.calls * per + 8, page_size=PAGE,
+                                 threads=args.threads, attention=args.attention,
+                                 linear=args.linear))
     order = np.random.default_rng(0).permutation(args.calls * per).astype(np.int32)
     chunks = [Chunk(np.array([5], np.int32), np.array([args.context], np.int32),
                     order[b * per:(b + 1) * per], args.context + 1, np.array([0]))
@@ -50,7 +56,7 @@ def main() -> int:
             runner.execute(chunks)
             times.append(time.perf_counter() - t0)
     times.sort()
-    print(f"{runner.backend.name}, {runner.linear}: calls {args.calls} context {args.context}: best {times[0] * 1e3:.1f} ms, "
+    print(f"{runner.backend.name}, {runner.linear}, {args.device} {args.dtype}: calls {args.calls} context {args.context}: best {times[0] * 1e3:.1f} ms, "
           f"median {times[len(times) // 2] * 1e3:.1f} ms a step")
     return 0
 

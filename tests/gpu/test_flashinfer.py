@@ -13,6 +13,7 @@ None of these has run yet: docs/architecture.md says the CUDA path is unverified
 """
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -83,7 +84,11 @@ def test_kernels_match_the_torch_backend(flashinfer, heads, kv_heads, head_dim, 
 
 @pytest.fixture(scope="module")
 def model_path():
+    """$SYMPHONY_GPU_MODEL where set (scripts/gpu_check.sh brings a GGUF cut to its
+    first layers: the device transfer is size-limited), else SmolLM2-135M."""
     from predd.loader import default_model_path
+    if os.environ.get("SYMPHONY_GPU_MODEL"):
+        return os.environ["SYMPHONY_GPU_MODEL"]
     try:
         return default_model_path()
     except FileNotFoundError as exc:
@@ -164,8 +169,8 @@ def test_predd_serves_with_flashinfer(flashinfer, model_path, tmp_path):
     from tests.conftest import start_predd
     tokens = {}
     for name in ("torch", "flashinfer"):
-        daemon = start_predd(str(tmp_path / name), "--device", "cuda", "--dtype", "float16",
-                             "--attention", name, "--kv-pages", "256")
+        daemon = start_predd(str(tmp_path / name), "--model", model_path, "--device", "cuda",
+                             "--dtype", "float16", "--attention", name, "--kv-pages", "256")
         try:
             liblip.connect(daemon.addr)
             assert liblip.info()["attention"] == name
