@@ -5,8 +5,9 @@ without CUDA, and skipped saying so where the flashinfer package is not installe
   pool with scattered pages, two layers: the torch backend's outputs (computed in
   float32 from the same rounded inputs) within 1e-3 in fp16 and 1e-2 in bf16, and the
   same pool afterwards;
-* the real model (SmolLM2-135M, fp16): the same greedy tokens from a Runner per backend
-  over a fixed schedule that mixes chunked prefill with batched decode;
+* the real model (SmolLM2-135M, fp16) over a fixed schedule that mixes chunked prefill
+  with batched decode: torch's greedy tokens fed to flashinfer too, the same logits
+  within a tolerance and the same argmax where it is not a near-tie;
 * the daemon: `predd --attention flashinfer` serves, says so in `info`, and generates
   the tokens `--attention torch` does.
 None of these has run yet: docs/architecture.md says the CUDA path is unverified.
@@ -97,15 +98,21 @@ def model_path():
 
 class Greedy:
     """Drives a Runner over a fixed schedule: per sequence its tokens, its page table
-    (pages handed out from a shuffled free list) and the greedy tokens it produced."""
+    (pages handed out from a shuffled free list), the tokens it produced and the logits
+    each came from. A token is the argmax, or with `forced` the one given there (the
+    same tokens fed to a second backend, so that a near-tie that rounds the other way
+    cannot send it down another path)."""
 
-    def __init__(self, runner, prompts: list[list[int]]) -> None:
+    def __init__(self, runner, prompts: list[list[int]],
+                 forced: list[list[int]] | None = None) -> None:
         self.runner, self.ps = runner, runner.config.page_size
         self.free = list(np.random.default_rng(3).permutation(runner.config.kv_pages))
         self.done = [0] * len(prompts)              # entries computed
         self.tokens = [list(p) for p in prompts]
         self.pages: list[list[int]] = [[] for _ in prompts]
         self.generated: list[list[int]] = [[] for _ in prompts]
+        self.logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+        self.forced = forced
 
     def chunk(self, i: int, n: int):
         from predd.runner import Chunk
@@ -119,18 +126,21 @@ class Greedy:
 
     def step(self, work: list[tuple[int, int | None]]) -> None:
         """One forward pass: (sequence, n) computes its next n entries (None: all that
-        are pending); a sequence whose entries are all computed takes its argmax."""
+        are pending); a sequence whose entries are all computed takes its next token."""
         chunks = [self.chunk(i, len(self.tokens[i]) - self.done[i] if n is None else n)
                   for i, n in work]
         for (i, _), logits in zip(work, self.runner.execute(chunks)):
             if self.done[i] == len(self.tokens[i]):
-                token = int(logits[0].argmax())
+                token = (self.forced[i][len(self.generated[i])] if self.forced
+                         else int(logits[0].argmax()))
                 self.tokens[i].append(token)
                 self.generated[i].append(token)
+                self.logits[i].append(logits[0].float())
 
 
-def greedy_tokens(runner, prompts: list[list[int]], new: int) -> list[list[int]]:
-    g = Greedy(runner, prompts)
+def run_schedule(runner, prompts: list[list[int]], new: int,
+                 forced: list[list[int]] | None = None) -> Greedy:
+    g = Greedy(runner, prompts, forced)
     g.step([(0, 3)])                          # A: a first chunk
     g.step([(0, None), (1, None)])            # A's rest (with a past), B fresh
     for t in range(new):
@@ -140,27 +150,48 @@ def greedy_tokens(runner, prompts: list[list[int]], new: int) -> list[list[int]]
         elif t > 3:
             work.append((2, None))            # C's rest, then C decodes too
         g.step(work)
-    return g.generated
+    return g
+
+
+# fp16 logits of SmolLM2 (|logit| up to ~30, ulp 1/64 there) through its layers in two
+# kernels' summation orders; a wrong mask, page or position moves them by whole units
+LOGIT_TOLERANCE = 0.25
 
 
 def test_real_model_greedy_tokens_match(flashinfer, model_path):
+    """torch's greedy run, then flashinfer fed the same tokens: every logit of every
+    step within LOGIT_TOLERANCE, and the same argmax wherever torch's top two are
+    further apart than twice that (a closer pair is a tie either may break)."""
     from predd.runner import Runner, RunnerConfig
     from predd.tokenizer import load_tokenizer
     tok = load_tokenizer(model_path)
     prompts = [tok.encode(text) for text in (
         "The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
         "A paged KV cache stores attention keys and values in fixed-size pages, so that")]
-    results = {}
+    runs = {}
     for name in ("torch", "flashinfer"):
         runner = Runner(RunnerConfig(model_path, device="cuda", dtype="float16",
                                      kv_pages=64, page_size=PS, attention=name))
         assert runner.backend.name == name
-        results[name] = greedy_tokens(runner, prompts, 24)
+        runs[name] = run_schedule(runner, prompts, 24,
+                                  runs["torch"].generated if runs else None)
         del runner
         torch.cuda.empty_cache()
+    ref, got = runs["torch"], runs["flashinfer"]
     # A and B: one token after their prompts, then one a step; C from step t=4 on
-    assert [len(g) for g in results["torch"]] == [25, 25, 20]
-    assert results["flashinfer"] == results["torch"]
+    assert [len(g) for g in ref.generated] == [25, 25, 20]
+    worst, ties = 0.0, 0
+    for seq in range(3):
+        for want, have in zip(ref.logits[seq], got.logits[seq]):
+            worst = max(worst, (have - want).abs().max().item())
+            top2 = want.topk(2).values
+            if top2[0] - top2[1] > 2 * LOGIT_TOLERANCE:
+                assert int(have.argmax()) == int(want.argmax())
+            else:
+                ties += 1
+    print(f"max |logit difference| {worst:.4f} over {sum(map(len, ref.logits))} steps "
+          f"({ties} near-ties)")
+    assert worst <= LOGIT_TOLERANCE
 
 
 @pytest.mark.slow
