@@ -10,7 +10,8 @@ without CUDA, and skipped saying so where the flashinfer package is not installe
   within a tolerance and the same argmax where it is not a near-tie;
 * the daemon: `predd --attention flashinfer` serves, says so in `info`, and generates
   the tokens `--attention torch` does.
-None of these has run yet: docs/architecture.md says the CUDA path is unverified.
+On a machine with no package index: `bash scripts/gpu_check.sh prepare` here, then
+`bash scripts/gpu_check.sh run` there (docs/architecture.md has the H100 results).
 """
 from __future__ import annotations
 
