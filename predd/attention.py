@@ -24,7 +24,7 @@ from predd.paged_kv import PagedKVCache
 from predd.page_table import PageTables
 
 CHOICES = ("auto", "torch", "cpu", "flashinfer")
-CPU_DTYPES = ("float32",)                        # the cpu kernel's
+CPU_DTYPES = ("float32", "bfloat16")            # the cpu kernel's
 FLASHINFER_DTYPES = ("bfloat16", "float16")      # its kernels have no float32 variant
 
 StoreKV = Callable[[int, torch.Tensor, torch.Tensor], None]

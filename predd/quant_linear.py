@@ -24,7 +24,13 @@ from torch import nn
 from predd.loader import QuantBlocks
 from predd.model import FUSED
 
-QUANT_ROWS = 24
+# Up to how many rows a model of each dtype computes from the blocks. In bfloat16 the
+# rows are widened to float32 and the result rounded back, and the packed bf16 GEMM it
+# competes with reads 2 bytes a weight, not 4, so the blocks pay only at the fewest
+# rows: a whole decode step on 2 AVX-512-BF16 cores, packed bf16 / blocks, 1 call 21.6
+# / 15.7 ms, 2 calls 23.5 / 17.0, 4 calls 22.7 / 19.9, 8 calls 27.6 / 30.3, 12 calls
+# 29.6 / 39.6 (scripts/bench_step.py --dtype bfloat16 --context 100).
+QUANT_ROWS = {torch.float32: 24, torch.bfloat16: 4}
 
 
 class QuantLinear(nn.Module):
@@ -40,9 +46,11 @@ class QuantLinear(nn.Module):
         self.run = kernels.bind(blocks, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > QUANT_ROWS or x.dtype != torch.float32:
+        if x.shape[0] > QUANT_ROWS.get(x.dtype, 0):
             return self.inner(x)
-        return self.run(x.contiguous())
+        if x.dtype == torch.float32:
+            return self.run(x.contiguous())
+        return self.run(x.float()).to(x.dtype)     # bf16 rows in, float32 arithmetic
 
 
 def blocks_for(name: str, blocks: dict[str, QuantBlocks], tied: bool) -> QuantBlocks | None:

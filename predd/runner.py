@@ -87,7 +87,8 @@ class Runner:
         self.linear, linear_reason = self._pack(config.linear)
         pool = PagedKVCache(local, config.kv_pages, config.page_size, self.dtype, self.device)
         self.backend = make_backend(config.attention, pool)
-        if self.backend.name == "cpu":     # its kernels do the layers' small ops too
+        if self.backend.name == "cpu" and self.dtype == torch.float32:
+            # its kernels do the layers' small ops too (in float32 only)
             self.model.ops = cpu_kernels.CpuOps(cpu_kernels.kernels())
         self.cache = pool
         if tp and tp.rank == 0:
@@ -125,14 +126,15 @@ class Runner:
                 raise ValueError(f"--linear quantized: {problem} (EINVAL)")
             return "packed", f"{why}: {packed}; not quantized: {problem}"
         return "quantized", (f"{why}: {packed}, {count} of them computed from the "
-                             f"checkpoint's Q4_1/Q8_0 blocks at <= {quant_linear.QUANT_ROWS} rows")
+                             f"checkpoint's Q4_1/Q8_0 blocks at <= "
+                             f"{quant_linear.QUANT_ROWS[self.dtype]} rows")
 
     def _quantize(self) -> tuple[str | None, int]:
         """(why not, how many): the packed projections given their GGUF blocks."""
         if self.tp:
             return "not under tensor parallelism", 0
-        if self.dtype != torch.float32:
-            return "the block kernels compute in float32", 0
+        if self.dtype not in quant_linear.QUANT_ROWS:
+            return "the block kernels serve float32 and bfloat16 models", 0
         problem = cpu_kernels.problem()
         if problem:
             return f"CPU kernels unavailable: {problem}", 0

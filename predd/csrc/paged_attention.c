@@ -1,4 +1,5 @@
-/* Paged attention on the CPU, float32, reading K and V where they lie in the pool.
+/* Paged attention on the CPU, reading K and V where they lie in the pool: float32, or
+ * bfloat16 storage (q, the pool, out) computed in float32.
  *
  * Built by predd/cpu_kernels.py on the machine that runs it (cc -O3 -march=native
  * -fopenmp) and called through ctypes. OpenMP here is the same libgomp torch loaded,
@@ -13,6 +14,9 @@
  * No gather, no padding.
  *
  * Pool layout per layer (predd/paged_kv.py): [pages, 2, page_size, kv_heads, head_dim].
+ * In bfloat16 every value is widened to float32 as it is read (its 16 bits are a
+ * float32's top half), scores and sums stay float32, and out is rounded to nearest even
+ * as torch rounds.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,15 +29,52 @@
 #define VECTOR 8
 #endif
 
-/* q . k over n floats */
-static inline float dot(const float *q, const float *k, int64_t n)
+/* A value of the pool, q or out: float32, or bfloat16 where `bf16` (a constant where
+ * the kernel is inlined, so each variant compiles without the test). */
+static inline float load1(const void *p, int64_t i, const int bf16)
+{
+    if (!bf16)
+        return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline void store1(void *p, int64_t i, float f, const int bf16)
+{
+    if (!bf16) {
+        ((float *)p)[i] = f;
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)          /* NaN stays NaN */
+        u |= 0x00400000u;
+    else
+        u += 0x7FFFu + ((u >> 16) & 1u);           /* round to nearest even */
+    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+}
+
+#ifdef VECTOR
+static inline __m256 load8(const void *p, int64_t i, const int bf16)
+{
+    if (!bf16)
+        return _mm256_loadu_ps((const float *)p + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* q . k over n values: q float32, k of the pool's type */
+static inline float dot(const float *q, const void *k, int64_t n, const int bf16)
 {
 #ifdef VECTOR
     if (n % 16 == 0) {
         __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
         for (int64_t d = 0; d < n; d += 16) {
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
-            b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), b);
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k, d, bf16), a);
+            b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k, d + 8, bf16), b);
         }
         a = _mm256_add_ps(a, b);
         __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -43,15 +84,15 @@ static inline float dot(const float *q, const float *k, int64_t n)
     }
 #endif
     float s = 0.0f;
-    #pragma omp simd reduction(+:s)
     for (int64_t d = 0; d < n; d++)
-        s += q[d] * k[d];
+        s += q[d] * load1(k, d, bf16);
     return s;
 }
 
-/* acc[0:n] += sum over e < count of p[e] * v[e * stride : e * stride + n] */
-static inline void weighted_sum(float *acc, const float *p, const float *v, int64_t count,
-                                int64_t stride, int64_t n)
+/* acc[0:n] += sum over e < count of p[e] * v[e * stride : e * stride + n] (v of the
+ * pool's type, stride in values) */
+static inline void weighted_sum(float *acc, const float *p, const void *v, int64_t count,
+                                int64_t stride, int64_t n, const int bf16)
 {
 #ifdef VECTOR
     if (n % 64 == 0) {
@@ -61,9 +102,8 @@ static inline void weighted_sum(float *acc, const float *p, const float *v, int6
                 a[i] = _mm256_loadu_ps(acc + d + 8 * i);
             for (int64_t e = 0; e < count; e++) {
                 const __m256 w = _mm256_broadcast_ss(p + e);
-                const float *ve = v + e * stride + d;
                 for (int i = 0; i < 8; i++)
-                    a[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(ve + 8 * i), a[i]);
+                    a[i] = _mm256_fmadd_ps(w, load8(v, e * stride + d + 8 * i, bf16), a[i]);
             }
             for (int i = 0; i < 8; i++)
                 _mm256_storeu_ps(acc + d + 8 * i, a[i]);
@@ -72,16 +112,18 @@ static inline void weighted_sum(float *acc, const float *p, const float *v, int6
     }
 #endif
     for (int64_t e = 0; e < count; e++) {
-        #pragma omp simd
         for (int64_t d = 0; d < n; d++)
-            acc[d] += p[e] * v[e * stride + d];
+            acc[d] += p[e] * load1(v, e * stride + d, bf16);
     }
 }
 
-int paged_attention_f32(
-    const float *q, int64_t q_stride,   /* query row t at q + t * q_stride: [heads, head_dim] */
-    float *out,                          /* [tokens, heads, head_dim], contiguous */
-    const float *kv,                     /* this layer's pool */
+#define AT(p, i) ((const void *)((const char *)(p) + (i) * size))
+
+static inline __attribute__((always_inline)) int paged_attention(
+    const int bf16,
+    const void *q, int64_t q_stride,    /* query row t at q + t * q_stride: [heads, head_dim] */
+    void *out,                           /* [tokens, heads, head_dim], contiguous */
+    const void *kv,                      /* this layer's pool */
     int64_t page_size, int64_t kv_heads, int64_t heads, int64_t head_dim,
     const int32_t *indices,              /* page ids of every call, table after table */
     const int64_t *row_token,            /* [rows]: the row's token in q and out */
@@ -90,9 +132,10 @@ int paged_attention_f32(
     int64_t rows, int64_t max_visible, float scale,
     int64_t span)                        /* kv heads per task: a divisor of kv_heads */
 {
+    const int64_t size = bf16 ? 2 : 4;               /* bytes per value */
     const int64_t G = heads / kv_heads, D = head_dim, S = span * G;
-    const int64_t entry = kv_heads * D;              /* floats per entry (K or V) */
-    const int64_t page = 2 * page_size * entry;      /* floats per page */
+    const int64_t entry = kv_heads * D;              /* values per entry (K or V) */
+    const int64_t page = 2 * page_size * entry;      /* values per page */
     const int64_t groups = kv_heads / span;
     int failed = 0;
 
@@ -100,29 +143,37 @@ int paged_attention_f32(
     {
         float *scores = malloc(sizeof(float) * S * max_visible);
         float *acc = malloc(sizeof(float) * S * D);
-        if (!scores || !acc) {
+        float *qf = malloc(sizeof(float) * S * D);   /* bf16: the task's q, widened */
+        if (!scores || !acc || !qf) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < rows * groups; task++) {
-            if (!scores || !acc)
+            if (!scores || !acc || !qf)
                 continue;
             /* query heads s = 0..S-1 of this task read kv head h0 + s / G */
             const int64_t r = task / groups, h0 = (task % groups) * span;
             const int64_t L = row_visible[r];
             const int32_t *pages = indices + row_pages[r];
-            const float *qh = q + row_token[r] * q_stride + h0 * G * D;
+            const void *qt = AT(q, row_token[r] * q_stride + h0 * G * D);
+            const float *qh = qt;
+            if (bf16) {
+                for (int64_t i = 0; i < S * D; i++)
+                    qf[i] = load1(qt, i, 1);
+                qh = qf;
+            }
             float best[S], total[S];
             for (int64_t s = 0; s < S; s++)
                 best[s] = -INFINITY;
             /* scores, a page at a time, the task's heads of each entry together */
             for (int64_t j0 = 0; j0 < L; j0 += page_size) {
-                const float *k = kv + pages[j0 / page_size] * page + h0 * D;
+                const int64_t k = pages[j0 / page_size] * page + h0 * D;
                 const int64_t n = L - j0 < page_size ? L - j0 : page_size;
-                for (int64_t e = 0; e < n; e++, k += entry) {
+                for (int64_t e = 0; e < n; e++) {
                     for (int64_t s = 0; s < S; s++) {
-                        const float x = dot(qh + s * D, k + (s / G) * D, D) * scale;
+                        const float x = dot(qh + s * D, AT(kv, k + e * entry + (s / G) * D),
+                                            D, bf16) * scale;
                         scores[s * L + j0 + e] = x;
                         best[s] = x > best[s] ? x : best[s];
                     }
@@ -141,21 +192,32 @@ int paged_attention_f32(
              * the page's entries add into it */
             memset(acc, 0, sizeof(float) * S * D);
             for (int64_t j0 = 0; j0 < L; j0 += page_size) {
-                const float *v = kv + pages[j0 / page_size] * page + page_size * entry + h0 * D;
+                const int64_t v = pages[j0 / page_size] * page + page_size * entry + h0 * D;
                 const int64_t n = L - j0 < page_size ? L - j0 : page_size;
                 for (int64_t s = 0; s < S; s++)
-                    weighted_sum(acc + s * D, scores + s * L + j0, v + (s / G) * D, n, entry, D);
+                    weighted_sum(acc + s * D, scores + s * L + j0,
+                                 AT(kv, v + (s / G) * D), n, entry, D, bf16);
             }
-            float *o = out + row_token[r] * heads * D + h0 * G * D;
+            const int64_t o = row_token[r] * heads * D + h0 * G * D;
             for (int64_t s = 0; s < S; s++) {
                 const float inv = 1.0f / total[s];
-                #pragma omp simd
                 for (int64_t d = 0; d < D; d++)
-                    o[s * D + d] = acc[s * D + d] * inv;
+                    store1(out, o + s * D + d, acc[s * D + d] * inv, bf16);
             }
         }
         free(scores);
         free(acc);
+        free(qf);
     }
     return failed ? -1 : 0;
 }
+
+#define ARGS const void *q, int64_t q_stride, void *out, const void *kv, int64_t page_size, \
+    int64_t kv_heads, int64_t heads, int64_t head_dim, const int32_t *indices,           \
+    const int64_t *row_token, const int64_t *row_pages, const int64_t *row_visible,      \
+    int64_t rows, int64_t max_visible, float scale, int64_t span
+#define PASS q, q_stride, out, kv, page_size, kv_heads, heads, head_dim, indices, row_token, \
+    row_pages, row_visible, rows, max_visible, scale, span
+
+int paged_attention_f32(ARGS) { return paged_attention(0, PASS); }
+int paged_attention_bf16(ARGS) { return paged_attention(1, PASS); }

@@ -180,8 +180,8 @@ def test_torch_is_taken_when_asked_and_auto_keeps_cpu_off_flashinfer(monkeypatch
         raise AssertionError(f"imported {name} on CPU")
     monkeypatch.setattr(attention.importlib, "import_module", no_import)
     assert resolve("torch", "cuda", "float32") == ("torch", "asked for")
-    assert resolve("auto", "cpu", "bfloat16") == (
-        "torch", "auto: cpu computes only in float32, not bfloat16")
+    assert resolve("auto", "cpu", "float16") == (
+        "torch", "auto: cpu computes only in float32 or bfloat16, not float16")
     assert resolve("auto", "cuda", "float32") == (
         "torch", "auto: flashinfer computes only in bfloat16 or float16, not float32 "
         "(pass --dtype bfloat16)")

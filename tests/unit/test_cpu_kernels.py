@@ -15,11 +15,13 @@ from predd.page_table import PageTables
 from predd.paged_kv import PagedKVCache
 
 
-def _step(calls, kv_heads=2, heads=6, head_dim=16, ps=4, pages=64, seed=0):
-    """Two pools with the same random entries, the step's tables and its q/k/v."""
+def _step(calls, kv_heads=2, heads=6, head_dim=16, ps=4, pages=64, seed=0,
+          dtype=torch.float32):
+    """Two pools with the same random entries (ours in `dtype`, the reference in
+    float32), the step's tables and its q/k/v (in `dtype`)."""
     rng = np.random.default_rng(seed)
     cfg = SimpleNamespace(name="t", num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim)
-    ours = PagedKVCache(cfg, pages, ps, torch.float32, torch.device("cpu"))
+    ours = PagedKVCache(cfg, pages, ps, dtype, torch.device("cpu"))
     torch.manual_seed(seed)
     ours.kv.normal_()
     ref = PagedKVCache(cfg, pages, ps, torch.float32, torch.device("cpu"))
@@ -29,7 +31,7 @@ def _step(calls, kv_heads=2, heads=6, head_dim=16, ps=4, pages=64, seed=0):
                                    for kv, _ in calls],
                               [c[0] for c in calls], [c[1] for c in calls])
     total = sum(n for _, n in calls)
-    qkv = torch.randn(total, heads + 2 * kv_heads, head_dim)   # q is a strided view, as in the model
+    qkv = torch.randn(total, heads + 2 * kv_heads, head_dim).to(dtype)   # q: a strided view, as in the model
     return ours, ref, tables, (qkv[:, :heads], qkv[:, heads:heads + kv_heads],
                                qkv[:, heads + kv_heads:])
 
@@ -48,6 +50,23 @@ def test_cpu_backend_matches_torch_on_every_kind_of_call(calls):
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=2e-6), float((got - want).abs().max())
     assert torch.equal(ours.kv, ref.kv)        # the new K/V written where torch writes them
+
+
+@pytest.mark.parametrize("head_dim", [16, 64], ids=["scalar-loop", "vector-loop"])
+def test_cpu_backend_in_bfloat16_is_float32_rounded_once(head_dim):
+    """bf16 pool and rows, float32 arithmetic: each output is the float32 reference
+    (the same bf16 values, computed by the torch backend in float32) rounded to bf16,
+    give or take the last bit where the two sums round differently."""
+    calls = [(9, 1), (1, 1), (37, 1), (11, 5), (30, 3)] + [(5 + i, 1) for i in range(6)]
+    ours, ref, tables, (q, k, v) = _step(calls, head_dim=head_dim, dtype=torch.bfloat16)
+    ref.kv.copy_(ours.kv.float())
+    got = CpuAttention(ours).prepare(tables)(0, q, k, v)
+    want = TorchAttention(ref).prepare(tables)(0, q.float(), k.float(), v.float())
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2 ** -30))) - 7)
+    assert ((got.float() - want).abs() <= ulp).all(), float(((got.float() - want).abs() / ulp).max())
+    assert (got.float() == want.to(torch.bfloat16).float()).float().mean() > 0.95
+    assert torch.equal(ours.kv.float(), ref.kv)
 
 
 def test_cpu_backend_sends_only_rows_with_a_past_to_the_kernel(monkeypatch):
@@ -115,9 +134,11 @@ def test_choosing_the_cpu_backend():
     with pytest.raises(ValueError) as err:
         resolve("cpu", "cuda:0", "float32")
     assert str(err.value) == "--attention cpu is for the CPU, not cuda:0 (EINVAL)"
+    assert resolve("cpu", "cpu", "bfloat16") == ("cpu", "asked for")
     with pytest.raises(ValueError) as err:
-        resolve("cpu", "cpu", "bfloat16")
-    assert str(err.value) == "--attention cpu computes only in float32, not bfloat16 (EINVAL)"
+        resolve("cpu", "cpu", "float16")
+    assert str(err.value) == ("--attention cpu computes only in float32 or bfloat16, "
+                              "not float16 (EINVAL)")
     assert "cpu" in attention.CHOICES
 
 

@@ -44,11 +44,33 @@ def test_quant_linear_takes_the_blocks_up_to_quant_rows_and_the_inner_beyond(mon
     with torch.no_grad():
         inner.weight.copy_(torch.from_numpy(weight) * 2)     # tell the two paths apart
     layer = quant_linear.QuantLinear(inner, blocks, cpu_kernels.kernels())
+    limit = quant_linear.QUANT_ROWS[torch.float32]
     with torch.inference_mode():
-        for rows, scale in ((1, 1), (quant_linear.QUANT_ROWS, 1), (quant_linear.QUANT_ROWS + 1, 2)):
+        for rows, scale in ((1, 1), (limit, 1), (limit + 1, 2)):
             x = torch.randn(rows, 32)
             torch.testing.assert_close(layer(x), F.linear(x, torch.from_numpy(weight)) * scale,
                                        rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_model_takes_the_blocks_at_its_own_limit_in_float32():
+    """bf16 rows up to QUANT_ROWS[bfloat16]: widened, computed from the blocks in float32,
+    rounded to bf16 once; beyond it (and in float16, which has no limit) the inner."""
+    blocks, weight = random_blocks("Q4_1", 6, 64)
+    inner = nn.Linear(64, 6, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        inner.weight.copy_(torch.from_numpy(weight) * 2)
+    layer = quant_linear.QuantLinear(inner, blocks, cpu_kernels.kernels())
+    limit = quant_linear.QUANT_ROWS[torch.bfloat16]
+    with torch.inference_mode():
+        for rows, scale in ((1, 1), (limit, 1), (limit + 1, 2)):
+            x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+            x = x.to(torch.bfloat16)
+            want = F.linear(x.float(), torch.from_numpy(weight)) * scale
+            got = layer(x)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-2)
+            if scale == 1:      # one rounding of the float32 result (seeded: no value
+                assert torch.equal(got, want.to(torch.bfloat16))   # sits on a tie)
 
 
 def _tiny(tied: bool) -> LlamaModel:
