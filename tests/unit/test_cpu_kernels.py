@@ -69,10 +69,10 @@ def test_cpu_backend_in_bfloat16_is_float32_rounded_once(head_dim):
     assert torch.equal(ours.kv.float(), ref.kv)
 
 
-def test_cpu_backend_sends_only_rows_with_a_past_to_the_kernel(monkeypatch):
-    """The kernel sees decode rows and the rows of short chunks after a past, each with
-    the entries it may see (causal within its chunk); fresh prefills and long chunks
-    go to SDPA."""
+def test_cpu_backend_sends_calls_of_up_to_kernel_rows_to_the_kernel(monkeypatch):
+    """The kernel sees decode rows and the rows of short chunks, after a past or fresh,
+    each with the entries it may see (causal within its chunk); a chunk of more than
+    KERNEL_ROWS tokens goes to SDPA."""
     calls = [(9, 1), (11, 5), (6, 6), (100, 70)]
     ours, _, tables, (q, k, v) = _step(calls)
     backend = CpuAttention(ours)
@@ -81,7 +81,9 @@ def test_cpu_backend_sends_only_rows_with_a_past_to_the_kernel(monkeypatch):
                         visible, most: seen.append((token.tolist(), pages.tolist(),
                                                     visible.tolist(), most)) or (lambda *a: None))
     backend.prepare(tables)(0, q, k, v)
-    assert seen == [([0, 1, 2, 3, 4, 5], [0, 3, 3, 3, 3, 3], [9, 7, 8, 9, 10, 11], 11)]
+    assert seen == [([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+                     [0, 3, 3, 3, 3, 3, 6, 6, 6, 6, 6, 6],
+                     [9, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5, 6], 11)]
 
 
 def test_probe_and_cache(tmp_path, monkeypatch):
