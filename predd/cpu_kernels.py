@@ -35,10 +35,11 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c")
-HEADERS = (CSRC / "exp_approx.h",)
+HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h")
 LIBRARY = "predd-cpu"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 PROBE_TOLERANCE = 1e-4      # float32, another summation order
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}    # the kernels' dtypes
 
 
 class KernelUnavailable(Exception):
@@ -121,9 +122,9 @@ class Kernels:
         signatures = {
             "paged_attention_f32": (ctypes.c_int, attention),
             "paged_attention_bf16": (ctypes.c_int, attention),
-            "add_rms_norm_f32": (None, [ptr, ptr, ptr, ptr, i64, i64, f32]),
-            "rope_f32": (None, [ptr, i64, ptr, ptr, i64, i64, i64]),
-            "silu_mul_f32": (None, [ptr, ptr, i64, i64]),
+            **{f"add_rms_norm_{t}": (None, [ptr, ptr, ptr, ptr, i64, i64, f32]) for t in SUFFIX.values()},
+            **{f"rope_{t}": (None, [ptr, i64, ptr, ptr, i64, i64, i64]) for t in SUFFIX.values()},
+            **{f"silu_mul_{t}": (None, [ptr, ptr, i64, i64]) for t in SUFFIX.values()},
             "linear_q4_1_f32": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
             "linear_q8_0_f32": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
         }
@@ -174,14 +175,20 @@ class Kernels:
         run.keeps = (indices, row_token, row_pages, row_visible)   # behind the pointers
         return run
 
+    def _op(self, name: str, dtype: torch.dtype):
+        if dtype not in SUFFIX:
+            raise ValueError(f"{name} takes float32 or bfloat16, not {dtype}")
+        return getattr(self._lib, f"{name}_{SUFFIX[dtype]}")
+
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         """x += delta in place (when given), then RMSNorm(x) * weight as a new tensor;
-        x, delta [T, C] contiguous."""
-        _contiguous(x, delta, weight)
+        x, delta [T, C] contiguous, all three of one dtype."""
+        _contiguous(x, delta, weight, dtype=x.dtype)
         out = torch.empty_like(x)
-        self._lib.add_rms_norm_f32(x.data_ptr(), None if delta is None else delta.data_ptr(),
-                                   weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        self._op("add_rms_norm", x.dtype)(
+            x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+            out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
 
     def rope(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -189,16 +196,17 @@ class Kernels:
         contiguous) in place by cos, sin [T, D/2]."""
         _contiguous(cos, sin)
         t, _, d = x.shape
-        if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d:
-            raise ValueError("rope takes float32 rows of contiguous heads")
-        self._lib.rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d)
+        if x.stride(2) != 1 or x.stride(1) != d:
+            raise ValueError("rope takes rows of contiguous heads")
+        self._op("rope", x.dtype)(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                                  t, heads, d)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [T, 2n] = (gate | up) -> [T, n]."""
-        _contiguous(gate_up)
+        _contiguous(gate_up, dtype=gate_up.dtype)
         t, n = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(t, n, dtype=gate_up.dtype)
-        self._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, n)
+        self._op("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), t, n)
         return out
 
 
@@ -233,11 +241,11 @@ class Kernels:
         return run
 
 
-def _contiguous(*tensors: torch.Tensor | None) -> None:
+def _contiguous(*tensors: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> None:
     for t in tensors:
-        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()
-                              or not t.is_cpu):
-            raise ValueError("the CPU kernels take contiguous float32 CPU tensors")
+        if t is not None and (t.dtype != dtype or not t.is_contiguous() or not t.is_cpu):
+            raise ValueError(f"the CPU kernels take contiguous {str(dtype)[6:]} CPU tensors "
+                             f"here, not {str(t.dtype)[6:]}{'' if t.is_contiguous() else ' strided'}")
 
 
 @functools.cache
@@ -322,24 +330,37 @@ def _probe_quant_linear(lib: Kernels) -> float:
 
 
 def _probe_layer_ops(lib: Kernels) -> float:
-    """CpuOps against TorchOps on a random layer's worth of rows (relative to scale)."""
+    """CpuOps against TorchOps on a random layer's worth of rows (relative to scale), in
+    float32, and in bfloat16 beyond two units in the last place of each tensor's
+    largest value (the two round at different steps, RoPE's terms before they cancel)."""
+    return max(_layer_ops_error(lib, torch.float32), _layer_ops_error(lib, torch.bfloat16))
+
+
+def _layer_ops_error(lib: Kernels, dtype: torch.dtype) -> float:
     from predd.model import RMSNorm, TorchOps
     gen = torch.Generator().manual_seed(0)
     ours, ref = CpuOps(lib), TorchOps()
     norm = RMSNorm(48, 1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(48, generator=gen) + 0.5)
-    x, delta = torch.randn(5, 48, generator=gen), torch.randn(5, 48, generator=gen)
+    norm.to(dtype)
+    x = torch.randn(5, 48, generator=gen).to(dtype)
+    delta = torch.randn(5, 48, generator=gen).to(dtype)
+    freqs = torch.rand(5, 8, generator=gen) * 50
+    qkv = torch.randn(5, 4, 16, generator=gen).to(dtype)
+    gate_up = (torch.randn(5, 64, generator=gen) * 8).to(dtype)
     x_ref, h_ref = ref.add_norm(x, delta, norm)
     x_got, h_got = ours.add_norm(x.clone(), delta, norm)
-    freqs = torch.rand(5, 8, generator=gen) * 50
-    qkv = torch.randn(5, 4, 16, generator=gen)
-    turned = ref.rope(qkv, 3, ref.rotary(freqs, torch.float32))
-    got = ours.rope(qkv.clone(), 3, ours.rotary(freqs, torch.float32))
-    gate_up = torch.randn(5, 64, generator=gen) * 8
-    return max(float((x_got - x_ref).abs().max()), float((h_got - h_ref).abs().max()),
-               float((got[:, :3] - turned).abs().max()),
-               float((ours.silu_mul(gate_up) - ref.silu_mul(gate_up)).abs().max()) / 8)
+    turned = ref.rope(qkv, 3, ref.rotary(freqs, dtype))
+    got = ours.rope(qkv.clone(), 3, ours.rotary(freqs, dtype))
+    ulps = 0.0 if dtype == torch.float32 else 2.0 ** -6
+
+    def error(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> float:
+        a, b = a.detach().float(), b.detach().float()
+        return float((a - b).abs().max() - b.abs().max() * ulps) / scale
+
+    return max(error(x_got, x_ref), error(h_got, h_ref), error(got[:, :3], turned),
+               error(ours.silu_mul(gate_up), ref.silu_mul(gate_up), 8))
 
 
 def _probe_attention(lib: Kernels) -> float:

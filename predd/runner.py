@@ -87,8 +87,7 @@ class Runner:
         self.linear, linear_reason = self._pack(config.linear)
         pool = PagedKVCache(local, config.kv_pages, config.page_size, self.dtype, self.device)
         self.backend = make_backend(config.attention, pool)
-        if self.backend.name == "cpu" and self.dtype == torch.float32:
-            # its kernels do the layers' small ops too (in float32 only)
+        if self.backend.name == "cpu":     # its kernels do the layers' small ops too
             self.model.ops = cpu_kernels.CpuOps(cpu_kernels.kernels())
         self.cache = pool
         if tp and tp.rank == 0:

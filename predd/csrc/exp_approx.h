@@ -9,7 +9,9 @@
 static inline float exp_approx(float x)
 {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    /* n = x log2(e) rounded to an integer by adding and taking away 1.5 * 2^23 (not
+     * roundf, which GCC leaves scalar on AVX-512 targets) */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     const float f = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
     float p = 1.0f / 5040.0f;
     p = p * f + 1.0f / 720.0f;

@@ -1,73 +1,137 @@
-/* A decoder layer's small ops in one pass each, float32, for predd/model.py on the CPU.
+/* A decoder layer's small ops in one pass each, float32 or bfloat16, for predd/model.py
+ * on the CPU.
  *
  * torch runs each of them as several ops (RMSNorm as six, RoPE as seven), and at
  * decode's few rows a step every op costs more in dispatch than in arithmetic. Built
  * and loaded with paged_attention.c (predd/cpu_kernels.py); rows are split over
- * torch's OpenMP threads only when there are enough of them to pay for it.
+ * torch's OpenMP threads only when there are enough of them to pay for it. In bfloat16
+ * the arithmetic is float32 and results are rounded where torch's bf16 ops round
+ * them (the residual sum, the normalised row before its weight, the output), or once
+ * where torch would round its intermediate steps too (RoPE, SwiGLU's product).
  */
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
 #include "exp_approx.h"
 
 #define PARALLEL_FLOATS 65536        /* below this many floats a row loop runs serially */
 
+/* The ops a row at a time, for one dtype each: `bf16` is a literal at every call, and
+ * the calls sit inside the exported functions' parallel loops (OpenMP outlines a
+ * parallel region before inlining, so a flag passed into one would stay a variable
+ * there and keep its loops from vectorising). */
+
 /* With delta: x += delta (the residual stream, in place). Then
- * out = x / sqrt(mean(x^2) + eps) * weight, row by row; x, delta, out [rows, n]. */
+ * out = x / sqrt(mean(x^2) + eps) * weight; x, delta, out rows of n values. */
+static inline __attribute__((always_inline)) void add_rms_norm_row(
+    const int bf16, void *x, const void *delta, const void *weight, void *out,
+    int64_t at, int64_t n, float eps)
+{
+    if (delta) {
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            store1(x, at + i, load1(x, at + i, bf16) + load1(delta, at + i, bf16), bf16);
+    }
+    float sum = 0.0f;
+    #pragma omp simd reduction(+:sum)
+    for (int64_t i = 0; i < n; i++) {
+        const float v = load1(x, at + i, bf16);
+        sum += v * v;
+    }
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float v = load1(x, at + i, bf16) * inv;
+        store1(out, at + i, (bf16 ? bf16_round(v) : v) * load1(weight, i, bf16), bf16);
+    }
+}
+
+/* Rotary embedding in place on `heads` heads of d values back to back from x + at:
+ * with c, s (d / 2 float32 each), a head's halves (a, b) become (a c - b s, b c + a s). */
+static inline __attribute__((always_inline)) void rope_row(
+    const int bf16, void *x, int64_t at, const float *c, const float *s, int64_t heads,
+    int64_t d)
+{
+    const int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        const int64_t a = at + h * d, b = a + half;
+        #pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            const float ai = load1(x, a + i, bf16), bi = load1(x, b + i, bf16);
+            store1(x, a + i, ai * c[i] - bi * s[i], bf16);
+            store1(x, b + i, bi * c[i] + ai * s[i], bf16);
+        }
+    }
+}
+
+/* SwiGLU's product: out[o + i] = silu(gu[g + i]) * gu[g + n + i], i < n; a float32
+ * chunk at a time (the exponential vectorises only over plain floats). */
+static inline __attribute__((always_inline)) void silu_mul_row(
+    const int bf16, const void *gu, int64_t g, void *out, int64_t o, int64_t n)
+{
+    enum { CHUNK = 256 };
+    float gate[CHUNK], up[CHUNK];
+    for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+        const int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
+        for (int64_t i = 0; i < m; i++) {
+            gate[i] = load1(gu, g + i0 + i, bf16);
+            up[i] = load1(gu, g + n + i0 + i, bf16);
+        }
+        #pragma omp simd
+        for (int64_t i = 0; i < m; i++)
+            gate[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
+        for (int64_t i = 0; i < m; i++)
+            store1(out, o + i0 + i, gate[i], bf16);
+    }
+}
+
+/* The exported ops: add_rms_norm on x, delta, out [rows, n]; rope on the first `heads`
+ * heads of each row of x (row r at x + r * stride) with cos, sin [rows, d / 2];
+ * silu_mul for gu [rows, 2n] -> out [rows, n]. Rows are split over the threads when
+ * there are enough values to pay for it. */
 void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out,
                       int64_t rows, int64_t n, float eps)
 {
     #pragma omp parallel for if (rows * n >= PARALLEL_FLOATS)
-    for (int64_t r = 0; r < rows; r++) {
-        float *xr = x + r * n, *o = out + r * n;
-        if (delta) {
-            const float *dr = delta + r * n;
-            #pragma omp simd
-            for (int64_t i = 0; i < n; i++)
-                xr[i] += dr[i];
-        }
-        float sum = 0.0f;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t i = 0; i < n; i++)
-            sum += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
-        #pragma omp simd
-        for (int64_t i = 0; i < n; i++)
-            o[i] = xr[i] * inv * weight[i];
-    }
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row(0, x, delta, weight, out, r * n, n, eps);
 }
 
-/* Rotary embedding in place on the first `heads` heads of each row of x (row r at
- * x + r * stride, heads of d floats back to back): with c, s = cos[r], sin[r] ([rows,
- * d / 2] each), a head's halves (a, b) become (a c - b s, b c + a s). */
+void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight,
+                       uint16_t *out, int64_t rows, int64_t n, float eps)
+{
+    #pragma omp parallel for if (rows * n >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row(1, x, delta, weight, out, r * n, n, eps);
+}
+
 void rope_f32(float *x, int64_t stride, const float *cos, const float *sin,
               int64_t rows, int64_t heads, int64_t d)
 {
-    const int64_t half = d / 2;
     #pragma omp parallel for if (rows * heads * d >= PARALLEL_FLOATS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * half, *s = sin + r * half;
-        for (int64_t h = 0; h < heads; h++) {
-            float *a = x + r * stride + h * d, *b = a + half;
-            #pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float ai = a[i], bi = b[i];
-                a[i] = ai * c[i] - bi * s[i];
-                b[i] = bi * c[i] + ai * s[i];
-            }
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rope_row(0, x, r * stride, cos + r * d / 2, sin + r * d / 2, heads, d);
 }
 
-/* SwiGLU's product: out[r, i] = silu(gu[r, i]) * gu[r, n + i] for gu [rows, 2n]. */
+void rope_bf16(uint16_t *x, int64_t stride, const float *cos, const float *sin,
+               int64_t rows, int64_t heads, int64_t d)
+{
+    #pragma omp parallel for if (rows * heads * d >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++)
+        rope_row(1, x, r * stride, cos + r * d / 2, sin + r * d / 2, heads, d);
+}
+
 void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t n)
 {
     #pragma omp parallel for if (rows * n >= PARALLEL_FLOATS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gu + r * 2 * n, *u = g + n;
-        float *o = out + r * n;
-        #pragma omp simd
-        for (int64_t i = 0; i < n; i++)
-            o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
-    }
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row(0, gu, r * 2 * n, out, r * n, n);
+}
+
+void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t n)
+{
+    #pragma omp parallel for if (rows * n >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row(1, gu, r * 2 * n, out, r * n, n);
 }

@@ -23,38 +23,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "exp_approx.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VECTOR 8
 #endif
-
-/* A value of the pool, q or out: float32, or bfloat16 where `bf16` (a constant where
- * the kernel is inlined, so each variant compiles without the test). */
-static inline float load1(const void *p, int64_t i, const int bf16)
-{
-    if (!bf16)
-        return ((const float *)p)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline void store1(void *p, int64_t i, float f, const int bf16)
-{
-    if (!bf16) {
-        ((float *)p)[i] = f;
-        return;
-    }
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u)          /* NaN stays NaN */
-        u |= 0x00400000u;
-    else
-        u += 0x7FFFu + ((u >> 16) & 1u);           /* round to nearest even */
-    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-}
 
 #ifdef VECTOR
 static inline __m256 load8(const void *p, int64_t i, const int bf16)

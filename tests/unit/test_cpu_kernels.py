@@ -176,6 +176,43 @@ def test_cpu_ops_match_torch_ops(rows):
                               atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 300])
+def test_cpu_ops_in_bfloat16(rows):
+    """bf16 in and out, float32 inside: the residual sum and the norm exactly as torch's
+    bf16 ops round them (one rounding each where torch rounds); RoPE and SwiGLU's
+    product rounded once where torch rounds every step, so within two units in the last
+    place of the tensor's largest value, and most often equal."""
+    from predd.model import RMSNorm, TorchOps
+    gen = torch.Generator().manual_seed(rows)
+    bf = torch.bfloat16
+    ours, ref = cpu_kernels.CpuOps(cpu_kernels.kernels()), TorchOps()
+    norm = RMSNorm(576, 1e-5)
+    with torch.inference_mode():
+        norm.weight.copy_(torch.rand(576, generator=gen) + 0.5)
+        norm.to(bf)
+        x = torch.randn(rows, 576, generator=gen).to(bf)
+        delta = torch.randn(rows, 576, generator=gen).to(bf)
+        x_ref, h_ref = ref.add_norm(x, delta, norm)
+        mine = x.clone()
+        x_got, h_got = ours.add_norm(mine, delta, norm)
+        assert x_got is mine and mine.dtype == bf and torch.equal(mine, x_ref)
+        assert h_got.dtype == bf
+        assert (h_got != h_ref).float().mean() < 0.01       # rsqrt vs 1 / sqrt: rare ties
+        assert torch.allclose(h_got.float(), h_ref.float(), rtol=2 ** -7, atol=0)
+        qkv = torch.randn(rows, 15, 64, generator=gen).to(bf)
+        freqs = torch.arange(rows, dtype=torch.float32)[:, None] * (
+            10000.0 ** (-torch.arange(0, 64, 2).float() / 64))[None, :]
+        want = ref.rope(qkv, 12, ref.rotary(freqs, bf))
+        turned = qkv.clone()
+        ours.rope(turned, 12, ours.rotary(freqs, bf))
+        assert turned.dtype == bf and torch.equal(turned[:, 12:], qkv[:, 12:])
+        gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 6).to(bf)
+        for got, ref_out in ((turned[:, :12], want), (ours.silu_mul(gate_up), ref.silu_mul(gate_up))):
+            diff = (got.float() - ref_out.float()).abs()
+            assert diff.max() <= ref_out.float().abs().max() * 2 ** -6
+            assert (diff == 0).float().mean() > 0.5      # 66-76% here
+
+
 def test_model_with_cpu_ops_gives_torch_ops_logits():
     """A tiny seeded Llama: the same logits (within float32 reordering) whichever ops run."""
     from predd.attention import TorchAttention
