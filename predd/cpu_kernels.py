@@ -37,7 +37,10 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c")
 HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h")
 LIBRARY = "predd-cpu"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# -fno-trapping-math: predd never unmasks floating-point exceptions, and without it GCC
+# will not turn a float compare-and-select (exp_approx's clamp) into a vector blend on
+# AVX2, leaving the softmax's and SwiGLU's exponential loops scalar there.
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 PROBE_TOLERANCE = 1e-4      # float32, another summation order
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}    # the kernels' dtypes
 

@@ -2,8 +2,9 @@
  * bfloat16 storage (q, the pool, out) computed in float32.
  *
  * Built by predd/cpu_kernels.py on the machine that runs it (cc -O3 -march=native
- * -fopenmp) and called through ctypes. OpenMP here is the same libgomp torch loaded,
- * so the kernel shares torch's threads and their count (torch.set_num_threads).
+ * -fno-trapping-math -fopenmp) and called through ctypes. OpenMP here is the same
+ * libgomp torch loaded, so the kernel shares torch's threads and their count
+ * (torch.set_num_threads).
  *
  * One query row r (a new token of some call) attends to the first row_visible[r]
  * entries of its call's page table (indices + row_pages[r]): causality within a chunk
