@@ -94,91 +94,107 @@ static inline void weighted_sum(float *acc, const float *p, const void *v, int64
 
 #define AT(p, i) ((const void *)((const char *)(p) + (i) * size))
 
-static inline __attribute__((always_inline)) int paged_attention(
-    const int bf16,
-    const void *q, int64_t q_stride,    /* query row t at q + t * q_stride: [heads, head_dim] */
-    void *out,                           /* [tokens, heads, head_dim], contiguous */
-    const void *kv,                      /* this layer's pool */
-    int64_t page_size, int64_t kv_heads, int64_t heads, int64_t head_dim,
-    const int32_t *indices,              /* page ids of every call, table after table */
-    const int64_t *row_token,            /* [rows]: the row's token in q and out */
-    const int64_t *row_pages,            /* [rows]: where its call's table starts */
-    const int64_t *row_visible,          /* [rows]: entries it attends to, >= 1 */
-    int64_t rows, int64_t max_visible, float scale,
-    int64_t span)                        /* kv heads per task: a divisor of kv_heads */
+/* The arguments of both exported functions (below), and their names. */
+#define ARGS const void *q, int64_t q_stride, void *out, const void *kv, int64_t page_size, \
+    int64_t kv_heads, int64_t heads, int64_t head_dim, const int32_t *indices,           \
+    const int64_t *row_token, const int64_t *row_pages, const int64_t *row_visible,      \
+    int64_t rows, int64_t max_visible, float scale, int64_t span
+#define PASS q, q_stride, out, kv, page_size, kv_heads, heads, head_dim, indices, row_token, \
+    row_pages, row_visible, rows, max_visible, scale, span
+
+/* One task: query row r's heads of kv heads h0 .. h0 + span - 1 (scores, acc, qf: the
+ * thread's scratch). `bf16` is a literal at each call (see paged_attention). */
+static inline __attribute__((always_inline)) void attend_task(
+    const int bf16, ARGS, int64_t task, float *scores, float *acc, float *qf)
 {
     const int64_t size = bf16 ? 2 : 4;               /* bytes per value */
     const int64_t G = heads / kv_heads, D = head_dim, S = span * G;
     const int64_t entry = kv_heads * D;              /* values per entry (K or V) */
     const int64_t page = 2 * page_size * entry;      /* values per page */
     const int64_t groups = kv_heads / span;
+    /* query heads s = 0..S-1 of this task read kv head h0 + s / G */
+    const int64_t r = task / groups, h0 = (task % groups) * span;
+    const int64_t L = row_visible[r];
+    const int32_t *pages = indices + row_pages[r];
+    const void *qt = AT(q, row_token[r] * q_stride + h0 * G * D);
+    const float *qh = qt;
+    if (bf16) {
+        for (int64_t i = 0; i < S * D; i++)
+            qf[i] = load1(qt, i, 1);
+        qh = qf;
+    }
+    float best[S], total[S];
+    for (int64_t s = 0; s < S; s++)
+        best[s] = -INFINITY;
+    /* scores, a page at a time, the task's heads of each entry together */
+    for (int64_t j0 = 0; j0 < L; j0 += page_size) {
+        const int64_t k = pages[j0 / page_size] * page + h0 * D;
+        const int64_t n = L - j0 < page_size ? L - j0 : page_size;
+        for (int64_t e = 0; e < n; e++) {
+            for (int64_t s = 0; s < S; s++) {
+                const float x = dot(qh + s * D, AT(kv, k + e * entry + (s / G) * D),
+                                    D, bf16) * scale;
+                scores[s * L + j0 + e] = x;
+                best[s] = x > best[s] ? x : best[s];
+            }
+        }
+    }
+    for (int64_t s = 0; s < S; s++) {
+        float *row = scores + s * L, m = best[s], sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t j = 0; j < L; j++) {
+            row[j] = exp_approx(row[j] - m);
+            sum += row[j];
+        }
+        total[s] = sum;
+    }
+    /* the weighted sum of V, a page at a time, each output vector held while
+     * the page's entries add into it */
+    memset(acc, 0, sizeof(float) * S * D);
+    for (int64_t j0 = 0; j0 < L; j0 += page_size) {
+        const int64_t v = pages[j0 / page_size] * page + page_size * entry + h0 * D;
+        const int64_t n = L - j0 < page_size ? L - j0 : page_size;
+        for (int64_t s = 0; s < S; s++)
+            weighted_sum(acc + s * D, scores + s * L + j0,
+                         AT(kv, v + (s / G) * D), n, entry, D, bf16);
+    }
+    const int64_t o = row_token[r] * heads * D + h0 * G * D;
+    for (int64_t s = 0; s < S; s++) {
+        const float inv = 1.0f / total[s];
+        for (int64_t d = 0; d < D; d++)
+            store1(out, o + s * D + d, acc[s * D + d] * inv, bf16);
+    }
+}
+
+/* q: query row t at q + t * q_stride, [heads, head_dim]; out: [tokens, heads, head_dim],
+ * contiguous; kv: this layer's pool; indices: page ids of every call, table after
+ * table; per row: row_token (its token in q and out), row_pages (where its call's
+ * table starts), row_visible (entries it attends to, >= 1); span: kv heads per task, a
+ * divisor of kv_heads. The parallel region is one for both dtypes (OpenMP outlines it
+ * before inlining, so `bf16` is a variable in it): each task branches once to the
+ * body inlined for its dtype. */
+static inline __attribute__((always_inline)) int paged_attention(const int bf16, ARGS)
+{
+    const int64_t S = span * (heads / kv_heads), tasks = rows * (kv_heads / span);
     int failed = 0;
 
     #pragma omp parallel
     {
         float *scores = malloc(sizeof(float) * S * max_visible);
-        float *acc = malloc(sizeof(float) * S * D);
-        float *qf = malloc(sizeof(float) * S * D);   /* bf16: the task's q, widened */
+        float *acc = malloc(sizeof(float) * S * head_dim);
+        float *qf = malloc(sizeof(float) * S * head_dim);   /* bf16: the task's q, widened */
         if (!scores || !acc || !qf) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < rows * groups; task++) {
+        for (int64_t task = 0; task < tasks; task++) {
             if (!scores || !acc || !qf)
                 continue;
-            /* query heads s = 0..S-1 of this task read kv head h0 + s / G */
-            const int64_t r = task / groups, h0 = (task % groups) * span;
-            const int64_t L = row_visible[r];
-            const int32_t *pages = indices + row_pages[r];
-            const void *qt = AT(q, row_token[r] * q_stride + h0 * G * D);
-            const float *qh = qt;
-            if (bf16) {
-                for (int64_t i = 0; i < S * D; i++)
-                    qf[i] = load1(qt, i, 1);
-                qh = qf;
-            }
-            float best[S], total[S];
-            for (int64_t s = 0; s < S; s++)
-                best[s] = -INFINITY;
-            /* scores, a page at a time, the task's heads of each entry together */
-            for (int64_t j0 = 0; j0 < L; j0 += page_size) {
-                const int64_t k = pages[j0 / page_size] * page + h0 * D;
-                const int64_t n = L - j0 < page_size ? L - j0 : page_size;
-                for (int64_t e = 0; e < n; e++) {
-                    for (int64_t s = 0; s < S; s++) {
-                        const float x = dot(qh + s * D, AT(kv, k + e * entry + (s / G) * D),
-                                            D, bf16) * scale;
-                        scores[s * L + j0 + e] = x;
-                        best[s] = x > best[s] ? x : best[s];
-                    }
-                }
-            }
-            for (int64_t s = 0; s < S; s++) {
-                float *row = scores + s * L, m = best[s], sum = 0.0f;
-                #pragma omp simd reduction(+:sum)
-                for (int64_t j = 0; j < L; j++) {
-                    row[j] = exp_approx(row[j] - m);
-                    sum += row[j];
-                }
-                total[s] = sum;
-            }
-            /* the weighted sum of V, a page at a time, each output vector held while
-             * the page's entries add into it */
-            memset(acc, 0, sizeof(float) * S * D);
-            for (int64_t j0 = 0; j0 < L; j0 += page_size) {
-                const int64_t v = pages[j0 / page_size] * page + page_size * entry + h0 * D;
-                const int64_t n = L - j0 < page_size ? L - j0 : page_size;
-                for (int64_t s = 0; s < S; s++)
-                    weighted_sum(acc + s * D, scores + s * L + j0,
-                                 AT(kv, v + (s / G) * D), n, entry, D, bf16);
-            }
-            const int64_t o = row_token[r] * heads * D + h0 * G * D;
-            for (int64_t s = 0; s < S; s++) {
-                const float inv = 1.0f / total[s];
-                for (int64_t d = 0; d < D; d++)
-                    store1(out, o + s * D + d, acc[s * D + d] * inv, bf16);
-            }
+            if (bf16)
+                attend_task(1, PASS, task, scores, acc, qf);
+            else
+                attend_task(0, PASS, task, scores, acc, qf);
         }
         free(scores);
         free(acc);
@@ -186,13 +202,6 @@ static inline __attribute__((always_inline)) int paged_attention(
     }
     return failed ? -1 : 0;
 }
-
-#define ARGS const void *q, int64_t q_stride, void *out, const void *kv, int64_t page_size, \
-    int64_t kv_heads, int64_t heads, int64_t head_dim, const int32_t *indices,           \
-    const int64_t *row_token, const int64_t *row_pages, const int64_t *row_visible,      \
-    int64_t rows, int64_t max_visible, float scale, int64_t span
-#define PASS q, q_stride, out, kv, page_size, kv_heads, heads, head_dim, indices, row_token, \
-    row_pages, row_visible, rows, max_visible, scale, span
 
 int paged_attention_f32(ARGS) { return paged_attention(0, PASS); }
 int paged_attention_bf16(ARGS) { return paged_attention(1, PASS); }
