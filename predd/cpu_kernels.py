@@ -122,18 +122,22 @@ class Kernels:
             raise KernelUnavailable(f"cannot load {path.name}: {exc}") from None
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         attention = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i64]
+        typed = {   # one function per dtype in SUFFIX: name_f32, name_bf16
+            "paged_attention": (ctypes.c_int, attention),
+            "add_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i64, f32]),
+            "rope": (None, [ptr, i64, ptr, ptr, i64, i64, i64]),
+            "silu_mul": (None, [ptr, ptr, i64, i64]),
+        }
         signatures = {
-            "paged_attention_f32": (ctypes.c_int, attention),
-            "paged_attention_bf16": (ctypes.c_int, attention),
-            **{f"add_rms_norm_{t}": (None, [ptr, ptr, ptr, ptr, i64, i64, f32]) for t in SUFFIX.values()},
-            **{f"rope_{t}": (None, [ptr, i64, ptr, ptr, i64, i64, i64]) for t in SUFFIX.values()},
-            **{f"silu_mul_{t}": (None, [ptr, ptr, i64, i64]) for t in SUFFIX.values()},
+            **{f"{op}_{t}": sig for op, sig in typed.items() for t in SUFFIX.values()},
             "linear_q4_1_f32": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
             "linear_q8_0_f32": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
         }
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
+        self._typed = {(op, dtype): getattr(lib, f"{op}_{t}")
+                       for op in typed for dtype, t in SUFFIX.items()}
         self._lib = lib
 
     def attend(self, q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor,
@@ -154,13 +158,10 @@ class Kernels:
         tables = (indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
                   row_visible.ctypes.data, rows, max_visible)
         threads = torch.get_num_threads()
-        variants = {torch.float32: self._lib.paged_attention_f32,
-                    torch.bfloat16: self._lib.paged_attention_bf16}
 
         def run(q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor) -> None:
             _, _, page_size, kv_heads, head_dim = paged.shape
-            kernel = variants.get(q.dtype)
-            if (kernel is None or out.dtype != q.dtype or paged.dtype != q.dtype
+            if (q.dtype not in SUFFIX or out.dtype != q.dtype or paged.dtype != q.dtype
                     or q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous()
                     or not paged.is_contiguous() or not q.is_cpu):
                 raise ValueError("paged_attention takes float32 or bfloat16 rows of "
@@ -168,7 +169,7 @@ class Kernels:
             # a task per row reads each entry's K and V once, all heads together; with
             # fewer rows than threads to share, a task per (row, kv head)
             span = kv_heads if rows >= 2 * threads else 1
-            status = kernel(
+            status = self._op("paged_attention", q.dtype)(
                 q.data_ptr(), q.stride(0), out.data_ptr(), paged.data_ptr(), page_size,
                 kv_heads, q.shape[1], head_dim, *tables, head_dim ** -0.5, span)
             if status != 0:
@@ -179,9 +180,11 @@ class Kernels:
         return run
 
     def _op(self, name: str, dtype: torch.dtype):
-        if dtype not in SUFFIX:
+        """The kernel `name` for `dtype` (looked up once, at load)."""
+        fn = self._typed.get((name, dtype))
+        if fn is None:
             raise ValueError(f"{name} takes float32 or bfloat16, not {dtype}")
-        return getattr(self._lib, f"{name}_{SUFFIX[dtype]}")
+        return fn
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
