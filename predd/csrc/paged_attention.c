@@ -92,6 +92,114 @@ static inline void weighted_sum(float *acc, const float *p, const void *v, int64
     }
 }
 
+#if defined(__AVX512F__)
+/* AVX-512: 16 lanes; dot products of bfloat16 straight from storage where the CPU has
+ * VDPBF16PS (pairs of bf16 products summed into float32 lanes: no widening), and V
+ * widened once per entry for all the query heads that read it. */
+#define WIDE 16
+
+static inline __m512 load16(const void *p, int64_t i, const int bf16)
+{
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* q . k over n values, n a multiple of 64: qraw in the pool's type, qf the same
+ * widened to float32 (bf16 without VDPBF16PS reads qf) */
+static inline float dot_wide(const void *qraw, const float *qf, const void *k, int64_t n,
+                             const int bf16)
+{
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if (bf16) {
+        const uint16_t *q16 = qraw, *k16 = k;
+        for (int64_t d = 0; d < n; d += 64) {
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q16 + d),
+                                 (__m512bh)_mm512_loadu_si512(k16 + d));
+            b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512(q16 + d + 32),
+                                 (__m512bh)_mm512_loadu_si512(k16 + d + 32));
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    }
+#endif
+    (void)qraw;
+    for (int64_t d = 0; d < n; d += 32) {
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16(k, d, bf16), a);
+        b = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d + 16), load16(k, d + 16, bf16), b);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+}
+
+/* acc[g * n : (g + 1) * n] += sum over e < count of p[g * ldp + e] * v[e * stride :
+ * e * stride + n] for the gn (1..4, a literal) query heads g that read one kv head:
+ * each V value is read and widened once, and the gn x 64 sums stay in registers. n is
+ * a multiple of 64. */
+static inline __attribute__((always_inline)) void weighted_sum_heads(
+    const int gn, float *acc, const float *p, int64_t ldp, const void *v, int64_t count,
+    int64_t stride, int64_t n, const int bf16)
+{
+    for (int64_t d = 0; d < n; d += 64) {
+        __m512 a[4][4];
+        for (int g = 0; g < gn; g++)
+            for (int i = 0; i < 4; i++)
+                a[g][i] = _mm512_loadu_ps(acc + g * n + d + 16 * i);
+        for (int64_t e = 0; e < count; e++) {
+            __m512 x[4];
+            for (int i = 0; i < 4; i++)
+                x[i] = load16(v, e * stride + d + 16 * i, bf16);
+            for (int g = 0; g < gn; g++) {
+                const __m512 w = _mm512_set1_ps(p[g * ldp + e]);
+                for (int i = 0; i < 4; i++)
+                    a[g][i] = _mm512_fmadd_ps(w, x[i], a[g][i]);
+            }
+        }
+        for (int g = 0; g < gn; g++)
+            for (int i = 0; i < 4; i++)
+                _mm512_storeu_ps(acc + g * n + d + 16 * i, a[g][i]);
+    }
+}
+
+#endif
+
+/* q . k over n values: qraw in the pool's type, qf the same as float32 */
+static inline float dot_q(const void *qraw, const float *qf, const void *k, int64_t n,
+                          const int bf16)
+{
+#ifdef WIDE
+    if (n % 64 == 0)
+        return dot_wide(qraw, qf, k, n, bf16);
+#endif
+    (void)qraw;
+    return dot(qf, k, n, bf16);
+}
+
+/* weighted_sum for the G query heads that read one kv head: head g's probabilities at
+ * p + g * ldp, its sums at acc + g * n */
+static inline __attribute__((always_inline)) void weighted_sum_group(
+    float *acc, const float *p, int64_t ldp, const void *v, int64_t count, int64_t stride,
+    int64_t n, int64_t G, const int bf16)
+{
+#ifdef WIDE
+    if (n % 64 == 0) {
+        for (int64_t g = 0; g < G; g += 4) {      /* four heads at a time */
+            float *a = acc + g * n;
+            const float *pg = p + g * ldp;
+            switch (G - g < 4 ? G - g : 4) {
+            case 1: weighted_sum_heads(1, a, pg, ldp, v, count, stride, n, bf16); break;
+            case 2: weighted_sum_heads(2, a, pg, ldp, v, count, stride, n, bf16); break;
+            case 3: weighted_sum_heads(3, a, pg, ldp, v, count, stride, n, bf16); break;
+            default: weighted_sum_heads(4, a, pg, ldp, v, count, stride, n, bf16); break;
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t g = 0; g < G; g++)
+        weighted_sum(acc + g * n, p + g * ldp, v, count, stride, n, bf16);
+}
+
 #define AT(p, i) ((const void *)((const char *)(p) + (i) * size))
 
 /* The arguments of both exported functions (below), and their names. */
@@ -132,8 +240,8 @@ static inline __attribute__((always_inline)) void attend_task(
         const int64_t n = L - j0 < page_size ? L - j0 : page_size;
         for (int64_t e = 0; e < n; e++) {
             for (int64_t s = 0; s < S; s++) {
-                const float x = dot(qh + s * D, AT(kv, k + e * entry + (s / G) * D),
-                                    D, bf16) * scale;
+                const float x = dot_q(AT(qt, s * D), qh + s * D,
+                                      AT(kv, k + e * entry + (s / G) * D), D, bf16) * scale;
                 scores[s * L + j0 + e] = x;
                 best[s] = x > best[s] ? x : best[s];
             }
@@ -154,9 +262,9 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t j0 = 0; j0 < L; j0 += page_size) {
         const int64_t v = pages[j0 / page_size] * page + page_size * entry + h0 * D;
         const int64_t n = L - j0 < page_size ? L - j0 : page_size;
-        for (int64_t s = 0; s < S; s++)
-            weighted_sum(acc + s * D, scores + s * L + j0,
-                         AT(kv, v + (s / G) * D), n, entry, D, bf16);
+        for (int64_t h = 0; h < span; h++)
+            weighted_sum_group(acc + h * G * D, scores + h * G * L + j0, L,
+                               AT(kv, v + h * D), n, entry, D, G, bf16);
     }
     const int64_t o = row_token[r] * heads * D + h0 * G * D;
     for (int64_t s = 0; s < S; s++) {

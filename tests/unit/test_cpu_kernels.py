@@ -52,13 +52,30 @@ def test_cpu_backend_matches_torch_on_every_kind_of_call(calls):
     assert torch.equal(ours.kv, ref.kv)        # the new K/V written where torch writes them
 
 
-@pytest.mark.parametrize("head_dim", [16, 64], ids=["scalar-loop", "vector-loop"])
-def test_cpu_backend_in_bfloat16_is_float32_rounded_once(head_dim):
+# (kv heads, query heads, head_dim): head_dim 16 takes the scalar loops, 64 and 128 the
+# vector ones; 1, 3, 5 and 8 query heads a kv head cover the grouped weighted sums (four
+# heads at a time, then the rest)
+SHAPES = [(2, 6, 16), (3, 9, 64), (2, 2, 64), (1, 5, 128), (2, 16, 64)]
+
+
+@pytest.mark.parametrize("kv_heads,heads,head_dim", SHAPES)
+def test_cpu_backend_matches_torch_at_every_head_shape(kv_heads, heads, head_dim):
+    calls = [(9, 1), (37, 1), (11, 5), (30, 3)] + [(5 + i, 1) for i in range(6)]
+    ours, ref, tables, (q, k, v) = _step(calls, kv_heads=kv_heads, heads=heads,
+                                         head_dim=head_dim)
+    got = CpuAttention(ours).prepare(tables)(0, q, k, v)
+    want = TorchAttention(ref).prepare(tables)(0, q, k, v)
+    assert torch.allclose(got, want, atol=2e-6), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("kv_heads,heads,head_dim", SHAPES)
+def test_cpu_backend_in_bfloat16_is_float32_rounded_once(kv_heads, heads, head_dim):
     """bf16 pool and rows, float32 arithmetic: each output is the float32 reference
     (the same bf16 values, computed by the torch backend in float32) rounded to bf16,
     give or take the last bit where the two sums round differently."""
     calls = [(9, 1), (1, 1), (37, 1), (11, 5), (30, 3)] + [(5 + i, 1) for i in range(6)]
-    ours, ref, tables, (q, k, v) = _step(calls, head_dim=head_dim, dtype=torch.bfloat16)
+    ours, ref, tables, (q, k, v) = _step(calls, kv_heads=kv_heads, heads=heads,
+                                         head_dim=head_dim, dtype=torch.bfloat16)
     ref.kv.copy_(ours.kv.float())
     got = CpuAttention(ours).prepare(tables)(0, q, k, v)
     want = TorchAttention(ref).prepare(tables)(0, q.float(), k.float(), v.float())
