@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c")
+SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c",
+           CSRC / "greedy.c")
 HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h")
 LIBRARY = "predd-cpu"
 # -fno-trapping-math: predd never unmasks floating-point exceptions, and without it GCC
@@ -132,6 +133,7 @@ class Kernels:
             **{f"{op}_{t}": sig for op, sig in typed.items() for t in SUFFIX.values()},
             "linear_q4_1_f32": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
             "linear_q8_0_f32": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
+            "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),
         }
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(lib, name)
@@ -215,6 +217,20 @@ class Kernels:
         self._op("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), t, n)
         return out
 
+
+    def greedy_pick(self, rows: list[torch.Tensor]) -> tuple[list[int], list[float]]:
+        """Each float32 logits row's argmax (the first of ties) and its logprob, without
+        concatenating the rows; token -1 (logprob NaN) for a row with a NaN or no
+        finite logit. Rows: contiguous float32 CPU vectors of one length."""
+        _contiguous(*rows)
+        n, v = len(rows), rows[0].numel() if rows else 0
+        if any(r.numel() != v for r in rows):
+            raise ValueError("greedy_pick takes rows of one length")
+        at = np.array([r.data_ptr() for r in rows], np.int64)
+        tokens, logprobs = np.empty(n, np.int64), np.empty(n, np.float32)
+        self._lib.greedy_pick_f32(at.ctypes.data, n, v, tokens.ctypes.data,
+                                  logprobs.ctypes.data)
+        return tokens.tolist(), logprobs.tolist()
 
     def quant_linear(self, x: torch.Tensor, blocks, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] times the weight held as `blocks` (predd.loader.QuantBlocks: Q4_1
@@ -303,7 +319,8 @@ class CpuOps:
 def _probe(lib: Kernels) -> float:
     """The largest difference from torch over every kernel on small random cases."""
     with torch.inference_mode():
-        return max(_probe_attention(lib), _probe_layer_ops(lib), _probe_quant_linear(lib))
+        return max(_probe_attention(lib), _probe_layer_ops(lib), _probe_quant_linear(lib),
+                   _probe_greedy(lib))
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0):
@@ -333,6 +350,18 @@ def _probe_quant_linear(lib: Kernels) -> float:
         got = lib.quant_linear(x, blocks, bias)
         worst = max(worst, float((got - want).abs().max() / want.abs().max()))
     return worst
+
+
+def _probe_greedy(lib: Kernels) -> float:
+    """greedy_pick against argmax and log_softmax on random rows, one of them with its
+    largest value twice (the first must win); a wrong token counts as infinite."""
+    rows = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)) * 4
+    rows[1, 700] = rows[1, 300] = rows[1].max() + 1
+    tokens, logprobs = lib.greedy_pick(list(rows))
+    if tokens != torch.argmax(rows, -1).tolist():
+        return float("inf")
+    want = torch.log_softmax(rows, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    return float((torch.tensor(logprobs) - want).abs().max())
 
 
 def _probe_layer_ops(lib: Kernels) -> float:

@@ -250,3 +250,29 @@ def test_model_with_cpu_ops_gives_torch_ops_logits():
     model.ops = cpu_kernels.CpuOps(cpu_kernels.kernels())
     got = model(ids, pos, CpuAttention(pool).prepare(tables), rows)
     assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+
+
+def test_greedy_pick_is_the_first_argmax_and_its_exact_logprob():
+    """64 rows of a real vocabulary's width: the argmax torch gives (the first of a tie)
+    and a logprob within 5e-7 of float64's log_softmax; a row with a NaN and a row of
+    -inf are left to the caller (token -1)."""
+    lib = cpu_kernels.kernels()
+    rows = torch.randn(66, 49152, generator=torch.Generator().manual_seed(3)) * 5
+    rows[1, 40000] = rows[1, 7] = rows[1].max() + 2          # a tie: 7 wins
+    rows[64, 123] = float("nan")
+    rows[65] = float("-inf")
+    tokens, logprobs = lib.greedy_pick(list(rows))
+    assert tokens[1] == 7
+    assert tokens[:64] == torch.argmax(rows[:64], -1).tolist()
+    exact = torch.log_softmax(rows[:64].double(), -1).gather(
+        1, torch.tensor(tokens[:64])[:, None])[:, 0]
+    assert float((torch.tensor(logprobs[:64]).double() - exact).abs().max()) < 5e-7
+    assert tokens[64:] == [-1, -1]
+
+
+def test_greedy_pick_rejects_rows_it_cannot_read():
+    lib = cpu_kernels.kernels()
+    with pytest.raises(ValueError, match="one length"):
+        lib.greedy_pick([torch.zeros(4), torch.zeros(5)])
+    with pytest.raises(ValueError, match="contiguous float32"):
+        lib.greedy_pick([torch.zeros(4, dtype=torch.bfloat16)])
