@@ -133,6 +133,9 @@ class Kernels:
             **{f"{op}_{t}": sig for op, sig in typed.items() for t in SUFFIX.values()},
             "linear_q4_1_f32": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
             "linear_q8_0_f32": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
+            "linear_q4_1_bf16": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
+            "linear_q8_0_bf16": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
+            "linear_bf16_native": (ctypes.c_int, []),
             "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),
         }
         for name, (restype, argtypes) in signatures.items():
@@ -141,6 +144,8 @@ class Kernels:
         self._typed = {(op, dtype): getattr(lib, f"{op}_{t}")
                        for op in typed for dtype, t in SUFFIX.items()}
         self._lib = lib
+        # the block kernels take bfloat16 rows where the CPU has bf16 dot products
+        self.bf16_blocks = bool(lib.linear_bf16_native())
 
     def attend(self, q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor,
                indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
@@ -233,29 +238,41 @@ class Kernels:
         return tokens.tolist(), logprobs.tolist()
 
     def quant_linear(self, x: torch.Tensor, blocks, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] times the weight held as `blocks` (predd.loader.QuantBlocks: Q4_1
-        or Q8_0, [N, K/32, ...]) transposed, plus bias -> [M, N]."""
-        return self.bind(blocks, bias)(x)
+        """x [M, K] (float32, or bfloat16 where `bf16_blocks`) times the weight held as
+        `blocks` (predd.loader.QuantBlocks: Q4_1 or Q8_0, [N, K/32, ...]) transposed,
+        plus bias (float32) -> [M, N] of x's dtype."""
+        return self.bind(blocks, bias, x.dtype)(x)
 
-    def bind(self, blocks, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-        """`quant_linear` with `blocks` and `bias` fixed: their pointers are taken once
-        (the closure keeps them alive), so a projection's call costs one ctypes call."""
+    def bind(self, blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32
+             ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`quant_linear` with `blocks` and `bias` (float32) fixed: their pointers are
+        taken once (the closure keeps them alive), so a projection's call costs one
+        ctypes call. `dtype` is the rows' and the result's: float32, or bfloat16 where
+        `bf16_blocks` (the weights rounded to bf16 as a bf16 model holds them, bf16
+        products summed in float32, the result rounded once)."""
         _contiguous(bias)
         n, k = blocks.q.shape[0], blocks.q.shape[1] * 32
+        if dtype == torch.bfloat16 and not self.bf16_blocks:
+            raise ValueError("the block kernels take bfloat16 rows only where the CPU has "
+                             "bf16 dot products (avx512_bf16)")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the block kernels take float32 or bfloat16 rows, not {dtype}")
+        t = SUFFIX[dtype]
         if blocks.kind == "Q4_1":
-            fn, weight = self._lib.linear_q4_1_f32, (blocks.q.ctypes.data, blocks.d.ctypes.data,
-                                                     blocks.m.ctypes.data)
+            fn, weight = getattr(self._lib, f"linear_q4_1_{t}"), (
+                blocks.q.ctypes.data, blocks.d.ctypes.data, blocks.m.ctypes.data)
         elif blocks.kind == "Q8_0":
-            fn, weight = self._lib.linear_q8_0_f32, (blocks.q.ctypes.data, blocks.d.ctypes.data)
+            fn, weight = getattr(self._lib, f"linear_q8_0_{t}"), (blocks.q.ctypes.data,
+                                                                 blocks.d.ctypes.data)
         else:
             raise ValueError(f"no kernel for {blocks.kind} blocks")
         b = None if bias is None else bias.data_ptr()
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != k:
-                _contiguous(x)
+            if x.dtype != dtype or not x.is_contiguous() or x.shape[1] != k:
+                _contiguous(x, dtype=dtype)
                 raise ValueError(f"x has {x.shape[1]} columns, the weight {k}")
-            y = torch.empty(x.shape[0], n, dtype=torch.float32)
+            y = torch.empty(x.shape[0], n, dtype=dtype)
             fn(x.data_ptr(), x.shape[0], k, *weight, n, b, y.data_ptr())
             return y
 
@@ -340,7 +357,9 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0):
 
 
 def _probe_quant_linear(lib: Kernels) -> float:
-    """Both block kinds against F.linear on their dequantised weights (relative)."""
+    """Both block kinds against F.linear on their dequantised weights (relative); with
+    bf16 dot products also the bf16 kernels against the same sum of bf16 values, beyond
+    one bf16 rounding of the result (2^-8 relative)."""
     worst = 0.0
     for kind in ("Q4_1", "Q8_0"):
         blocks, weight = random_blocks(kind, 19, 96)
@@ -349,6 +368,12 @@ def _probe_quant_linear(lib: Kernels) -> float:
         want = torch.nn.functional.linear(x, torch.from_numpy(weight), bias)
         got = lib.quant_linear(x, blocks, bias)
         worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        if lib.bf16_blocks:
+            x16, w16 = x.to(torch.bfloat16), torch.from_numpy(weight).to(torch.bfloat16)
+            want = torch.nn.functional.linear(x16.float(), w16.float(), bias)
+            got = lib.quant_linear(x16, blocks, bias).float()
+            error = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
+            worst = max(worst, max(0.0, error - 2.0 ** -8))
     return worst
 
 

@@ -10,6 +10,10 @@ weight and, for inputs of up to `QUANT_ROWS` rows, computes from the blocks
 order. Longer inputs (prefill) take the packed float32 GEMM, where arithmetic, not
 memory, is the limit.
 
+In a bfloat16 model on a CPU with bf16 dot products the blocks' weights are rounded to
+bf16 and multiplied as bf16 (`BF16_NATIVE_ROWS`, below): the same weights and products
+as the model's packed bf16 GEMM, from a quarter of its bytes.
+
 Measured on 2 AVX2 cores, all of SmolLM2-135M's projections and its lm_head for one
 step (30 layers' weights, so none stays in cache), from the blocks against packed
 float32: 1 row 11.0 vs 21.5 ms, 8 rows 19.1 vs 33.4, 16 rows 37.4 vs 47.3, 24 rows
@@ -31,6 +35,13 @@ from predd.model import FUSED
 # / 15.7 ms, 2 calls 23.5 / 17.0, 4 calls 22.7 / 19.9, 8 calls 27.6 / 30.3, 12 calls
 # 29.6 / 39.6 (scripts/bench_step.py --dtype bfloat16 --context 100).
 QUANT_ROWS = {torch.float32: 24, torch.bfloat16: 4}
+# bfloat16 rows where the CPU has bf16 dot products (`Kernels.bf16_blocks`) take another
+# kernel: each weight rounded to bf16 as the bf16 model holds it, bf16 products summed
+# in float32, no widening of the rows. A whole decode step on 2 AVX-512-BF16 cores
+# (Zen 4), packed bf16 / these blocks: 1 call 19.6 / 10.6 ms, 4 calls 18.6 / 13.0, 8
+# calls 23.3 / 19.9, 10 calls 24.0 / 23.2, 12 calls 27.0 / 24.9, 16 calls 29.8 / 33.3
+# (scripts/bench_step.py --dtype bfloat16 --context 100, best of 8).
+BF16_NATIVE_ROWS = 12
 
 
 class QuantLinear(nn.Module):
@@ -44,8 +55,14 @@ class QuantLinear(nn.Module):
         bias = getattr(inner, "bias", None)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.run = kernels.bind(blocks, self.bias)
+        self.run_bf16 = (kernels.bind(blocks, self.bias, torch.bfloat16)
+                         if kernels.bf16_blocks else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and self.run_bf16 is not None:
+            if x.shape[0] > BF16_NATIVE_ROWS:
+                return self.inner(x)
+            return self.run_bf16(x.contiguous())
         if x.shape[0] > QUANT_ROWS.get(x.dtype, 0):
             return self.inner(x)
         if x.dtype == torch.float32:

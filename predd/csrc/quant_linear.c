@@ -17,6 +17,8 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VECTOR 8
@@ -155,4 +157,103 @@ void linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *q,
                      const float *d, int64_t N, const float *bias, float *y)
 {
     linear(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
+}
+
+/* bfloat16 rows, where the CPU has VDPBF16PS: each block's weights made as above, then
+ * rounded to bfloat16 (to nearest even: the values a bfloat16 model's packed weight
+ * holds), and x . w summed by bf16 pair products into float32 lanes, one instruction
+ * per row and block; y = the sum (+ bias) rounded to bfloat16 once, as torch's bf16
+ * GEMM rounds. x [M, K] and y [M, N] bfloat16, bias float32. */
+#if defined(__AVX512BF16__)
+#define ROWS_BF16 16                         /* rows of x per pass: 16 sums in registers */
+
+static inline __m512bh q4_1_bf16(const uint8_t *q, float d, float m)
+{
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+    const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low))), vm);
+    const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high))), vm);
+    return _mm512_cvtne2ps_pbh(w1, w0);       /* weights 0-15 low, 16-31 high */
+}
+
+static inline __m512bh q8_0_bf16(const int8_t *q, float d)
+{
+    const __m512 vd = _mm512_set1_ps(d);
+    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128((const __m128i *)q))), vd);
+    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128((const __m128i *)(q + 16)))), vd);
+    return _mm512_cvtne2ps_pbh(w1, w0);
+}
+
+static inline __attribute__((always_inline)) void rows_times_weight_row_bf16(
+    const int R, const int kind, const uint16_t *xs, int64_t K, const uint8_t *q,
+    const float *d, const float *m, int64_t n, const float *bias, uint16_t *y, int64_t N)
+{
+    const int64_t blocks = K / BLOCK;
+    __m512 acc[ROWS_BF16];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t at = n * blocks + b;
+        const __m512bh w = kind == 4 ? q4_1_bf16(q + at * 16, d[at], m[at])
+                                     : q8_0_bf16((const int8_t *)q + at * BLOCK, d[at]);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(xs + r * K + b * BLOCK), w);
+    }
+    for (int r = 0; r < R; r++)
+        y[r * N + n] = bf16_narrow(_mm512_reduce_add_ps(acc[r]) + (bias ? bias[n] : 0.0f));
+}
+
+static void linear_bf16(const int kind, const uint16_t *x, int64_t M, int64_t K,
+                        const uint8_t *q, const float *d, const float *m, int64_t N,
+                        const float *bias, uint16_t *y)
+{
+    for (int64_t r0 = 0; r0 < M; r0 += ROWS_BF16) {
+        const int64_t rows = M - r0 < ROWS_BF16 ? M - r0 : ROWS_BF16;
+        const uint16_t *xs = x + r0 * K;
+        uint16_t *ys = y + r0 * N;
+        #pragma omp parallel for schedule(static) if (N * K >= 65536)
+        for (int64_t n = 0; n < N; n++) {
+            switch (rows) {
+#define CASE(R) case R: rows_times_weight_row_bf16(R, kind, xs, K, q, d, m, n, bias, ys, N); break;
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+            CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+            }
+        }
+    }
+}
+#endif
+
+/* 1 where the bfloat16 kernels below compute (VDPBF16PS), else 0: they do nothing */
+int linear_bf16_native(void)
+{
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void linear_q4_1_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *q,
+                      const float *d, const float *m, int64_t N, const float *bias, uint16_t *y)
+{
+#if defined(__AVX512BF16__)
+    linear_bf16(4, x, M, K, q, d, m, N, bias, y);
+#else
+    (void)x; (void)M; (void)K; (void)q; (void)d; (void)m; (void)N; (void)bias; (void)y;
+#endif
+}
+
+void linear_q8_0_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
+                      const float *d, int64_t N, const float *bias, uint16_t *y)
+{
+#if defined(__AVX512BF16__)
+    linear_bf16(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
+#else
+    (void)x; (void)M; (void)K; (void)q; (void)d; (void)N; (void)bias; (void)y;
+#endif
 }

@@ -52,14 +52,17 @@ def test_quant_linear_takes_the_blocks_up_to_quant_rows_and_the_inner_beyond(mon
                                        rtol=1e-5, atol=1e-5)
 
 
-def test_a_bfloat16_model_takes_the_blocks_at_its_own_limit_in_float32():
-    """bf16 rows up to QUANT_ROWS[bfloat16]: widened, computed from the blocks in float32,
-    rounded to bf16 once; beyond it (and in float16, which has no limit) the inner."""
+def test_a_bfloat16_model_takes_the_blocks_at_its_own_limit_in_float32(monkeypatch):
+    """Without bf16 dot products: bf16 rows up to QUANT_ROWS[bfloat16] widened, computed
+    from the blocks in float32, rounded to bf16 once; beyond it (and in float16, which
+    has no limit) the inner."""
     blocks, weight = random_blocks("Q4_1", 6, 64)
     inner = nn.Linear(64, 6, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         inner.weight.copy_(torch.from_numpy(weight) * 2)
+    monkeypatch.setattr(cpu_kernels.kernels(), "bf16_blocks", False)
     layer = quant_linear.QuantLinear(inner, blocks, cpu_kernels.kernels())
+    assert layer.run_bf16 is None
     limit = quant_linear.QUANT_ROWS[torch.bfloat16]
     with torch.inference_mode():
         for rows, scale in ((1, 1), (limit, 1), (limit + 1, 2)):
@@ -71,6 +74,55 @@ def test_a_bfloat16_model_takes_the_blocks_at_its_own_limit_in_float32():
             torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-2)
             if scale == 1:      # one rounding of the float32 result (seeded: no value
                 assert torch.equal(got, want.to(torch.bfloat16))   # sits on a tie)
+
+
+BF16_DOTS = pytest.mark.skipif(not cpu_kernels.kernels().bf16_blocks,
+                               reason="this CPU has no bf16 dot products (avx512_bf16)")
+
+
+@BF16_DOTS
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])     # one pass of up to 16 rows, then more
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_block_kernel_is_the_bf16_weight_times_bf16_rows_rounded_once(kind, rows, bias):
+    """bf16 rows and the blocks' weights rounded to bf16 (what a bf16 model holds),
+    products summed in float32, the result rounded to bf16 once: the float32 sum of the
+    same bf16 values rounded, give or take the last bit (another order of the sum)."""
+    blocks, weight = random_blocks(kind, 70, 128, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
+    b = torch.randn(70, generator=gen) if bias else None
+    w16 = torch.from_numpy(weight).to(torch.bfloat16)
+    want = F.linear(x.double(), w16.double(), None if b is None else b.double())
+    got = cpu_kernels.kernels().quant_linear(x, blocks, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 70)
+    ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2 ** -30))) - 7)
+    assert ((got.double() - want).abs() <= ulp).all()
+    assert (got == want.to(torch.bfloat16)).double().mean() > 0.95
+
+
+@BF16_DOTS
+def test_a_bfloat16_model_with_bf16_dots_takes_them_up_to_its_limit():
+    blocks, weight = random_blocks("Q8_0", 6, 64)
+    inner = nn.Linear(64, 6, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        inner.weight.copy_(torch.from_numpy(weight) * 2)     # tell the two paths apart
+    layer = quant_linear.QuantLinear(inner, blocks, cpu_kernels.kernels())
+    limit = quant_linear.BF16_NATIVE_ROWS
+    w16 = torch.from_numpy(weight).to(torch.bfloat16).float()
+    with torch.inference_mode():
+        for rows, scale in ((1, 1), (limit, 1), (limit + 1, 2)):
+            x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+            got = layer(x.to(torch.bfloat16))
+            want = F.linear(x.to(torch.bfloat16).float(), w16) * scale
+            torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-2)
+
+
+def test_bf16_block_kernel_refuses_where_the_cpu_has_no_bf16_dots(monkeypatch):
+    blocks, _ = random_blocks("Q4_1", 4, 64)
+    monkeypatch.setattr(cpu_kernels.kernels(), "bf16_blocks", False)
+    with pytest.raises(ValueError, match="only where the CPU has bf16 dot products"):
+        cpu_kernels.kernels().quant_linear(torch.zeros(2, 64, dtype=torch.bfloat16), blocks, None)
 
 
 def _tiny(tied: bool) -> LlamaModel:
