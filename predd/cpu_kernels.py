@@ -137,6 +137,7 @@ class Kernels:
             "linear_q8_0_bf16": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
             "linear_bf16_native": (ctypes.c_int, []),
             "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),
+            "store_entries": (None, [ptr, ptr, i64, ptr, ptr, i64, i64, i64]),
         }
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(lib, name)
@@ -185,6 +186,31 @@ class Kernels:
 
         run.keeps = (indices, row_token, row_pages, row_visible)   # behind the pointers
         return run
+
+    def bind_store(self, rows: np.ndarray, page_size: int
+                   ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool]:
+        """`store(paged, k, v)`: the step's new K and V ([T, Hkv, D], rows may be strided,
+        heads contiguous; one dtype with the pool) into the K rows `rows` (int64, one
+        per new token; predd.paged_kv.PagedKVCache.rows) of `paged` [P, 2, ps, Hkv, D]
+        and the V rows page_size after them. False (nothing stored) for tensors of
+        another layout: the caller stores them its own way."""
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        at, n = rows.ctypes.data, len(rows)
+
+        def store(paged: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+            entry = paged.shape[-2] * paged.shape[-1]
+            if (k.shape != v.shape or k.shape[0] != n or k.shape[1] * k.shape[2] != entry
+                    or k.stride(2) != 1 or k.stride(1) != k.shape[2] or k.stride() != v.stride()
+                    or k.dtype != paged.dtype or v.dtype != paged.dtype
+                    or not paged.is_contiguous() or not (k.is_cpu and v.is_cpu and paged.is_cpu)):
+                return False
+            size = paged.element_size()
+            self._lib.store_entries(paged.data_ptr(), at, n, k.data_ptr(), v.data_ptr(),
+                                    k.stride(0) * size, entry * size, page_size)
+            return True
+
+        store.keeps = rows
+        return store
 
     def _op(self, name: str, dtype: torch.dtype):
         """The kernel `name` for `dtype` (looked up once, at load)."""

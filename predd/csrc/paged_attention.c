@@ -313,3 +313,17 @@ static inline __attribute__((always_inline)) int paged_attention(const int bf16,
 
 int paged_attention_f32(ARGS) { return paged_attention(0, PASS); }
 int paged_attention_bf16(ARGS) { return paged_attention(1, PASS); }
+
+/* The step's new K and V into their slots: entry i of k (at k + i * src_stride bytes,
+ * `entry` bytes of contiguous heads) to row rows[i] of the layer's pool seen as rows of
+ * `entry` bytes, and v's to row rows[i] + page_size (the page's V half). One copy per
+ * entry, where index_copy_ from a strided view of qkv costs ~30 us a layer at 64 rows. */
+void store_entries(void *kv, const int64_t *rows, int64_t n, const void *k, const void *v,
+                   int64_t src_stride, int64_t entry, int64_t page_size)
+{
+    for (int64_t i = 0; i < n; i++) {
+        memcpy((char *)kv + rows[i] * entry, (const char *)k + i * src_stride, entry);
+        memcpy((char *)kv + (rows[i] + page_size) * entry, (const char *)v + i * src_stride,
+               entry);
+    }
+}

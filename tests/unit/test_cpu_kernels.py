@@ -276,3 +276,26 @@ def test_greedy_pick_rejects_rows_it_cannot_read():
         lib.greedy_pick([torch.zeros(4), torch.zeros(5)])
     with pytest.raises(ValueError, match="contiguous float32"):
         lib.greedy_pick([torch.zeros(4, dtype=torch.bfloat16)])
+
+
+def test_the_kernel_store_writes_where_index_copy_does_and_declines_other_layouts():
+    """K/V rows as views of qkv go through store_entries; a contiguous copy of another
+    row stride too; a layout it cannot take (heads not contiguous) is left to the
+    caller (False), and the pool is untouched."""
+    lib = cpu_kernels.kernels()
+    ours, ref, tables, (q, k, v) = _step([(9, 1), (11, 5), (30, 3)], dtype=torch.bfloat16)
+    slots = ours.rows(tables.new_slots())
+    store = lib.bind_store(slots, ours.page_size)
+    assert store(ours.kv[0], k, v)
+    want = ours.kv.clone().zero_()
+    flat = want[0].view(-1, *k.shape[1:])
+    rows = torch.from_numpy(slots)
+    flat.index_copy_(0, rows, k)
+    flat.index_copy_(0, rows + ours.page_size, v)
+    touched = torch.zeros(flat.shape[0], dtype=torch.bool)
+    touched[rows] = touched[rows + ours.page_size] = True
+    assert torch.equal(ours.kv[0].view(flat.shape)[touched], flat[touched])
+    before = ours.kv.clone()
+    assert not store(ours.kv[0], k.transpose(1, 2), v.transpose(1, 2))
+    assert not store(ours.kv[0], k.float(), v.float())
+    assert torch.equal(ours.kv, before)
