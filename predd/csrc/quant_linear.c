@@ -127,36 +127,48 @@ static inline __attribute__((always_inline)) void rows_times_weight_row(
 #endif
 }
 
-/* y = x w^T (+ bias): ROWS rows of x per pass over the weight, its rows split over
- * the threads. */
-static void linear(const int kind, const float *x, int64_t M, int64_t K, const uint8_t *q,
-                   const float *d, const float *m, int64_t N, const float *bias, float *y)
+/* y rows r0 .. r0 + rows - 1 (rows <= ROWS), weight row n */
+static void weight_row_f32(int64_t rows, const int kind, const void *xs, int64_t K,
+                           const uint8_t *q, const float *d, const float *m, int64_t n,
+                           const float *bias, void *ys, int64_t N)
 {
-    for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
-        const int64_t rows = M - r0 < ROWS ? M - r0 : ROWS;
-        const float *xs = x + r0 * K;
-        float *ys = y + r0 * N;
-        #pragma omp parallel for schedule(static) if (N * K >= 65536)
-        for (int64_t n = 0; n < N; n++) {
-            switch (rows) {
+    switch (rows) {
 #define CASE(R) case R: rows_times_weight_row(R, kind, xs, K, q, d, m, n, bias, ys, N); break;
-            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
-            }
-        }
+    }
+}
+
+typedef void (*weight_row_fn)(int64_t rows, int kind, const void *xs, int64_t K,
+                              const uint8_t *q, const float *d, const float *m, int64_t n,
+                              const float *bias, void *ys, int64_t N);
+
+/* y = x w^T (+ bias): `per` rows of x (values of `size` bytes) per pass over the
+ * weight, its rows split over the threads, each by `row` */
+static void linear(weight_row_fn row, int64_t per, int64_t size, const int kind,
+                   const void *x, int64_t M, int64_t K, const uint8_t *q, const float *d,
+                   const float *m, int64_t N, const float *bias, void *y)
+{
+    for (int64_t r0 = 0; r0 < M; r0 += per) {
+        const int64_t rows = M - r0 < per ? M - r0 : per;
+        const void *xs = (const char *)x + r0 * K * size;
+        void *ys = (char *)y + r0 * N * size;
+        #pragma omp parallel for schedule(static) if (N * K >= 65536)
+        for (int64_t n = 0; n < N; n++)
+            row(rows, kind, xs, K, q, d, m, n, bias, ys, N);
     }
 }
 
 void linear_q4_1_f32(const float *x, int64_t M, int64_t K, const uint8_t *q,
                      const float *d, const float *m, int64_t N, const float *bias, float *y)
 {
-    linear(4, x, M, K, q, d, m, N, bias, y);
+    linear(weight_row_f32, ROWS, 4, 4, x, M, K, q, d, m, N, bias, y);
 }
 
 void linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *q,
                      const float *d, int64_t N, const float *bias, float *y)
 {
-    linear(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
+    linear(weight_row_f32, ROWS, 4, 8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
 }
 
 /* bfloat16 rows, where the CPU has VDPBF16PS: each block's weights made as above, then
@@ -207,23 +219,15 @@ static inline __attribute__((always_inline)) void rows_times_weight_row_bf16(
         y[r * N + n] = bf16_narrow(_mm512_reduce_add_ps(acc[r]) + (bias ? bias[n] : 0.0f));
 }
 
-static void linear_bf16(const int kind, const uint16_t *x, int64_t M, int64_t K,
-                        const uint8_t *q, const float *d, const float *m, int64_t N,
-                        const float *bias, uint16_t *y)
+static void weight_row_bf16(int64_t rows, const int kind, const void *xs, int64_t K,
+                            const uint8_t *q, const float *d, const float *m, int64_t n,
+                            const float *bias, void *ys, int64_t N)
 {
-    for (int64_t r0 = 0; r0 < M; r0 += ROWS_BF16) {
-        const int64_t rows = M - r0 < ROWS_BF16 ? M - r0 : ROWS_BF16;
-        const uint16_t *xs = x + r0 * K;
-        uint16_t *ys = y + r0 * N;
-        #pragma omp parallel for schedule(static) if (N * K >= 65536)
-        for (int64_t n = 0; n < N; n++) {
-            switch (rows) {
+    switch (rows) {
 #define CASE(R) case R: rows_times_weight_row_bf16(R, kind, xs, K, q, d, m, n, bias, ys, N); break;
-            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-            CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 #undef CASE
-            }
-        }
     }
 }
 #endif
@@ -242,7 +246,7 @@ void linear_q4_1_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *q,
                       const float *d, const float *m, int64_t N, const float *bias, uint16_t *y)
 {
 #if defined(__AVX512BF16__)
-    linear_bf16(4, x, M, K, q, d, m, N, bias, y);
+    linear(weight_row_bf16, ROWS_BF16, 2, 4, x, M, K, q, d, m, N, bias, y);
 #else
     (void)x; (void)M; (void)K; (void)q; (void)d; (void)m; (void)N; (void)bias; (void)y;
 #endif
@@ -252,7 +256,7 @@ void linear_q8_0_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
                       const float *d, int64_t N, const float *bias, uint16_t *y)
 {
 #if defined(__AVX512BF16__)
-    linear_bf16(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
+    linear(weight_row_bf16, ROWS_BF16, 2, 8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
 #else
     (void)x; (void)M; (void)K; (void)q; (void)d; (void)N; (void)bias; (void)y;
 #endif
