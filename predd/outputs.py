@@ -7,6 +7,7 @@ detokenised output, `max_tokens` reached ("length"), the object full to the cont
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -36,8 +37,8 @@ def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
 def pick_greedy(calls: list[Call]) -> None:
     """The next token of every greedy, unmasked generate in one batched op (the argmax
     `sampling.sample` gives and its logprob, as close to exact as sample's float32
-    log_softmax or closer: predd/csrc/greedy.c), not 64 small calls. A call it leaves (a failure, a NaN
-    row) picks its own token in `next_token`."""
+    log_softmax or closer: predd/csrc/greedy.c), not 64 small calls. A call it leaves
+    (a failure, a NaN row) picks its own token in `next_token`."""
     greedy = [c for c in calls if c.generating and c.allowed is None
               and (c.sample is None or c.sample.temperature < sampling.MIN_TEMPERATURE)]
     if not greedy:
@@ -56,12 +57,20 @@ def _greedy_rows(rows: list[torch.Tensor]) -> tuple[list[int], list[float]]:
     """Each row's argmax and its logprob: predd's CPU kernel where it runs (no copy of
     the rows, ~1 ms for 64 rows of 49,152 where torch takes ~6), else torch; token -1
     for a row the kernel leaves to the caller (a NaN)."""
-    if rows[0].is_cpu and rows[0].dtype == torch.float32 and cpu_kernels.problem() is None:
-        return cpu_kernels.kernels().greedy_pick(rows)
+    kernels = _cpu_kernels()
+    if kernels is not None and rows[0].is_cpu and rows[0].dtype == torch.float32:
+        return kernels.greedy_pick(rows)
     stacked = torch.stack(rows)                                        # [k, V]
     tokens = torch.argmax(stacked, dim=-1)
     logprobs = torch.log_softmax(stacked, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), logprobs.tolist()
+
+
+@functools.cache
+def _cpu_kernels() -> cpu_kernels.Kernels | None:
+    """predd's CPU kernels where they build and pass their probe here, else None (asked
+    once: a failed build is not retried every step)."""
+    return None if cpu_kernels.problem() else cpu_kernels.kernels()
 
 
 def next_token(call: Call) -> tuple[int, float]:

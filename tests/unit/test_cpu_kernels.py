@@ -299,3 +299,14 @@ def test_the_kernel_store_writes_where_index_copy_does_and_declines_other_layout
     assert not store(ours.kv[0], k.transpose(1, 2), v.transpose(1, 2))
     assert not store(ours.kv[0], k.float(), v.float())
     assert torch.equal(ours.kv, before)
+
+
+def test_greedy_rows_take_the_kernel_here_and_torch_without_it(monkeypatch):
+    from predd import outputs
+    rows = list(torch.randn(5, 1000, generator=torch.Generator().manual_seed(4)) * 3)
+    assert outputs._cpu_kernels() is not None
+    tokens, logprobs = outputs._greedy_rows(rows)
+    monkeypatch.setattr(outputs, "_cpu_kernels", lambda: None)
+    want_tokens, want_logprobs = outputs._greedy_rows(rows)
+    assert tokens == want_tokens == torch.argmax(torch.stack(rows), -1).tolist()
+    assert np.allclose(logprobs, want_logprobs, atol=2e-6)
