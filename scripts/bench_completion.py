@@ -54,9 +54,12 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
 @dataclass(frozen=True)
 class Workload:
     """What one program does. `setup` runs once per process; `prepare(prompt)` once per
-    program before the start line and returns the timed part, which returns the ids."""
+    program before the start line and returns the timed part, which returns the ids;
+    `teardown` once per process at its end (multiprocessing's children leave by
+    os._exit, so no atexit handler runs there)."""
     setup: Callable[[], None]
     prepare: Callable[[list[int]], Callable[[], list[int]]]
+    teardown: Callable[[], None] = lambda: None
 
 
 def _report(out, i: int, run: Callable[[], list[int]]) -> None:
@@ -82,6 +85,7 @@ def _as_process(w: Workload, i: int, prompt: list[int], start, out) -> None:
     if runs:
         start.wait(START_TIMEOUT_S)
         _report(out, i, runs[0])
+        w.teardown()
 
 
 def _as_threads(w: Workload, prompts: list[list[int]], start, out) -> None:
@@ -100,6 +104,7 @@ def _as_threads(w: Workload, prompts: list[list[int]], start, out) -> None:
     go.wait()
     for t in threads:
         t.join()
+    w.teardown()
 
 
 def run_programs(as_: str, w: Workload, prompts: list[list[int]]) -> tuple[float, list]:
@@ -157,7 +162,9 @@ def symphony(mode: str, addr: str, n_new: int) -> Workload:
     def prepare(tokens: list[int]) -> Callable[[], list[int]]:
         kv = lip.kv_create()
         return lambda: decode(kv, tokens)
-    return Workload(lambda: lip.connect(addr), prepare)
+    # bye at the end: predd frees the programs' caches at once, not when their session's
+    # lease runs out (10 s), so the next run finds the whole pool free
+    return Workload(lambda: lip.connect(addr), prepare, lambda: lip.client().close())
 
 
 def vllm_http(url: str, n_new: int) -> Workload:
