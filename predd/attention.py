@@ -173,11 +173,13 @@ class CpuAttention(TorchAttention):
         layer less at 64 rows than index_copy_ from qkv's strided views), and
         slot_writer's own for K/V of a layout the kernel does not take."""
         fast = self.kernel.bind_store(self.cache.rows(tables.new_slots()), self.cache.page_size)
-        slow = slot_writer(self.cache, tables)
         kv = self.cache.kv
+        slow: StoreKV | None = None       # built only if a layer needs it
 
         def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            nonlocal slow
             if not fast(kv[layer], k, v):
+                slow = slow or slot_writer(self.cache, tables)
                 slow(layer, k, v)
 
         return store

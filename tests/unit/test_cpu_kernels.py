@@ -310,3 +310,14 @@ def test_greedy_rows_take_the_kernel_here_and_torch_without_it(monkeypatch):
     want_tokens, want_logprobs = outputs._greedy_rows(rows)
     assert tokens == want_tokens == torch.argmax(torch.stack(rows), -1).tolist()
     assert np.allclose(logprobs, want_logprobs, atol=2e-6)
+
+
+def test_the_cpu_backend_stores_a_layout_the_kernel_declines_with_index_copy():
+    """k a view of qkv, v its own contiguous copy (strides differ): the kernel store
+    declines, slot_writer stores them, and the step still matches the torch backend."""
+    calls = [(9, 1), (11, 5), (30, 3)]
+    ours, ref, tables, (q, k, v) = _step(calls)
+    got = CpuAttention(ours).prepare(tables)(0, q, k, v.contiguous())
+    want = TorchAttention(ref).prepare(tables)(0, q, k, v)
+    assert torch.allclose(got, want, atol=2e-6)
+    assert torch.equal(ours.kv, ref.kv)
