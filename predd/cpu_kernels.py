@@ -6,6 +6,9 @@ matmuls. `paged_attention` (predd/csrc/paged_attention.c) reads them in place. A
 decode's few rows a step, a layer's small ops (RMSNorm, RoPE, SwiGLU's product: some
 twenty torch ops a layer) cost more in dispatch than in arithmetic; predd/csrc/
 layer_ops.c does each in one pass (`CpuOps`, the same interface as predd.model.TorchOps).
+predd/csrc/quant_linear.c computes decode's projections from a GGUF's own blocks
+(predd/quant_linear.py), and predd/csrc/greedy.c picks greedy tokens without a
+written-out log-softmax (predd/outputs.py).
 
 The library is compiled here with the machine's C compiler (`$CC`, else `cc`) for this
 CPU (`-march=native`), cached under `$SYMPHONY_CACHE` (default `~/.cache/symphony`) by a
@@ -113,8 +116,11 @@ def _ours(where: Path) -> bool:
 
 
 class Kernels:
-    """The loaded library: paged attention (`attend`) and a layer's small ops
-    (`add_rms_norm`, `rope`, `silu_mul`), float32, on CPU tensors."""
+    """The loaded library, on CPU tensors: paged attention (`attend`, `bind_attention`)
+    and the step's K/V store (`bind_store`), a layer's small ops (`add_rms_norm`,
+    `rope`, `silu_mul`), all in float32 or bfloat16; projections from quantised blocks
+    (`quant_linear`, `bind`: float32 rows, bfloat16 where `bf16_blocks`); the greedy
+    pick of logits rows (`greedy_pick`, float32)."""
 
     def __init__(self, path: Path) -> None:
         try:
