@@ -27,6 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# predd's --dtype choices (predd.dtype.DTYPES and auto), without importing torch here
+DTYPE_CHOICES = ["auto", "bfloat16", "float16", "float32"]
+
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -150,7 +153,7 @@ def serving_flags(ap: argparse.ArgumentParser, quick_help: str) -> None:
     """The flags every serving benchmark shares: the step budget, the dtype, the seed
     and `--quick` (what it shrinks, in `quick_help`; applied by `quick_defaults`)."""
     ap.add_argument("--step-tokens", type=int, default=2048)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help=quick_help)
 

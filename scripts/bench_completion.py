@@ -35,7 +35,7 @@ from typing import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench_vllm  # noqa: E402  (scripts/, beside this file)
-from bench_common import best_of, log, machine, start_predd  # noqa: E402
+from bench_common import DTYPE_CHOICES, best_of, log, machine, start_predd  # noqa: E402
 from bench_common import result as emit  # noqa: E402
 
 WORDS = ("the a cache page token model program fork kernel batch prompt system user "
@@ -210,7 +210,8 @@ def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
                     key = (as_, n, mode)
                     if key not in results or elapsed < results[key][0]:
                         results[key] = (elapsed, outs)
-                    log(f"bench: symphony {mode} x{n} {as_}: {elapsed:.2f}s, {steps} steps, "
+                    log(f"bench: symphony {mode} x{n} {as_}: {elapsed:.2f}s "
+                        f"({n * args.new_tokens / elapsed:.0f} tokens/s), {steps} steps, "
                         f"mean batch {(after['calls'] - before['calls']) / steps:.1f}, step "
                         f"{(after['step_ms'] - before['step_ms']) / steps:.1f} ms, launch wait "
                         f"{after['launch_wait_ms'] - before['launch_wait_ms']:.0f} ms")
@@ -330,7 +331,7 @@ def main() -> int:
     ap.add_argument("--as", dest="as_", default="processes,threads",
                     help="programs as separate processes, as threads of one process, or both")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                     help="auto: the machine's best (predd.dtype); every system uses it")
     ap.add_argument("--modes", default="generate,pred_loop",
                     help="of generate, pred_loop, pred_sample")
@@ -345,7 +346,7 @@ def main() -> int:
     args.programs = [int(n) for n in args.programs.split(",")]
     args.as_ = args.as_.split(",")
     args.modes = args.modes.split(",")
-    args.baselines = args.baselines.split(",")
+    args.baselines = [b for b in args.baselines.split(",") if b]
     bad = (set(args.as_) - {"processes", "threads"}) | (set(args.modes) - {
         "generate", "pred_loop", "pred_sample"}) | (set(args.baselines) - {
         "vllm_offline", "vllm_server", "transformers"})

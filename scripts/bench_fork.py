@@ -34,7 +34,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (Mount, log, machine, quick_defaults, result,  # noqa: E402
+from bench_common import (DTYPE_CHOICES, Mount, log, machine, quick_defaults, result,  # noqa: E402
                           start_predd)
 
 PAGE = 16
@@ -103,7 +103,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=50, help="forks per size and way")
     ap.add_argument("--prefill-repeat", type=int, default=3,
                     help="re-prefills per size below 4096 tokens (the best counts)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: sizes 16,256,1024, 10 forks, one prefill each "

@@ -4,6 +4,10 @@ transfer is size-limited (scripts/gpu_check.sh): the whole SmolLM2-135M GGUF is 
 its first 4 layers 40 MB. The cut is a real model's first layers, not a trained model:
 its tokens are deterministic but not sensible text.
 
+N above the source's layer count grows the model instead: block i is the source's block
+i mod count, so the 4-layer cut grown back to 30 layers has the whole model's shape and
+cost (what a timing needs) on the other side of the transfer, not its weights.
+
     python scripts/gguf_cut.py OUT.gguf [--layers 4] [--model IN.gguf]
 """
 from __future__ import annotations
@@ -28,13 +32,25 @@ def block_of(name: str) -> int | None:
     return int(parts[1]) if parts[0] == "blk" else None
 
 
+def names(name: str, count: int, layers: int) -> list[str]:
+    """What source tensor `name` is written as in a model of `layers` layers cut or grown
+    from `count`: a global tensor once, block b's as every block i < layers with
+    i mod count == b."""
+    b = block_of(name)
+    if b is None:
+        return [name]
+    rest = name.split(".", 2)[2]
+    return [f"blk.{i}.{rest}" for i in range(b, layers, count)]
+
+
 def cut(src: str, dst: str, layers: int) -> tuple[int, int]:
-    """(tensors kept, bytes written) after writing `src`'s first `layers` layers to `dst`."""
+    """(tensors written, bytes written) after writing `src` cut (or grown) to `layers`
+    layers to `dst`."""
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     count = reader.fields[f"{arch}.block_count"].contents()
-    if not 0 < layers <= count:
-        raise ValueError(f"--layers must be 1..{count}, not {layers} (EINVAL)")
+    if layers < 1:
+        raise ValueError(f"--layers must be at least 1, not {layers} (EINVAL)")
     writer = gguf.GGUFWriter(dst, arch)
     for field in reader.fields.values():
         if field.name.startswith(OWN_KEYS):
@@ -42,13 +58,13 @@ def cut(src: str, dst: str, layers: int) -> tuple[int, int]:
         value = layers if field.name == f"{arch}.block_count" else field.contents()
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, field.types[0], sub)
-    kept = [t for t in reader.tensors if (block_of(t.name) or 0) < layers]
-    for t in kept:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    kept = [(name, t) for t in reader.tensors for name in names(t.name, count, layers)]
+    for name, t in kept:
+        writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for t in kept:
+    for _, t in kept:
         writer.write_tensor_data(t.data)
     writer.close()
     return len(kept), os.path.getsize(dst)

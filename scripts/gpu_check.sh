@@ -12,9 +12,13 @@
 # transfer carries beside the wheels. `run` installs the wheels into /tmp/site, then, each
 # stage under its own time limit so that a slow JIT compile still leaves the others a
 # report: the tests in tests/gpu in fp16 (kernels against the torch backend, greedy
-# tokens of the model per backend, a serving predd), decode-step timings of the torch
-# and flashinfer backends (scripts/bench_step.py), then the kernel tests that need
-# other JIT compiles (bf16, 4 q heads a kv head). Everything goes to OUT/gpu_check.log.
+# tokens of the model per backend, a serving predd); then, on the cut grown back to
+# SmolLM2-135M's 30 layers (its shape and cost, not its weights), decode-step timings of
+# the torch and flashinfer backends (scripts/bench_step.py) and a serving predd's
+# generate throughput per backend (scripts/bench_completion.py, no baselines); the same
+# steps on a random model of SmolLM2-1.7B's shape (scripts/gguf_random.py, written
+# there); last the kernel test that needs another JIT compile (4 q heads a kv head).
+# Everything goes to OUT/gpu_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FLASHINFER=flashinfer-python==0.6.18.post1
@@ -52,18 +56,37 @@ run() {
     local pytest=(python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flashinfer.py)
     stage "kernels, fp16, SmolLM2's shape (first JIT compile)" 240 \
         "${pytest[@]}" -k "smollm2-shape and fp16"
-    stage "the model's greedy tokens per backend" 120 "${pytest[@]}" -k real_model
-    stage "predd --attention flashinfer serving" 120 "${pytest[@]}" -k serves
-    for shape in "1 512" "32 1024" "8 8192"; do
+    stage "the model's greedy tokens per backend" 90 "${pytest[@]}" -k real_model
+    stage "predd --attention flashinfer serving" 60 "${pytest[@]}" -k serves
+    # The whole model's shape: the 4-layer cut grown back to 30 layers (blocks 0-3 in
+    # turn), so each step costs what SmolLM2-135M's does; its tokens are not the model's.
+    local whole=.gpu/smollm2-135m-shape.gguf
+    stage "grow the cut to 30 layers" 30 python3 scripts/gguf_cut.py "$whole" --layers 30 \
+        --model "$MODEL"
+    steps "$whole" "1 512" "64 512" "8 8192"
+    for backend in torch flashinfer; do
+        SYMPHONY_BENCH_PREDD_ARGS="--device cuda --attention $backend --model $whole" \
+            stage "serving, $backend: generate, 1/8/64 programs x 64 tokens" 90 \
+            python3 scripts/bench_completion.py --programs 1,8,64 --as processes \
+            --modes generate --baselines "" --repeat 1 --dtype float16
+    done
+    local large=/tmp/smollm2-1.7b-shape.gguf
+    stage "write a random SmolLM2-1.7B-shaped model" 60 python3 scripts/gguf_random.py \
+        "$large" --shape smollm2-1.7b --tokenizer "$MODEL"
+    steps "$large" "1 512" "64 1024"
+    stage "kernels, 4 q heads a kv head (tensor-core decode)" 240 "${pytest[@]}" -k "gqa4 and fp16"
+}
+
+steps() {   # steps MODEL "CALLS CONTEXT"...: the decode step per backend, fp16, best of 20
+    local model=$1; shift
+    for shape in "$@"; do
         set -- $shape
         for backend in torch flashinfer; do
-            stage "step: $backend, $1 calls x $2 entries" 60 python3 scripts/bench_step.py \
-                --device cuda --dtype float16 --model "$SYMPHONY_GPU_MODEL" \
+            stage "step: $(basename "$model"), $backend, $1 calls x $2 entries" 60 \
+                python3 scripts/bench_step.py --device cuda --dtype float16 --model "$model" \
                 --attention "$backend" --calls "$1" --context "$2" --reps 20
         done
     done
-    stage "kernels, bf16, SmolLM2's shape" 180 "${pytest[@]}" -k "smollm2-shape and bf16"
-    stage "kernels, 4 q heads a kv head (tensor-core decode)" 240 "${pytest[@]}" -k gqa4
 }
 
 case "${1:-}" in
