@@ -21,6 +21,9 @@ float32: 1 row 11.0 vs 21.5 ms, 8 rows 19.1 vs 33.4, 16 rows 37.4 vs 47.3, 24 ro
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import nn
@@ -42,6 +45,11 @@ QUANT_ROWS = {torch.float32: 24, torch.bfloat16: 4}
 # calls 23.3 / 19.9, 10 calls 24.0 / 23.2, 12 calls 27.0 / 24.9, 16 calls 29.8 / 33.3
 # (scripts/bench_step.py --dtype bfloat16 --context 100, best of 8).
 BF16_NATIVE_ROWS = 12
+# Both limits above were measured on one machine each; where the dense GEMM is faster
+# (oneDNN's AMX tiles on a Sapphire Rapids core beat these kernels at 8 bf16 rows: a
+# whole step 27.6 against 37.8 ms), predd measures its own (`calibrate`) at start-up,
+# trying these row counts in turn until the blocks lose.
+CALIBRATION_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
 
 
 class QuantLinear(nn.Module):
@@ -57,14 +65,22 @@ class QuantLinear(nn.Module):
         self.run = kernels.bind(blocks, self.bias)
         self.run_bf16 = (kernels.bind(blocks, self.bias, torch.bfloat16)
                          if kernels.bf16_blocks else None)
+        self.limit: int | None = None       # set by calibrate(); else default_limit()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        limit = self.limit if self.limit is not None else self.default_limit(x.dtype)
+        return self.inner(x) if x.shape[0] > limit else self.from_blocks(x)
+
+    def default_limit(self, dtype: torch.dtype) -> int:
+        """Up to how many rows of `dtype` the blocks are used before `calibrate`."""
+        if dtype == torch.bfloat16 and self.run_bf16 is not None:
+            return BF16_NATIVE_ROWS
+        return QUANT_ROWS.get(dtype, 0)
+
+    def from_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """x times the blocks' weight, whatever the rows."""
         if x.dtype == torch.bfloat16 and self.run_bf16 is not None:
-            if x.shape[0] > BF16_NATIVE_ROWS:
-                return self.inner(x)
             return self.run_bf16(x.contiguous())
-        if x.shape[0] > QUANT_ROWS.get(x.dtype, 0):
-            return self.inner(x)
         if x.dtype == torch.float32:
             return self.run(x.contiguous())
         return self.run(x.float()).to(x.dtype)     # bf16 rows in, float32 arithmetic
@@ -104,3 +120,51 @@ def attach(model: nn.Module, blocks: dict[str, QuantBlocks], kernels, tied: bool
             setattr(parent, child_name, QuantLinear(child, found, kernels))
             count += 1
     return count
+
+
+def calibrate(model: nn.Module, dtype: torch.dtype, reps: int = 3) -> tuple[int, str]:
+    """Measures on this machine up to how many rows of `dtype` computing every projection
+    of `model` from its blocks beats its dense weight, and sets every QuantLinear's
+    `limit` to it: (limit, the timings as `rows: blocks/dense ms`). A measurement is one
+    pass over all the projections in the model's order, as a decode step reads them (so
+    no weight is still in cache when it comes round again), best of `reps`."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        return 0, "no projection has blocks"
+    gen = torch.Generator().manual_seed(0)
+    widths = {m.blocks.q.shape[1] * 32 for m in layers}
+
+    def measure(rows: int) -> tuple[float, float]:
+        xs = {w: torch.randn(rows, w, generator=gen).to(dtype) for w in widths}
+        times = []
+        for dense in (False, True):
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for m in layers:
+                    x = xs[m.blocks.q.shape[1] * 32]
+                    m.inner(x) if dense else m.from_blocks(x)
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+        return times[0], times[1]
+    with torch.inference_mode():
+        limit, seen = choose_limit(measure)
+    for m in layers:
+        m.limit = limit
+    return limit, ", ".join(f"{r}: {b * 1e3:.1f}/{d * 1e3:.1f}" for r, b, d in seen)
+
+
+def choose_limit(measure: Callable[[int], tuple[float, float]],
+                 candidates: tuple[int, ...] = CALIBRATION_ROWS
+                 ) -> tuple[int, list[tuple[int, float, float]]]:
+    """(the most rows of `candidates`, taken in order, at which `measure(rows)` ->
+    (blocks seconds, dense seconds) favoured the blocks before they first lost, 0 if at
+    once; what was measured). Stops measuring at the first loss."""
+    limit, seen = 0, []
+    for rows in candidates:
+        blocks, dense = measure(rows)
+        seen.append((rows, blocks, dense))
+        if blocks >= dense:
+            break
+        limit = rows
+    return limit, seen

@@ -124,9 +124,10 @@ class Runner:
             if requested == "quantized":
                 raise ValueError(f"--linear quantized: {problem} (EINVAL)")
             return "packed", f"{why}: {packed}; not quantized: {problem}"
+        limit, timings = quant_linear.calibrate(self.model, self.dtype)
         return "quantized", (f"{why}: {packed}, {count} of them computed from the "
-                             f"checkpoint's Q4_1/Q8_0 blocks at <= "
-                             f"{quant_linear.QUANT_ROWS[self.dtype]} rows")
+                             f"checkpoint's Q4_1/Q8_0 blocks at <= {limit} rows "
+                             f"(measured, rows: blocks/dense ms a step: {timings})")
 
     def _quantize(self) -> tuple[str | None, int]:
         """(why not, how many): the packed projections given their GGUF blocks."""

@@ -42,7 +42,8 @@ def main() -> int:
     runner = Runner(RunnerConfig(args.model or default_model_path(), args.device, args.dtype,
                                  kv_pages=args.calls * per + 8, page_size=PAGE,
                                  threads=args.threads, attention=args.attention,
-                                 linear=args.linear))
+                                 linear=args.linear),
+                    progress=lambda msg: print(msg, file=sys.stderr) if "ready" in msg else None)
     order = np.random.default_rng(0).permutation(args.calls * per).astype(np.int32)
     chunks = [Chunk(np.array([5], np.int32), np.array([args.context], np.int32),
                     order[b * per:(b + 1) * per], args.context + 1, np.array([0]))

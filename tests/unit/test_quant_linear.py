@@ -133,17 +133,20 @@ def _tiny(tied: bool) -> LlamaModel:
     return LlamaModel(cfg).eval()
 
 
+# _tiny's projections by Hugging Face name: (rows, columns)
+TINY_SIZES = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64),
+              "self_attn.v_proj": (32, 64), "self_attn.o_proj": (64, 64),
+              "mlp.gate_proj": (96, 64), "mlp.up_proj": (96, 64), "mlp.down_proj": (64, 96)}
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_attach_finds_blocks_under_fused_names_and_a_tied_head(tied):
     """q/k/v stacked into qkv_proj and gate/up into gate_up_proj by rows, in the order
     predd.model.fuse concatenates the weights; a tied lm_head reads the embedding's."""
     model = _tiny(tied)
-    sizes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64),
-             "self_attn.v_proj": (32, 64), "self_attn.o_proj": (64, 64),
-             "mlp.gate_proj": (96, 64), "mlp.up_proj": (96, 64), "mlp.down_proj": (64, 96)}
     blocks, weights, seed = {}, {}, 0
     for layer in range(2):
-        for part, (rows, cols) in sizes.items():
+        for part, (rows, cols) in TINY_SIZES.items():
             name = f"model.layers.{layer}.{part}.weight"
             seed += 1
             blocks[name], weights[name] = random_blocks("Q4_1", rows, cols, seed)
@@ -174,3 +177,38 @@ def test_attach_skips_a_group_with_a_part_missing_or_of_another_kind():
     blocks["model.layers.0.mlp.up_proj.weight"], _ = random_blocks("Q8_0", 96, 64)
     blocks["model.layers.0.self_attn.o_proj.weight"], _ = random_blocks("Q4_1", 64, 32)  # wrong width
     assert quant_linear.attach(model, blocks, cpu_kernels.kernels(), False) == 0
+
+
+def test_choose_limit_takes_rows_until_the_blocks_first_lose():
+    asked = []
+
+    def measure(rows):              # blocks win at 1, 2 and 4 rows, lose at 8 (and 12)
+        asked.append(rows)
+        return (1.0, 2.0) if rows <= 4 else (3.0, 2.0)
+    limit, seen = quant_linear.choose_limit(measure)
+    assert limit == 4 and asked == [1, 2, 4, 8]
+    assert seen == [(1, 1.0, 2.0), (2, 1.0, 2.0), (4, 1.0, 2.0), (8, 3.0, 2.0)]
+    assert quant_linear.choose_limit(lambda rows: (2.0, 2.0))[0] == 0      # a tie: dense
+    assert quant_linear.choose_limit(lambda rows: (1.0, 2.0), (1, 3))[0] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_calibrate_sets_every_projection_s_limit_and_forward_keeps_it(dtype):
+    model = _tiny(False).to(dtype)
+    blocks = {}
+    for layer in range(2):
+        for part, (rows, cols) in TINY_SIZES.items():
+            blocks[f"model.layers.{layer}.{part}.weight"], _ = random_blocks(
+                "Q8_0", rows, cols, len(blocks))
+    assert quant_linear.attach(model, blocks, cpu_kernels.kernels(), False) == 2 * 4
+    limit, timings = quant_linear.calibrate(model, dtype, reps=1)
+    layers = [m for m in model.modules() if isinstance(m, quant_linear.QuantLinear)]
+    assert {m.limit for m in layers} == {limit}
+    assert timings.startswith("1: ") and 0 <= limit <= max(quant_linear.CALIBRATION_ROWS)
+    layer = layers[0]
+    with torch.inference_mode():
+        for rows in (1, 3):
+            x = torch.randn(rows, layer.blocks.q.shape[1] * 32).to(dtype)
+            for limit_, path in ((rows, layer.from_blocks), (rows - 1, layer.inner)):
+                layer.limit = limit_
+                assert torch.equal(layer(x), path(x))
