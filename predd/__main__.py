@@ -6,7 +6,7 @@
           [--max-batch N] [--lease S] [--threads N] [--session-quota PAGES]
           [--uid-quota PAGES] [--latency-factor F] [--auth-keys FILE]
           [--host-pages N] [--disk-pages N] [--swap-dir DIR] [--pin-quota PAGES]
-          [--admit-wait S] [--linear auto|plain|packed|quantized] [--tp N]
+          [--admit-wait S] [--linear auto|plain|packed|quantized] [--quant-rows N] [--tp N]
           [--dist-backend auto|gloo|nccl]
 
 Prints `ready <addr>` on stdout once it serves; progress and logs go to stderr.
@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "Q4_1/Q8_0 blocks at decode's few rows), packed (float32 weights laid "
                     "out once for oneDNN) or plain nn.Linear; auto (default): the first "
                     "of quantized and packed that runs here")
+    ap.add_argument("--quant-rows", type=int, default=None, metavar="N",
+                    help="with quantized projections: compute from the blocks up to N "
+                    "rows, dense beyond (default: measured at start-up; fix it for "
+                    "the same sums run after run)")
     ap.add_argument("--session-quota", type=int, default=0, metavar="PAGES",
                     help="KV pages one session may hold (0: no limit; EDQUOT beyond)")
     ap.add_argument("--uid-quota", type=int, default=None, metavar="PAGES",
@@ -99,7 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("session_quota", "uid_quota", "threads", "latency_factor", "host_pages",
-                 "disk_pages", "pin_quota", "admit_wait"):
+                 "disk_pages", "pin_quota", "admit_wait", "quant_rows"):
         if (getattr(args, name) or 0) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.lease <= 0:
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runner = Runner(RunnerConfig(model_path, args.device, dtype_name, dtype_reason,
                                      args.kv_pages, args.page_size, backend,
-                                     threads=threads, linear=args.linear),
+                                     threads=threads, linear=args.linear,
+                                     quant_rows=args.quant_rows),
                         progress=log, tp=tp)
         if tp:
             tp_mod.ready()

@@ -149,9 +149,15 @@ def calibrate(model: nn.Module, dtype: torch.dtype, reps: int = 3) -> tuple[int,
         return times[0], times[1]
     with torch.inference_mode():
         limit, seen = choose_limit(measure)
-    for m in layers:
-        m.limit = limit
+    set_limit(model, limit)
     return limit, ", ".join(f"{r}: {b * 1e3:.1f}/{d * 1e3:.1f}" for r, b, d in seen)
+
+
+def set_limit(model: nn.Module, rows: int) -> None:
+    """Every QuantLinear of `model` computes from its blocks up to `rows` rows."""
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.limit = rows
 
 
 def choose_limit(measure: Callable[[int], tuple[float, float]],

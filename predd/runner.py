@@ -37,6 +37,7 @@ class RunnerConfig:
     attention: str = "torch"  # a predd.attention.CHOICES name; `auto` is resolved at start
     threads: int = 0          # torch intra-op threads on CPU; 0 keeps torch's default
     linear: str = "auto"      # a LINEAR_CHOICES name: quantized, else packed, where they run
+    quant_rows: int | None = None   # blocks up to this many rows; None: measured at start
 
 
 LINEAR_CHOICES = ("auto", "plain", "packed", "quantized")
@@ -108,6 +109,9 @@ class Runner:
         if requested not in LINEAR_CHOICES:
             raise ValueError(f"--linear must be one of {', '.join(LINEAR_CHOICES)}, "
                              f"not {requested!r} (EINVAL)")
+        if self.config.quant_rows is not None and self.config.quant_rows < 0:
+            raise ValueError(f"--quant-rows must be 0 or more, not {self.config.quant_rows} "
+                             f"(EINVAL)")
         if requested == "plain":
             return "plain", "asked for"
         why = "asked for" if requested != "auto" else "auto"
@@ -124,10 +128,15 @@ class Runner:
             if requested == "quantized":
                 raise ValueError(f"--linear quantized: {problem} (EINVAL)")
             return "packed", f"{why}: {packed}; not quantized: {problem}"
-        limit, timings = quant_linear.calibrate(self.model, self.dtype)
+        rows = self.config.quant_rows
+        if rows is None:
+            rows, timings = quant_linear.calibrate(self.model, self.dtype)
+            how = f"measured, rows: blocks/dense ms a step: {timings}"
+        else:
+            quant_linear.set_limit(self.model, rows)
+            how = "--quant-rows"
         return "quantized", (f"{why}: {packed}, {count} of them computed from the "
-                             f"checkpoint's Q4_1/Q8_0 blocks at <= {limit} rows "
-                             f"(measured, rows: blocks/dense ms a step: {timings})")
+                             f"checkpoint's Q4_1/Q8_0 blocks at <= {rows} rows ({how})")
 
     def _quantize(self) -> tuple[str | None, int]:
         """(why not, how many): the packed projections given their GGUF blocks."""

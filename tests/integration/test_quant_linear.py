@@ -66,3 +66,19 @@ def test_quantized_is_refused_where_it_cannot_run_and_auto_says_why(gguf_path, m
                               "(cc) on PATH (EINVAL)")
     runner = Runner(RunnerConfig(gguf_path, kv_pages=8))
     assert runner.linear == "packed"
+
+
+@pytest.mark.parametrize("rows", [0, 5])
+def test_quant_rows_fixes_the_limit_without_measuring(gguf_path, rows, monkeypatch):
+    from predd import quant_linear
+    monkeypatch.setattr(quant_linear, "calibrate", lambda *a, **k: pytest.fail("measured"))
+    runner = Runner(RunnerConfig(gguf_path, kv_pages=8, quant_rows=rows))
+    assert runner.linear == "quantized"
+    layers = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 121 and {m.limit for m in layers} == {rows}
+
+
+def test_a_negative_quant_rows_is_refused(gguf_path):
+    with pytest.raises(ValueError) as err:
+        Runner(RunnerConfig(gguf_path, kv_pages=8, quant_rows=-1))
+    assert str(err.value) == "--quant-rows must be 0 or more, not -1 (EINVAL)"
