@@ -132,6 +132,47 @@ static inline float dot_wide(const void *qraw, const float *qf, const void *k, i
     return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
 }
 
+#if defined(__AVX512BF16__)
+#define PAGE_DOTS 16
+/* lane i: the sum of v[i]'s 16 lanes (a transpose by halves: 15 adds, not 16 reduces) */
+static inline __m512 sum_lanes16(const __m512 v[16])
+{
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)      /* a[i]: v[2i]'s halves summed, then v[2i + 1]'s */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)      /* b[i], 128-bit block k: 4 sums of v[4i + k] */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)      /* c[i], block k: 2 of v[8i + k], 2 of v[8i + 4 + k] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    /* block k, lane j: v[k + 4j] */
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),
+                                   _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1,
+                                           12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, d);
+}
+
+/* q . k for a page's 16 entries of bf16 (entry e at k + e * stride), n a multiple of
+ * 32: lane e holds entry e's score, unscaled */
+static inline __m512 dots16_bf16(const uint16_t *q, const uint16_t *k, int64_t stride,
+                                 int64_t n)
+{
+    __m512 acc[16];
+    for (int e = 0; e < 16; e++)
+        acc[e] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n; d += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+        for (int e = 0; e < 16; e++)
+            acc[e] = _mm512_dpbf16_ps(acc[e], qv,
+                                      (__m512bh)_mm512_loadu_si512(k + e * stride + d));
+    }
+    return sum_lanes16(acc);
+}
+#endif
+
 /* acc[g * n : (g + 1) * n] += sum over e < count of p[g * ldp + e] * v[e * stride :
  * e * stride + n] for the gn (1..4, a literal) query heads g that read one kv head:
  * each V value is read and widened once, and the gn x 64 sums stay in registers. n is
@@ -238,6 +279,19 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t j0 = 0; j0 < L; j0 += page_size) {
         const int64_t k = pages[j0 / page_size] * page + h0 * D;
         const int64_t n = L - j0 < page_size ? L - j0 : page_size;
+#ifdef PAGE_DOTS
+        if (bf16 && n == PAGE_DOTS && D % 64 == 0) {     /* a whole page of 16 entries */
+            for (int64_t s = 0; s < S; s++) {
+                const __m512 x = _mm512_mul_ps(
+                    dots16_bf16(AT(qt, s * D), AT(kv, k + (s / G) * D), entry, D),
+                    _mm512_set1_ps(scale));
+                _mm512_storeu_ps(scores + s * L + j0, x);
+                const float m = _mm512_reduce_max_ps(x);
+                best[s] = m > best[s] ? m : best[s];
+            }
+            continue;
+        }
+#endif
         for (int64_t e = 0; e < n; e++) {
             for (int64_t s = 0; s < S; s++) {
                 const float x = dot_q(AT(qt, s * D), qh + s * D,
