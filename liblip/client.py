@@ -8,7 +8,7 @@ the request it answers; when one waiter is left, it hands the socket to it. A re
 sent by its own thread when the socket is free, else handed to the reader through an
 inproc PUSH socket that the reader polls too. (A round trip to a stub predd that
 answers at once with a 196 KB logits frame, one thread: 385 us and 248 us of CPU when
-every call went through an I/O thread, 270-285 us and 150-170 us this way; with 4-64
+every call went through an I/O thread, 270-285 us and 155-185 us this way; with 4-64
 threads the same as before, 190-250 us.)
 
 The keeper thread also keeps the session's lease alive (ping) and watches the
