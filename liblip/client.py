@@ -30,7 +30,8 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import msgpack
 import zmq
@@ -56,6 +57,7 @@ def _uid_is_the_kernels() -> bool:
     return lines in ([], ["0", "0", "4294967295"])
 
 
+T = TypeVar("T")
 # put in a waiting call's queue: the socket is free, read it yourself
 _READ = object()
 FOLLOW_S = 0.05     # a call that does not hold the socket looks again this often
@@ -287,29 +289,16 @@ class Client:
         events = dict(self._poller.poll(wait_s * 1e3))
         now = time.monotonic()
         if self._pull in events:
-            while True:
-                try:
-                    frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=True)
-                except zmq.Again:
-                    break
-                if frames != [b""]:               # [b""]: a wake-up from _shutdown
-                    self._outbox.append(frames)
+            self._outbox.extend(f for f in _received(self._pull.recv_multipart)
+                                if f != [b""])        # [b""]: a wake-up from _shutdown
         self._flush(now)
         if self._dealer in events:
-            while True:
-                try:
-                    frames = self._dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
+            for frames in _received(self._dealer.recv_multipart, copy=False):
                 self._last_heard = now
                 self._deliver(frames)
         if self._monitor in events:
-            while True:
-                try:
-                    event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
-                except zmq.Again:
-                    break
-                self._connected = event == zmq.EVENT_CONNECTED
+            for event in _received(lambda flags: recv_monitor_message(self._monitor, flags)):
+                self._connected = event["event"] == zmq.EVENT_CONNECTED
                 self._last_heard = self._down_since = now
         if now - self._last_sent >= self._ping_every:
             try:
@@ -344,3 +333,13 @@ class Client:
             self._waiting.clear()
         for inbox in inboxes:
             inbox.put(error)
+
+
+def _received(receive: Callable[..., T], **kwargs) -> list[T]:
+    """`receive(zmq.NOBLOCK, **kwargs)` again and again until the socket has nothing."""
+    got = []
+    while True:
+        try:
+            got.append(receive(zmq.NOBLOCK, **kwargs))
+        except zmq.Again:
+            return got
