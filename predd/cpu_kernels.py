@@ -39,7 +39,7 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c",
            CSRC / "greedy.c")
-HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h")
+HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h")
 LIBRARY = "predd-cpu"
 # -fno-trapping-math: predd never unmasks floating-point exceptions, and without it GCC
 # will not turn a float compare-and-select (exp_approx's clamp) into a vector blend on

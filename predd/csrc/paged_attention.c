@@ -26,6 +26,7 @@
 
 #include "bf16.h"
 #include "exp_approx.h"
+#include "lanes.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VECTOR 8
@@ -134,27 +135,6 @@ static inline float dot_wide(const void *qraw, const float *qf, const void *k, i
 
 #if defined(__AVX512BF16__)
 #define PAGE_DOTS 16
-/* lane i: the sum of v[i]'s 16 lanes (a transpose by halves: 15 adds, not 16 reduces) */
-static inline __m512 sum_lanes16(const __m512 v[16])
-{
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)      /* a[i]: v[2i]'s halves summed, then v[2i + 1]'s */
-        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)      /* b[i], 128-bit block k: 4 sums of v[4i + k] */
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)      /* c[i], block k: 2 of v[8i + k], 2 of v[8i + 4 + k] */
-        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-    /* block k, lane j: v[k + 4j] */
-    const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),
-                                   _mm512_shuffle_ps(c[0], c[1], 0xDD));
-    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1,
-                                           12, 8, 4, 0);
-    return _mm512_permutexvar_ps(order, d);
-}
-
 /* q . k for a page's 16 entries of bf16 (entry e at k + e * stride), n a multiple of
  * 32: lane e holds entry e's score, unscaled */
 static inline __m512 dots16_bf16(const uint16_t *q, const uint16_t *k, int64_t stride,
@@ -243,6 +223,19 @@ static inline __attribute__((always_inline)) void weighted_sum_group(
 
 #define AT(p, i) ((const void *)((const char *)(p) + (i) * size))
 
+/* Asks for `count` entries of `bytes` each, `stride` bytes apart, to be brought into
+ * cache: the next page's K (or V) while this one's is read. Pages lie anywhere in the
+ * pool, so the hardware prefetcher, which follows addresses, cannot run ahead across
+ * them; without this a decode step waited on memory at every page (8 calls x 440
+ * entries, bf16, 2 Sapphire Rapids cores: the step's attention 8.2-8.8 -> 6.2-6.3 ms). */
+static inline void prefetch_entries(const void *at, int64_t count, int64_t stride,
+                                    int64_t bytes)
+{
+    for (int64_t e = 0; e < count; e++)
+        for (int64_t b = 0; b < bytes; b += 64)
+            __builtin_prefetch((const char *)at + e * stride + b);
+}
+
 /* The arguments of both exported functions (below), and their names. */
 #define ARGS const void *q, int64_t q_stride, void *out, const void *kv, int64_t page_size, \
     int64_t kv_heads, int64_t heads, int64_t head_dim, const int32_t *indices,           \
@@ -279,6 +272,9 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t j0 = 0; j0 < L; j0 += page_size) {
         const int64_t k = pages[j0 / page_size] * page + h0 * D;
         const int64_t n = L - j0 < page_size ? L - j0 : page_size;
+        if (j0 + page_size < L)
+            prefetch_entries(AT(kv, pages[j0 / page_size + 1] * page + h0 * D),
+                             page_size, entry * size, span * D * size);
 #ifdef PAGE_DOTS
         if (bf16 && n == PAGE_DOTS && D % 64 == 0) {     /* a whole page of 16 entries */
             for (int64_t s = 0; s < S; s++) {
@@ -316,6 +312,9 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t j0 = 0; j0 < L; j0 += page_size) {
         const int64_t v = pages[j0 / page_size] * page + page_size * entry + h0 * D;
         const int64_t n = L - j0 < page_size ? L - j0 : page_size;
+        if (j0 + page_size < L)
+            prefetch_entries(AT(kv, pages[j0 / page_size + 1] * page + page_size * entry
+                                    + h0 * D), page_size, entry * size, span * D * size);
         for (int64_t h = 0; h < span; h++)
             weighted_sum_group(acc + h * G * D, scores + h * G * L + j0, L,
                                AT(kv, v + h * D), n, entry, D, G, bf16);

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "lanes.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VECTOR 8
@@ -26,6 +27,29 @@
 
 #define BLOCK 32
 #define ROWS 8                               /* rows of x per pass over a weight row */
+/* Weight row n + PREFETCH_ROWS is asked for while row n is computed: a row of a
+ * decode projection is a few hundred bytes, too little for the hardware prefetcher
+ * to run ahead of, and without this a pass over the model's blocks waited on memory
+ * (one row a step, all of SmolLM2-135M's projections, bf16 on 2 Sapphire Rapids
+ * cores: 16.9 ms without, 8.2 with; the dense bf16 GEMM 16.8). */
+#define PREFETCH_ROWS 4
+
+/* Asks for weight row n's blocks (q, d and m) to be brought into cache; never faults,
+ * so rows past the end are harmless. */
+static inline void prefetch_weight_row(const int kind, const uint8_t *q, const float *d,
+                                       const float *m, int64_t n, int64_t blocks)
+{
+    const int64_t bytes = blocks * (kind == 4 ? 16 : BLOCK);
+    const char *row = (const char *)q + n * bytes;
+    for (int64_t at = 0; at < bytes; at += 64)
+        __builtin_prefetch(row + at);
+    __builtin_prefetch(d + n * blocks);
+    __builtin_prefetch(d + (n + 1) * blocks - 1);
+    if (m) {
+        __builtin_prefetch(m + n * blocks);
+        __builtin_prefetch(m + (n + 1) * blocks - 1);
+    }
+}
 
 /* The 32 weights of one block as float32, into w. */
 static inline void q4_1_block(const uint8_t *q, float d, float m, float *w)
@@ -83,6 +107,7 @@ static inline __attribute__((always_inline)) void rows_times_weight_row(
     const float *d, const float *m, int64_t n, const float *bias, float *y, int64_t N)
 {
     const int64_t blocks = K / BLOCK;
+    prefetch_weight_row(kind, q, d, m, n + PREFETCH_ROWS, blocks);
 #ifdef VECTOR
     __m256 acc[ROWS];
     for (int r = 0; r < R; r++)
@@ -179,15 +204,20 @@ void linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *q,
 #if defined(__AVX512BF16__)
 #define ROWS_BF16 16                         /* rows of x per pass: 16 sums in registers */
 
+/* The block's 16 possible weights d q + m (multiplied, then added, as above) rounded to
+ * bf16 once, and its 32 weights looked up among them by their 4-bit q: fewer and
+ * cheaper instructions than widening and converting all 32. */
 static inline __m512bh q4_1_bf16(const uint8_t *q, float d, float m)
 {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
-    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-    const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low))), vm);
-    const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high))), vm);
-    return _mm512_cvtne2ps_pbh(w1, w0);       /* weights 0-15 low, 16-31 high */
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 values = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d), iota),
+                                        _mm512_set1_ps(m));
+    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+    const __m512i index = _mm512_inserti64x4(           /* weights 0-15 low, 16-31 high */
+        _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F))),
+        _mm256_srli_epi16(bytes, 4), 1);
+    return (__m512bh)_mm512_permutexvar_epi16(index, table);
 }
 
 static inline __m512bh q8_0_bf16(const int8_t *q, float d)
@@ -200,34 +230,76 @@ static inline __m512bh q8_0_bf16(const int8_t *q, float d)
     return _mm512_cvtne2ps_pbh(w1, w0);
 }
 
-static inline __attribute__((always_inline)) void rows_times_weight_row_bf16(
+#define TILE 16                              /* weight rows whose sums are reduced together */
+
+/* y[r, n0 + t] = x[r] . w_{n0 + t} (+ bias) for t < count (<= TILE) and the rows r < R
+ * of xs (R a constant where this is inlined): each weight row's R sums stay in
+ * registers as 16 float32 lanes, and the tile's lanes are summed 16 rows at a time
+ * (sum_lanes16) rather than each by its own reduction. */
+static inline __attribute__((always_inline)) void rows_times_weight_tile_bf16(
     const int R, const int kind, const uint16_t *xs, int64_t K, const uint8_t *q,
-    const float *d, const float *m, int64_t n, const float *bias, uint16_t *y, int64_t N)
+    const float *d, const float *m, int64_t n0, int64_t count, const float *bias,
+    uint16_t *y, int64_t N)
 {
     const int64_t blocks = K / BLOCK;
-    __m512 acc[ROWS_BF16];
-    for (int r = 0; r < R; r++)
-        acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t at = n * blocks + b;
-        const __m512bh w = kind == 4 ? q4_1_bf16(q + at * 16, d[at], m[at])
-                                     : q8_0_bf16((const int8_t *)q + at * BLOCK, d[at]);
+    __m512 lanes[ROWS_BF16][TILE];
+    for (int64_t t = 0; t < TILE; t++) {
+        const int64_t n = n0 + t;
+        if (t >= count) {
+            for (int r = 0; r < R; r++)
+                lanes[r][t] = _mm512_setzero_ps();
+            continue;
+        }
+        prefetch_weight_row(kind, q, d, m, n + PREFETCH_ROWS, blocks);
+        __m512 acc[ROWS_BF16];
         for (int r = 0; r < R; r++)
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(xs + r * K + b * BLOCK), w);
+            acc[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t at = n * blocks + b;
+            const __m512bh w = kind == 4 ? q4_1_bf16(q + at * 16, d[at], m[at])
+                                         : q8_0_bf16((const int8_t *)q + at * BLOCK, d[at]);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(xs + r * K + b * BLOCK), w);
+        }
+        for (int r = 0; r < R; r++)
+            lanes[r][t] = acc[r];
     }
-    for (int r = 0; r < R; r++)
-        y[r * N + n] = bf16_narrow(_mm512_reduce_add_ps(acc[r]) + (bias ? bias[n] : 0.0f));
+    const __mmask16 keep = (__mmask16)((1u << count) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        const __m512 sums = _mm512_add_ps(sum_lanes16(lanes[r]), b);
+        _mm256_mask_storeu_epi16(y + r * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(sums));
+    }
 }
 
-static void weight_row_bf16(int64_t rows, const int kind, const void *xs, int64_t K,
-                            const uint8_t *q, const float *d, const float *m, int64_t n,
-                            const float *bias, void *ys, int64_t N)
+/* y rows r0 .. r0 + rows - 1 (rows <= ROWS_BF16), weight rows n0 .. n0 + count - 1 */
+static void weight_tile_bf16(int64_t rows, const int kind, const void *xs, int64_t K,
+                             const uint8_t *q, const float *d, const float *m, int64_t n0,
+                             int64_t count, const float *bias, void *ys, int64_t N)
 {
     switch (rows) {
-#define CASE(R) case R: rows_times_weight_row_bf16(R, kind, xs, K, q, d, m, n, bias, ys, N); break;
+#define CASE(R) case R: rows_times_weight_tile_bf16(R, kind, xs, K, q, d, m, n0, count, bias, ys, N); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
     CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 #undef CASE
+    }
+}
+
+/* y = x w^T (+ bias) in bfloat16: ROWS_BF16 rows of x per pass over the weight, its
+ * tiles of TILE rows split over the threads */
+static void linear_bf16(const int kind, const uint16_t *x, int64_t M, int64_t K,
+                        const uint8_t *q, const float *d, const float *m, int64_t N,
+                        const float *bias, uint16_t *y)
+{
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    for (int64_t r0 = 0; r0 < M; r0 += ROWS_BF16) {
+        const int64_t rows = M - r0 < ROWS_BF16 ? M - r0 : ROWS_BF16;
+        #pragma omp parallel for schedule(static) if (N * K >= 65536)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * TILE;
+            weight_tile_bf16(rows, kind, x + r0 * K, K, q, d, m, n0,
+                             N - n0 < TILE ? N - n0 : TILE, bias, y + r0 * N, N);
+        }
     }
 }
 #endif
@@ -246,7 +318,7 @@ void linear_q4_1_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *q,
                       const float *d, const float *m, int64_t N, const float *bias, uint16_t *y)
 {
 #if defined(__AVX512BF16__)
-    linear(weight_row_bf16, ROWS_BF16, 2, 4, x, M, K, q, d, m, N, bias, y);
+    linear_bf16(4, x, M, K, q, d, m, N, bias, y);
 #else
     (void)x; (void)M; (void)K; (void)q; (void)d; (void)m; (void)N; (void)bias; (void)y;
 #endif
@@ -256,7 +328,7 @@ void linear_q8_0_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
                       const float *d, int64_t N, const float *bias, uint16_t *y)
 {
 #if defined(__AVX512BF16__)
-    linear(weight_row_bf16, ROWS_BF16, 2, 8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
+    linear_bf16(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
 #else
     (void)x; (void)M; (void)K; (void)q; (void)d; (void)N; (void)bias; (void)y;
 #endif
