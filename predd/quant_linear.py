@@ -122,35 +122,58 @@ def attach(model: nn.Module, blocks: dict[str, QuantBlocks], kernels, tied: bool
     return count
 
 
-def calibrate(model: nn.Module, dtype: torch.dtype, reps: int = 3) -> tuple[int, str]:
-    """Measures on this machine up to how many rows of `dtype` computing every projection
-    of `model` from its blocks beats its dense weight, and sets every QuantLinear's
-    `limit` to it: (limit, the timings as `rows: blocks/dense ms`). A measurement is one
-    pass over all the projections in the model's order, as a decode step reads them (so
-    no weight is still in cache when it comes round again), best of `reps`."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    if not layers:
-        return 0, "no projection has blocks"
-    gen = torch.Generator().manual_seed(0)
-    widths = {m.blocks.q.shape[1] * 32 for m in layers}
+def group_of(name: str) -> str:
+    """The kind of projection a module path names, its last part (`qkv_proj`,
+    `gate_up_proj`, `lm_head`, ...): the unit `calibrate` decides for."""
+    return name.rsplit(".", 1)[-1]
 
-    def measure(rows: int) -> tuple[float, float]:
+
+def calibrate(model: nn.Module, dtype: torch.dtype, reps: int = 3
+              ) -> tuple[dict[str, int], str]:
+    """Measures on this machine, for each kind of projection of `model` (`group_of`), up
+    to how many rows of `dtype` computing it from its blocks beats its dense weight, and
+    sets every QuantLinear's `limit` to its kind's: (limit per kind, the timings as
+    `rows: blocks/dense ms a step` over all projections). A measurement is one pass over
+    all the projections in the model's order, as a decode step reads them (so no weight
+    is still in cache when it comes round again), each projection timed on its own and
+    summed over its kind, best of `reps`. Kinds differ: a Q8_0 head has more to unpack
+    per byte than Q4_1 layers, and a big weight streams where a small one waits."""
+    layers = [(group_of(name), m) for name, m in model.named_modules()
+              if isinstance(m, QuantLinear)]
+    if not layers:
+        return {}, "no projection has blocks"
+    gen = torch.Generator().manual_seed(0)
+    widths = {m.blocks.q.shape[1] * 32 for _, m in layers}
+    clock = time.perf_counter
+
+    def measure(rows: int) -> dict[str, tuple[float, float]]:
         xs = {w: torch.randn(rows, w, generator=gen).to(dtype) for w in widths}
-        times = []
-        for dense in (False, True):
-            best = float("inf")
+        best: dict[str, list[float]] = {g: [float("inf")] * 2 for g, _ in layers}
+        for path in (0, 1):                  # 0: the blocks, 1: the dense weight
             for _ in range(reps):
-                t0 = time.perf_counter()
-                for m in layers:
+                spent = dict.fromkeys(best, 0.0)
+                for group, m in layers:
                     x = xs[m.blocks.q.shape[1] * 32]
-                    m.inner(x) if dense else m.from_blocks(x)
-                best = min(best, time.perf_counter() - t0)
-            times.append(best)
-        return times[0], times[1]
+                    t0 = clock()
+                    m.inner(x) if path else m.from_blocks(x)
+                    spent[group] += clock() - t0
+                for group, t in spent.items():
+                    best[group][path] = min(best[group][path], t)
+        return {g: (b, d) for g, (b, d) in best.items()}
     with torch.inference_mode():
-        limit, seen = choose_limit(measure)
-    set_limit(model, limit)
-    return limit, ", ".join(f"{r}: {b * 1e3:.1f}/{d * 1e3:.1f}" for r, b, d in seen)
+        limits, seen = choose_limits(measure)
+    for group, m in layers:
+        m.limit = limits[group]
+    return limits, ", ".join(
+        f"{rows}: {sum(b for b, _ in t.values()) * 1e3:.1f}/"
+        f"{sum(d for _, d in t.values()) * 1e3:.1f}" for rows, t in seen)
+
+
+def describe_limits(limits: dict[str, int]) -> str:
+    """`<= 8 rows` where every kind has the same limit, else each kind's."""
+    if len(set(limits.values())) == 1:
+        return f"<= {next(iter(limits.values()))} rows"
+    return "<= " + ", ".join(f"{rows} rows ({group})" for group, rows in limits.items())
 
 
 def set_limit(model: nn.Module, rows: int) -> None:
@@ -160,17 +183,28 @@ def set_limit(model: nn.Module, rows: int) -> None:
             m.limit = rows
 
 
-def choose_limit(measure: Callable[[int], tuple[float, float]],
-                 candidates: tuple[int, ...] = CALIBRATION_ROWS
-                 ) -> tuple[int, list[tuple[int, float, float]]]:
-    """(the most rows of `candidates`, taken in order, at which `measure(rows)` ->
-    (blocks seconds, dense seconds) favoured the blocks before they first lost, 0 if at
-    once; what was measured). Stops measuring at the first loss."""
-    limit, seen = 0, []
+def choose_limits(measure: Callable[[int], dict[str, tuple[float, float]]],
+                  candidates: tuple[int, ...] = CALIBRATION_ROWS
+                  ) -> tuple[dict[str, int], list[tuple[int, dict[str, tuple[float, float]]]]]:
+    """({kind: the most rows of `candidates`, taken in order, at which `measure(rows)`
+    -> {kind: (blocks seconds, dense seconds)} favoured the kind's blocks before they
+    first lost, 0 if at once}, what was measured). A tie goes to the dense weight.
+    Stops measuring once every kind has lost."""
+    limits: dict[str, int] = {}
+    racing: set[str] | None = None
+    seen = []
     for rows in candidates:
-        blocks, dense = measure(rows)
-        seen.append((rows, blocks, dense))
-        if blocks >= dense:
+        times = measure(rows)
+        seen.append((rows, times))
+        if racing is None:
+            racing = set(times)
+            limits = dict.fromkeys(times, 0)
+        for group in sorted(racing):
+            blocks, dense = times[group]
+            if blocks >= dense:
+                racing.discard(group)
+            else:
+                limits[group] = rows
+        if not racing:
             break
-        limit = rows
-    return limit, seen
+    return limits, seen

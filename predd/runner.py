@@ -130,13 +130,14 @@ class Runner:
             return "packed", f"{why}: {packed}; not quantized: {problem}"
         rows = self.config.quant_rows
         if rows is None:
-            rows, timings = quant_linear.calibrate(self.model, self.dtype)
+            limits, timings = quant_linear.calibrate(self.model, self.dtype)
+            upto = quant_linear.describe_limits(limits)
             how = f"measured, rows: blocks/dense ms a step: {timings}"
         else:
             quant_linear.set_limit(self.model, rows)
-            how = "--quant-rows"
+            upto, how = f"<= {rows} rows", "--quant-rows"
         return "quantized", (f"{why}: {packed}, {count} of them computed from the "
-                             f"checkpoint's Q4_1/Q8_0 blocks at <= {rows} rows ({how})")
+                             f"checkpoint's Q4_1/Q8_0 blocks at {upto} ({how})")
 
     def _quantize(self) -> tuple[str | None, int]:
         """(why not, how many): the packed projections given their GGUF blocks."""

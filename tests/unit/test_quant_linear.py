@@ -83,19 +83,20 @@ BF16_DOTS = pytest.mark.skipif(not cpu_kernels.kernels().bf16_blocks,
 @BF16_DOTS
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])     # one pass of up to 16 rows, then more
+@pytest.mark.parametrize("out", [70, 96])       # weight rows in tiles of 16: a tail of 6, none
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_block_kernel_is_the_bf16_weight_times_bf16_rows_rounded_once(kind, rows, bias):
+def test_bf16_block_kernel_is_the_bf16_weight_times_bf16_rows_rounded_once(kind, rows, out, bias):
     """bf16 rows and the blocks' weights rounded to bf16 (what a bf16 model holds),
     products summed in float32, the result rounded to bf16 once: the float32 sum of the
     same bf16 values rounded, give or take the last bit (another order of the sum)."""
-    blocks, weight = random_blocks(kind, 70, 128, seed=rows)
+    blocks, weight = random_blocks(kind, out, 128, seed=rows)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
-    b = torch.randn(70, generator=gen) if bias else None
+    b = torch.randn(out, generator=gen) if bias else None
     w16 = torch.from_numpy(weight).to(torch.bfloat16)
     want = F.linear(x.double(), w16.double(), None if b is None else b.double())
     got = cpu_kernels.kernels().quant_linear(x, blocks, b)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 70)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
     ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2 ** -30))) - 7)
     assert ((got.double() - want).abs() <= ulp).all()
     assert (got == want.to(torch.bfloat16)).double().mean() > 0.95
@@ -179,17 +180,30 @@ def test_attach_skips_a_group_with_a_part_missing_or_of_another_kind():
     assert quant_linear.attach(model, blocks, cpu_kernels.kernels(), False) == 0
 
 
-def test_choose_limit_takes_rows_until_the_blocks_first_lose():
+def test_choose_limits_takes_rows_per_kind_until_its_blocks_first_lose():
     asked = []
 
-    def measure(rows):              # blocks win at 1, 2 and 4 rows, lose at 8 (and 12)
+    def measure(rows):      # qkv's blocks win at 1, 2 and 4 rows; the head's at 1 only
         asked.append(rows)
-        return (1.0, 2.0) if rows <= 4 else (3.0, 2.0)
-    limit, seen = quant_linear.choose_limit(measure)
-    assert limit == 4 and asked == [1, 2, 4, 8]
-    assert seen == [(1, 1.0, 2.0), (2, 1.0, 2.0), (4, 1.0, 2.0), (8, 3.0, 2.0)]
-    assert quant_linear.choose_limit(lambda rows: (2.0, 2.0))[0] == 0      # a tie: dense
-    assert quant_linear.choose_limit(lambda rows: (1.0, 2.0), (1, 3))[0] == 3
+        return {"qkv_proj": (1.0, 2.0) if rows <= 4 else (3.0, 2.0),
+                "lm_head": (1.0, 2.0) if rows == 1 else (2.0, 2.0)}    # a tie: dense
+    limits, seen = quant_linear.choose_limits(measure)
+    assert limits == {"qkv_proj": 4, "lm_head": 1} and asked == [1, 2, 4, 8]
+    assert [rows for rows, _ in seen] == [1, 2, 4, 8]
+    assert seen[3][1] == {"qkv_proj": (3.0, 2.0), "lm_head": (2.0, 2.0)}
+    # a kind that lost is not brought back by a later win
+    flaky = {1: (1.0, 2.0), 2: (3.0, 2.0), 4: (1.0, 2.0)}
+    assert quant_linear.choose_limits(lambda rows: {"o_proj": flaky[rows]}, (1, 2, 4))[0] \
+        == {"o_proj": 1}
+    assert quant_linear.choose_limits(lambda rows: {"o_proj": (2.0, 2.0)})[0] == {"o_proj": 0}
+    assert quant_linear.choose_limits(lambda rows: {"o_proj": (1.0, 2.0)}, (1, 3))[0] \
+        == {"o_proj": 3}
+
+
+def test_describe_limits_names_kinds_only_where_they_differ():
+    assert quant_linear.describe_limits({"qkv_proj": 8, "lm_head": 8}) == "<= 8 rows"
+    assert quant_linear.describe_limits({"qkv_proj": 8, "lm_head": 4}) == \
+        "<= 8 rows (qkv_proj), 4 rows (lm_head)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -201,10 +215,14 @@ def test_calibrate_sets_every_projection_s_limit_and_forward_keeps_it(dtype):
             blocks[f"model.layers.{layer}.{part}.weight"], _ = random_blocks(
                 "Q8_0", rows, cols, len(blocks))
     assert quant_linear.attach(model, blocks, cpu_kernels.kernels(), False) == 2 * 4
-    limit, timings = quant_linear.calibrate(model, dtype, reps=1)
-    layers = [m for m in model.modules() if isinstance(m, quant_linear.QuantLinear)]
-    assert {m.limit for m in layers} == {limit}
-    assert timings.startswith("1: ") and 0 <= limit <= max(quant_linear.CALIBRATION_ROWS)
+    limits, timings = quant_linear.calibrate(model, dtype, reps=1)
+    layers = {name: m for name, m in model.named_modules()
+              if isinstance(m, quant_linear.QuantLinear)}
+    assert set(limits) == {name.rsplit(".", 1)[-1] for name in layers}
+    assert all(m.limit == limits[name.rsplit(".", 1)[-1]] for name, m in layers.items())
+    assert timings.startswith("1: ")
+    assert all(0 <= n <= max(quant_linear.CALIBRATION_ROWS) for n in limits.values())
+    layers = list(layers.values())
     layer = layers[0]
     with torch.inference_mode():
         for rows in (1, 3):
