@@ -49,7 +49,7 @@ BF16_NATIVE_ROWS = 12
 # (oneDNN's AMX tiles on a Sapphire Rapids core beat these kernels at 8 bf16 rows: a
 # whole step 27.6 against 37.8 ms), predd measures its own (`calibrate`) at start-up,
 # trying these row counts in turn until the blocks lose.
-CALIBRATION_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
+CALIBRATION_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 class QuantLinear(nn.Module):

@@ -136,8 +136,10 @@ class Runner:
         else:
             quant_linear.set_limit(self.model, rows)
             upto, how = f"<= {rows} rows", "--quant-rows"
+        tiles = (" (bf16 rows by AMX tiles)" if self.dtype == torch.bfloat16
+                 and cpu_kernels.kernels().bf16_tiles else "")
         return "quantized", (f"{why}: {packed}, {count} of them computed from the "
-                             f"checkpoint's Q4_1/Q8_0 blocks at {upto} ({how})")
+                             f"checkpoint's Q4_1/Q8_0 blocks{tiles} at {upto} ({how})")
 
     def _quantize(self) -> tuple[str | None, int]:
         """(why not, how many): the packed projections given their GGUF blocks."""

@@ -82,7 +82,9 @@ BF16_DOTS = pytest.mark.skipif(not cpu_kernels.kernels().bf16_blocks,
 
 @BF16_DOTS
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])     # one pass of up to 16 rows, then more
+# 1 row: dot products, 16 sums in registers; 2 or more: AMX tiles where the CPU has
+# them, 96 rows a pass in groups of 16 (a short group padded: 5, 17, 40; two passes: 100)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 100])
 @pytest.mark.parametrize("out", [70, 96])       # weight rows in tiles of 16: a tail of 6, none
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_block_kernel_is_the_bf16_weight_times_bf16_rows_rounded_once(kind, rows, out, bias):
