@@ -12,7 +12,9 @@ memory, is the limit.
 
 In a bfloat16 model on a CPU with bf16 dot products the blocks' weights are rounded to
 bf16 and multiplied as bf16 (`BF16_NATIVE_ROWS`, below): the same weights and products
-as the model's packed bf16 GEMM, from a quarter of its bytes.
+as the model's packed bf16 GEMM, from a quarter of its bytes. Where the CPU also has
+AMX-BF16 tiles, 2 rows or more are multiplied by them, each block unpacked once for up
+to 96 rows (`Kernels.bf16_tiles`): there the blocks beat the dense GEMM up to ~100 rows.
 
 Measured on 2 AVX2 cores, all of SmolLM2-135M's projections and its lm_head for one
 step (30 layers' weights, so none stays in cache), from the blocks against packed
