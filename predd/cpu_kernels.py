@@ -142,7 +142,7 @@ class Kernels:
             "linear_q4_1_bf16": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
             "linear_q8_0_bf16": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
             "linear_bf16_native": (ctypes.c_int, []),
-            "linear_bf16_tiles": (ctypes.c_int, []),
+            "linear_bf16_tiles": (ctypes.c_int, [ctypes.c_int]),
             "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),
             "store_entries": (None, [ptr, ptr, i64, ptr, ptr, i64, i64, i64]),
         }
@@ -155,7 +155,13 @@ class Kernels:
         # the block kernels take bfloat16 rows where the CPU has bf16 dot products
         self.bf16_blocks = bool(lib.linear_bf16_native())
         # ... and multiply 2 rows or more with AMX tiles where the CPU has them
-        self.bf16_tiles = self.bf16_blocks and bool(lib.linear_bf16_tiles())
+        self.bf16_tiles = self.bf16_blocks and bool(lib.linear_bf16_tiles(-1))
+
+    def use_bf16_tiles(self, use: bool) -> bool:
+        """Turns the AMX tiles of the bf16 block kernels on or off for this process (off:
+        the dot-product kernel at every row count); whether they are used now."""
+        self.bf16_tiles = self.bf16_blocks and bool(self._lib.linear_bf16_tiles(int(use)))
+        return self.bf16_tiles
 
     def attend(self, q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor,
                indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,

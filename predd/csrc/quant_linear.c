@@ -333,6 +333,8 @@ struct tile_config {
 
 /* 1 once the kernel has let this process use the tile registers (Linux asks each
  * process to request them), else 0 */
+static int tiles_off;                /* linear_bf16_tiles(0): the dot products only */
+
 static int amx_permitted(void)
 {
     static int state = -1;
@@ -417,7 +419,7 @@ static int linear_amx(const int kind, const uint16_t *x, int64_t M, int64_t K,
                       const uint8_t *q, const float *d, const float *m, int64_t N,
                       const float *bias, uint16_t *y)
 {
-    if (M < AMX_MIN_ROWS || !amx_permitted())
+    if (M < AMX_MIN_ROWS || tiles_off || !amx_permitted())
         return -1;
     const int64_t blocks = K / BLOCK, tiles = (N + 15) / 16;
     uint32_t *xt = aligned_alloc(64, (size_t)AMX_GROUPS * blocks * 256 * 4);
@@ -465,12 +467,17 @@ int linear_bf16_native(void)
 }
 
 /* 1 where the bfloat16 kernels below use AMX tiles for 2 rows or more (compiled for
- * them, and this process permitted them), else 0 */
-int linear_bf16_tiles(void)
+ * them, this process permitted them, and not turned off), else 0. `use` 0 turns them
+ * off for the process (the dot-product kernel at every row count: tests run both), 1
+ * back on; -1 leaves them as they are. */
+int linear_bf16_tiles(int use)
 {
 #if defined(AMX)
-    return amx_permitted();
+    if (use >= 0)
+        tiles_off = !use;
+    return !tiles_off && amx_permitted();
 #else
+    (void)use;
     return 0;
 #endif
 }

@@ -87,10 +87,25 @@ BF16_DOTS = pytest.mark.skipif(not cpu_kernels.kernels().bf16_blocks,
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 100])
 @pytest.mark.parametrize("out", [70, 96])       # weight rows in tiles of 16: a tail of 6, none
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_block_kernel_is_the_bf16_weight_times_bf16_rows_rounded_once(kind, rows, out, bias):
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "dots"])
+def test_bf16_block_kernel_is_the_bf16_weight_times_bf16_rows_rounded_once(
+        kind, rows, out, bias, tiles):
     """bf16 rows and the blocks' weights rounded to bf16 (what a bf16 model holds),
     products summed in float32, the result rounded to bf16 once: the float32 sum of the
-    same bf16 values rounded, give or take the last bit (another order of the sum)."""
+    same bf16 values rounded, give or take the last bit (another order of the sum). Both
+    kernels: AMX tiles (where the CPU has them) and dot products at every row count."""
+    kernels = cpu_kernels.kernels()
+    if tiles and not kernels.bf16_tiles:
+        pytest.skip("this CPU has no AMX-BF16 tiles (or the kernel does not grant them)")
+    if not tiles:
+        kernels.use_bf16_tiles(False)
+    try:
+        _check_bf16_block_kernel(kind, rows, out, bias)
+    finally:
+        kernels.use_bf16_tiles(True)
+
+
+def _check_bf16_block_kernel(kind, rows, out, bias):
     blocks, weight = random_blocks(kind, out, 128, seed=rows)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
