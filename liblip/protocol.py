@@ -517,7 +517,7 @@ class PredLogits(PredReply):
     """Raw logits: `logits: {shape, dtype: "float32"}`, and one binary frame of float32
     rows (row-major)."""
     shape: list[int]           # [outputs, vocab]
-    data: bytes
+    data: bytes | memoryview   # predd sends a view of its logits (no copy)
 
     def fields(self) -> dict:
         return {"logits": {"shape": list(self.shape), "dtype": "float32"},

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from liblip import protocol as p
@@ -30,8 +31,9 @@ def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
         picks = [sampling.topk(row, call.topk) for row in logits]
         return p.PredTopk(topk_ids=[i for i, _ in picks],
                           topk_logprobs=[lp for _, lp in picks], cost=cost)
-    data = logits.contiguous().numpy()
-    return p.PredLogits(shape=list(data.shape), data=data.tobytes(), cost=cost)
+    data = logits.contiguous().numpy()      # sent from this memory (the view keeps it)
+    return p.PredLogits(shape=list(data.shape), data=memoryview(data.reshape(-1).view(np.uint8)),
+                        cost=cost)
 
 
 def pick_greedy(calls: list[Call]) -> None:
