@@ -379,6 +379,7 @@ class InfoReply(Reply):
     host_pages: int = 0        # the host tier (0: none)
     disk_pages: int = 0        # the disk tier (0: none)
     linear: str = ""           # the projections: quantized, packed or plain (predd --linear)
+    linear_reason: str = ""    # why, and where quantized up to how many rows (measured)
 
 
 @dataclass(kw_only=True)

@@ -85,7 +85,7 @@ class Runner:
         self.model.to(self.device).eval()
         self.model.inv_freq = self.model.inv_freq.float()
         del weights
-        self.linear, linear_reason = self._pack(config.linear)
+        self.linear, self.linear_reason = self._pack(config.linear)
         pool = PagedKVCache(local, config.kv_pages, config.page_size, self.dtype, self.device)
         self.backend = make_backend(config.attention, pool)
         if self.backend.name == "cpu":     # its kernels do the layers' small ops too
@@ -97,7 +97,7 @@ class Runner:
         where = f" (tensor parallel rank {tp.rank} of {tp.world})" if tp else ""
         progress(f"model {full.name} ready on {config.device}{where} ({config.dtype}: "
                  f"{config.dtype_reason or 'asked for'}; attention {self.backend.name}; "
-                 f"linear {self.linear}: {linear_reason}) "
+                 f"linear {self.linear}: {self.linear_reason}) "
                  f"in {time.monotonic() - started:.1f}s; KV pool {config.kv_pages} pages "
                  f"x {config.page_size} = {pool.kv.numel() * pool.kv.element_size() / 2**20:.0f} MiB")
 

@@ -56,7 +56,7 @@ def info(e: Engine, s: Session, r: p.Info, extra: list[bytes], now: float) -> p.
         attention=e.runner.backend.name, num_layers=model.num_layers,
         version=p.PROTOCOL_VERSION, max_message_bytes=e.max_message_bytes,
         host_pages=e.pool.capacity[1], disk_pages=e.pool.capacity[2],
-        linear=e.runner.linear)
+        linear=e.runner.linear, linear_reason=e.runner.linear_reason)
 
 
 def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> p.StatsReply:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -24,6 +25,9 @@ def test_info_stats_fsck(lip, predd):
     assert info["model"] == "SmolLM2-135M-Instruct" and info["vocab_size"] == 49152
     # float32 on this CPU: predd's own kernels, and decode from the GGUF's blocks
     assert (info["dtype"], info["attention"], info["linear"]) == ("float32", "cpu", "quantized")
+    # ... and why, with the row limits predd measured at start-up (or was given)
+    assert re.search(r"blocks at <= \d+ rows.* \((measured|--quant-rows)", info["linear_reason"]), \
+        info["linear_reason"]
     stats = json.loads(lip_cmd("stats").stdout)
     assert {"pages_total", "pages_free", "steps", "calls", "tokens_computed",
             "tokens_reused", "queue_wait_ms", "step_ms"} <= set(stats)

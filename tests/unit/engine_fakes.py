@@ -50,6 +50,7 @@ class FakeRunner:
         self.cache = FakeCache(kv_pages, page_size)
         self.backend = SimpleNamespace(name="fake")
         self.linear = "plain"
+        self.linear_reason = "fake"
         self.fail = lambda chunk: False       # raise in the pass (after scribbling NaN)
         self.nan = lambda chunk: False        # NaN logits, no exception
         self.batches: list[int] = []          # chunks per execute call

@@ -38,6 +38,7 @@ class FakeRunner:
         self.cache.bytes_per_page = 1000
         self.backend = SimpleNamespace(name="fake")
         self.linear = "plain"
+        self.linear_reason = "fake"
 
     def execute(self, chunks):
         return [torch.zeros(len(c.outputs), VOCAB) for c in chunks]
