@@ -59,6 +59,16 @@ def test_refcounts_and_return_to_free_list_at_zero():
     assert pool.check({}) == []
 
 
+def test_one_decref_frees_pages_in_list_order_and_keeps_shared_ones():
+    pool = Pool(6, 4)
+    pool.alloc(4)                 # 0 1 2 3
+    pool.incref([3])
+    pool.decref([2, 0, 3, 1])     # 3 is still referenced once
+    assert pool.refcount.tolist() == [0, 0, 0, 1, 0, 0]
+    assert pool.alloc(3) == [1, 0, 2]         # freed 2, 0, 1: the last freed first
+    assert pool.check({0: 1, 1: 1, 2: 1, 3: 1}) == []
+
+
 def test_enospc_takes_nothing():
     pool = Pool(4, 4)
     pool.alloc(3)
