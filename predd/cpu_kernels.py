@@ -7,7 +7,8 @@ decode's few rows a step, a layer's small ops (RMSNorm, RoPE, SwiGLU's product: 
 twenty torch ops a layer) cost more in dispatch than in arithmetic; predd/csrc/
 layer_ops.c does each in one pass (`CpuOps`, the same interface as predd.model.TorchOps).
 predd/csrc/quant_linear.c computes decode's projections from a GGUF's own blocks
-(predd/quant_linear.py), and predd/csrc/greedy.c picks greedy tokens without a
+(predd/quant_linear.py; predd/csrc/quant_tiles.c with AMX tiles where the CPU has
+them), and predd/csrc/greedy.c picks greedy tokens without a
 written-out log-softmax (predd/outputs.py).
 
 The library is compiled here with the machine's C compiler (`$CC`, else `cc`) for this
@@ -38,8 +39,8 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c",
-           CSRC / "greedy.c")
-HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h")
+           CSRC / "quant_tiles.c", CSRC / "greedy.c")
+HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h", CSRC / "quant_blocks.h")
 LIBRARY = "predd-cpu"
 # -fno-trapping-math: predd never unmasks floating-point exceptions, and without it GCC
 # will not turn a float compare-and-select (exp_approx's clamp) into a vector blend on

@@ -26,46 +26,9 @@
 #define VECTOR 8
 #endif
 
-#define BLOCK 32
+#include "quant_blocks.h"
+
 #define ROWS 8                               /* rows of x per pass over a weight row */
-/* Weight row n + PREFETCH_ROWS is asked for while row n is computed: a row of a
- * decode projection is a few hundred bytes, too little for the hardware prefetcher
- * to run ahead of, and without this a pass over the model's blocks waited on memory
- * (one row a step, all of SmolLM2-135M's projections, bf16 on 2 Sapphire Rapids
- * cores: 16.9 ms without, 8.2 with; the dense bf16 GEMM 16.8). */
-#define PREFETCH_ROWS 4
-
-/* Asks for weight row n's blocks (q, d and m) to be brought into cache; never faults,
- * so rows past the end are harmless. */
-static inline void prefetch_weight_row(const int kind, const uint8_t *q, const float *d,
-                                       const float *m, int64_t n, int64_t blocks)
-{
-    const int64_t bytes = blocks * (kind == 4 ? 16 : BLOCK);
-    const char *row = (const char *)q + n * bytes;
-    for (int64_t at = 0; at < bytes; at += 64)
-        __builtin_prefetch(row + at);
-    __builtin_prefetch(d + n * blocks);
-    __builtin_prefetch(d + (n + 1) * blocks - 1);
-    if (m) {
-        __builtin_prefetch(m + n * blocks);
-        __builtin_prefetch(m + (n + 1) * blocks - 1);
-    }
-}
-
-/* The 32 weights of one block as float32, into w. */
-static inline void q4_1_block(const uint8_t *q, float d, float m, float *w)
-{
-    for (int j = 0; j < 16; j++) {
-        w[j] = d * (float)(q[j] & 0x0F) + m;
-        w[j + 16] = d * (float)(q[j] >> 4) + m;
-    }
-}
-
-static inline void q8_0_block(const int8_t *q, float d, float *w)
-{
-    for (int j = 0; j < BLOCK; j++)
-        w[j] = (float)q[j] * d;
-}
 
 #ifdef VECTOR
 /* The same weights in four vectors (weights 0-7, 8-15, 16-23, 24-31). */
@@ -205,32 +168,6 @@ void linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *q,
 #if defined(__AVX512BF16__)
 #define ROWS_BF16 16                         /* rows of x per pass: 16 sums in registers */
 
-/* The block's 16 possible weights d q + m (multiplied, then added, as above) rounded to
- * bf16 once, and its 32 weights looked up among them by their 4-bit q: fewer and
- * cheaper instructions than widening and converting all 32. */
-static inline __m512bh q4_1_bf16(const uint8_t *q, float d, float m)
-{
-    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512 values = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d), iota),
-                                        _mm512_set1_ps(m));
-    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
-    const __m512i index = _mm512_inserti64x4(           /* weights 0-15 low, 16-31 high */
-        _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F))),
-        _mm256_srli_epi16(bytes, 4), 1);
-    return (__m512bh)_mm512_permutexvar_epi16(index, table);
-}
-
-static inline __m512bh q8_0_bf16(const int8_t *q, float d)
-{
-    const __m512 vd = _mm512_set1_ps(d);
-    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128((const __m128i *)q))), vd);
-    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128((const __m128i *)(q + 16)))), vd);
-    return _mm512_cvtne2ps_pbh(w1, w0);
-}
-
 #define TILE 16                              /* weight rows whose sums are reduced together */
 
 /* y[r, n0 + t] = x[r] . w_{n0 + t} (+ bias) for t < count (<= TILE) and the rows r < R
@@ -305,157 +242,6 @@ static void linear_bf16(const int kind, const uint16_t *x, int64_t M, int64_t K,
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define AMX 1
-#define AMX_GROUPS 6                          /* rows of x per pass: 6 tiles of 16 */
-/* one row takes the dot-product kernel: with nothing to share the unpacking with, the
- * tiles' set-up costs more than they save (all of SmolLM2-135M's projections, 2
- * Sapphire Rapids vCPUs: 1 row 7.4 vs 9.6 ms; 2 rows 9.2 vs 9.5, 4 rows 9.1 vs 12.6) */
-#define AMX_MIN_ROWS 2
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* AMX tiles multiply 16 rows of 32 bf16 by 16 pairs of columns in one instruction.
- * A 16-row tile of the weight is made block by block as above (each weight row's block
- * is one 64-byte tile row: no transposing of weights) and multiplied by x's rows laid
- * out as the tile unit wants them (pairs of columns, x transposed, in groups of 16 rows:
- * made once a call), into up to six 16 x 16 float32 tiles of sums. The unpacking is
- * done once for up to 96 rows of x, and the products cost almost nothing beside it:
- * where the dot-product kernel spent one instruction per row and block, this spends
- * one per 16 x 16 x 32. A group short of 16 rows is padded with zero rows. */
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* 1 once the kernel has let this process use the tile registers (Linux asks each
- * process to request them), else 0 */
-static int tiles_off;                /* linear_bf16_tiles(0): the dot products only */
-
-static int amx_permitted(void)
-{
-    static int state = -1;
-    if (state < 0)
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
-
-/* tiles 0..5: the sums of group g (weight rows x rows of x), 6: the weight, 7: x's group;
- * all 16 rows of 64 bytes */
-static void amx_configure(void)
-{
-    struct tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
-/* tile numbers are immediates: one case per group */
-#define AMX_EACH(g, op) switch (g) { case 0: op(0); break; case 1: op(1); break; \
-    case 2: op(2); break; case 3: op(3); break; case 4: op(4); break; default: op(5); }
-#define AMX_ZERO(t) _tile_zero(t)
-#define AMX_DOT(t) _tile_dpbf16ps(t, 6, 7)
-#define AMX_STORE(t) _tile_stored(t, c, 64)
-
-/* y rows of `groups` groups of 16 (the last `last` rows long), weight rows n0 .. n0 +
- * count - 1; xt: x transposed in pairs, group g's block b at xt + (g * blocks + b) * 256
- * (16 pair-rows of 16 rows of x, as uint32) */
-static void amx_tile(const int kind, const uint32_t *xt, int groups, int64_t last, int64_t K,
-                     const uint8_t *q, const float *d, const float *m, int64_t n0,
-                     int64_t count, const float *bias, uint16_t *y, int64_t N)
-{
-    const int64_t blocks = K / BLOCK, bytes = kind == 4 ? 16 : BLOCK;
-    __attribute__((aligned(64))) uint16_t a[16 * BLOCK];
-    __attribute__((aligned(64))) float c[16 * 16];
-    for (int g = 0; g < groups; g++)
-        AMX_EACH(g, AMX_ZERO)
-    if (count < 16)
-        memset(a, 0, sizeof a);
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t t = 0; t < count; t++) {
-            const int64_t at = (n0 + t) * blocks + b;
-            /* the next tile's same block: its rows are read as this tile's are */
-            __builtin_prefetch(q + (at + 16 * blocks) * bytes);
-            if (b % 16 == 0) {
-                __builtin_prefetch(d + at + 16 * blocks);
-                if (m)
-                    __builtin_prefetch(m + at + 16 * blocks);
-            }
-            const __m512bh w = kind == 4 ? q4_1_bf16(q + at * 16, d[at], m[at])
-                                         : q8_0_bf16((const int8_t *)q + at * BLOCK, d[at]);
-            _mm512_store_si512(a + t * BLOCK, (__m512i)w);
-        }
-        _tile_loadd(6, a, 64);
-        for (int g = 0; g < groups; g++) {
-            _tile_loadd(7, xt + (g * blocks + b) * 256, 64);
-            AMX_EACH(g, AMX_DOT)
-        }
-    }
-    const __mmask16 keep = (__mmask16)((1u << count) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-    const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96,
-                                            80, 64, 48, 32, 16, 0);
-    for (int g = 0; g < groups; g++) {
-        AMX_EACH(g, AMX_STORE)                  /* c[t * 16 + j]: weight row t, x row j */
-        for (int64_t j = 0; j < (g == groups - 1 ? last : 16); j++) {
-            const __m512 sums = _mm512_add_ps(_mm512_i32gather_ps(column, c + j, 4), bv);
-            _mm256_mask_storeu_epi16(y + (16 * g + j) * N + n0, keep,
-                                     (__m256i)_mm512_cvtneps_pbh(sums));
-        }
-    }
-}
-
-/* y = x w^T (+ bias) in bfloat16 by AMX tiles, 96 rows of x per pass; 0, or -1 where
- * there are too few rows, the tiles are not permitted or memory is short (nothing
- * written) */
-static int linear_amx(const int kind, const uint16_t *x, int64_t M, int64_t K,
-                      const uint8_t *q, const float *d, const float *m, int64_t N,
-                      const float *bias, uint16_t *y)
-{
-    if (M < AMX_MIN_ROWS || tiles_off || !amx_permitted())
-        return -1;
-    const int64_t blocks = K / BLOCK, tiles = (N + 15) / 16;
-    uint32_t *xt = aligned_alloc(64, (size_t)AMX_GROUPS * blocks * 256 * 4);
-    if (!xt)
-        return -1;
-    const __m512i rows = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
-                                          1, 0);
-    for (int64_t r0 = 0; r0 < M; r0 += 16 * AMX_GROUPS) {
-        const int64_t left = M - r0 < 16 * AMX_GROUPS ? M - r0 : 16 * AMX_GROUPS;
-        const int groups = (int)((left + 15) / 16);
-        const int64_t last = left - 16 * (groups - 1);
-        for (int g = 0; g < groups; g++) {         /* xt row i of block b: pair i of each row */
-            const __mmask16 valid = (__mmask16)((1u << (g == groups - 1 ? last : 16)) - 1);
-            const int *pairs = (const int *)(x + (r0 + 16 * g) * K);
-            const __m512i row_at = _mm512_mullo_epi32(rows, _mm512_set1_epi32((int)(K / 2)));
-            for (int64_t b = 0; b < blocks; b++)
-                for (int64_t i = 0; i < 16; i++)
-                    _mm512_store_si512(xt + (g * blocks + b) * 256 + i * 16,
-                                       _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid,
-                                           row_at, pairs + b * 16 + i, 4));
-        }
-        #pragma omp parallel
-        {
-            amx_configure();
-            #pragma omp for schedule(static)
-            for (int64_t t = 0; t < tiles; t++)
-                amx_tile(kind, xt, groups, last, K, q, d, m, t * 16,
-                         N - t * 16 < 16 ? N - t * 16 : 16, bias, y + r0 * N, N);
-            _tile_release();
-        }
-    }
-    free(xt);
-    return 0;
-}
-#endif
-
 /* 1 where the bfloat16 kernels below compute (VDPBF16PS), else 0: they do nothing */
 int linear_bf16_native(void)
 {
@@ -466,29 +252,11 @@ int linear_bf16_native(void)
 #endif
 }
 
-/* 1 where the bfloat16 kernels below use AMX tiles for 2 rows or more (compiled for
- * them, this process permitted them, and not turned off), else 0. `use` 0 turns them
- * off for the process (the dot-product kernel at every row count: tests run both), 1
- * back on; -1 leaves them as they are. */
-int linear_bf16_tiles(int use)
-{
-#if defined(AMX)
-    if (use >= 0)
-        tiles_off = !use;
-    return !tiles_off && amx_permitted();
-#else
-    (void)use;
-    return 0;
-#endif
-}
-
 void linear_q4_1_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *q,
                       const float *d, const float *m, int64_t N, const float *bias, uint16_t *y)
 {
-#if defined(AMX)
-    if (linear_amx(4, x, M, K, q, d, m, N, bias, y) == 0)
+    if (linear_tiles_bf16(4, x, M, K, q, d, m, N, bias, y) == 0)
         return;
-#endif
 #if defined(__AVX512BF16__)
     linear_bf16(4, x, M, K, q, d, m, N, bias, y);
 #else
@@ -499,10 +267,8 @@ void linear_q4_1_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *q,
 void linear_q8_0_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
                       const float *d, int64_t N, const float *bias, uint16_t *y)
 {
-#if defined(AMX)
-    if (linear_amx(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y) == 0)
+    if (linear_tiles_bf16(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y) == 0)
         return;
-#endif
 #if defined(__AVX512BF16__)
     linear_bf16(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
 #else

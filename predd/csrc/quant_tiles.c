@@ -1,0 +1,189 @@
+/* Projections from quantised blocks by AMX tiles (bf16 rows, 2 or more), for
+ * quant_linear.c's bf16 entry points; elsewhere `linear_tiles_bf16` does nothing. */
+#pragma GCC optimize("fp-contract=off")   /* the blocks' weights as the loader makes them */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant_blocks.h"
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+#define AMX_GROUPS 6                          /* rows of x per pass: 6 tiles of 16 */
+/* one row takes the dot-product kernel: with nothing to share the unpacking with, the
+ * tiles' set-up costs more than they save (all of SmolLM2-135M's projections, 2
+ * Sapphire Rapids vCPUs: 1 row 7.4 vs 9.6 ms; 2 rows 9.2 vs 9.5, 4 rows 9.1 vs 12.6) */
+#define AMX_MIN_ROWS 2
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* AMX tiles multiply 16 rows of 32 bf16 by 16 pairs of columns in one instruction.
+ * A 16-row tile of the weight is made block by block (quant_blocks.h; each weight row's block
+ * is one 64-byte tile row: no transposing of weights) and multiplied by x's rows laid
+ * out as the tile unit wants them (pairs of columns, x transposed, in groups of 16 rows:
+ * made once a call), into up to six 16 x 16 float32 tiles of sums. The unpacking is
+ * done once for up to 96 rows of x, and the products cost almost nothing beside it:
+ * where the dot-product kernel spent one instruction per row and block, this spends
+ * one per 16 x 16 x 32. A group short of 16 rows is padded with zero rows. */
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* 1 once the kernel has let this process use the tile registers (Linux asks each
+ * process to request them), else 0 */
+static int tiles_off;                /* linear_bf16_tiles(0): the dot products only */
+
+static int amx_permitted(void)
+{
+    static int state = -1;
+    if (state < 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+/* tiles 0..5: the sums of group g (weight rows x rows of x), 6: the weight, 7: x's group;
+ * all 16 rows of 64 bytes */
+static void amx_configure(void)
+{
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* tile numbers are immediates: one case per group */
+#define AMX_EACH(g, op) switch (g) { case 0: op(0); break; case 1: op(1); break; \
+    case 2: op(2); break; case 3: op(3); break; case 4: op(4); break; default: op(5); }
+#define AMX_ZERO(t) _tile_zero(t)
+#define AMX_DOT(t) _tile_dpbf16ps(t, 6, 7)
+#define AMX_STORE(t) _tile_stored(t, c, 64)
+
+/* y rows of `groups` groups of 16 (the last `last` rows long), weight rows n0 .. n0 +
+ * count - 1; xt: x transposed in pairs, group g's block b at xt + (g * blocks + b) * 256
+ * (16 pair-rows of 16 rows of x, as uint32) */
+static void amx_tile(const int kind, const uint32_t *xt, int groups, int64_t last, int64_t K,
+                     const uint8_t *q, const float *d, const float *m, int64_t n0,
+                     int64_t count, const float *bias, uint16_t *y, int64_t N)
+{
+    const int64_t blocks = K / BLOCK, bytes = kind == 4 ? 16 : BLOCK;
+    __attribute__((aligned(64))) uint16_t a[16 * BLOCK];
+    __attribute__((aligned(64))) float c[16 * 16];
+    for (int g = 0; g < groups; g++)
+        AMX_EACH(g, AMX_ZERO)
+    if (count < 16)
+        memset(a, 0, sizeof a);
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t t = 0; t < count; t++) {
+            const int64_t at = (n0 + t) * blocks + b;
+            /* the next tile's same block: its rows are read as this tile's are */
+            __builtin_prefetch(q + (at + 16 * blocks) * bytes);
+            if (b % 16 == 0) {
+                __builtin_prefetch(d + at + 16 * blocks);
+                if (m)
+                    __builtin_prefetch(m + at + 16 * blocks);
+            }
+            const __m512bh w = kind == 4 ? q4_1_bf16(q + at * 16, d[at], m[at])
+                                         : q8_0_bf16((const int8_t *)q + at * BLOCK, d[at]);
+            _mm512_store_si512(a + t * BLOCK, (__m512i)w);
+        }
+        _tile_loadd(6, a, 64);
+        for (int g = 0; g < groups; g++) {
+            _tile_loadd(7, xt + (g * blocks + b) * 256, 64);
+            AMX_EACH(g, AMX_DOT)
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << count) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96,
+                                            80, 64, 48, 32, 16, 0);
+    for (int g = 0; g < groups; g++) {
+        AMX_EACH(g, AMX_STORE)                  /* c[t * 16 + j]: weight row t, x row j */
+        for (int64_t j = 0; j < (g == groups - 1 ? last : 16); j++) {
+            const __m512 sums = _mm512_add_ps(_mm512_i32gather_ps(column, c + j, 4), bv);
+            _mm256_mask_storeu_epi16(y + (16 * g + j) * N + n0, keep,
+                                     (__m256i)_mm512_cvtneps_pbh(sums));
+        }
+    }
+}
+
+/* y = x w^T (+ bias) in bfloat16 by AMX tiles, 96 rows of x per pass; 0, or -1 where
+ * there are too few rows, the tiles are not permitted or memory is short (nothing
+ * written) */
+static int linear_amx(const int kind, const uint16_t *x, int64_t M, int64_t K,
+                      const uint8_t *q, const float *d, const float *m, int64_t N,
+                      const float *bias, uint16_t *y)
+{
+    if (M < AMX_MIN_ROWS || tiles_off || !amx_permitted())
+        return -1;
+    const int64_t blocks = K / BLOCK, tiles = (N + 15) / 16;
+    uint32_t *xt = aligned_alloc(64, (size_t)AMX_GROUPS * blocks * 256 * 4);
+    if (!xt)
+        return -1;
+    const __m512i rows = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                          1, 0);
+    for (int64_t r0 = 0; r0 < M; r0 += 16 * AMX_GROUPS) {
+        const int64_t left = M - r0 < 16 * AMX_GROUPS ? M - r0 : 16 * AMX_GROUPS;
+        const int groups = (int)((left + 15) / 16);
+        const int64_t last = left - 16 * (groups - 1);
+        for (int g = 0; g < groups; g++) {         /* xt row i of block b: pair i of each row */
+            const __mmask16 valid = (__mmask16)((1u << (g == groups - 1 ? last : 16)) - 1);
+            const int *pairs = (const int *)(x + (r0 + 16 * g) * K);
+            const __m512i row_at = _mm512_mullo_epi32(rows, _mm512_set1_epi32((int)(K / 2)));
+            for (int64_t b = 0; b < blocks; b++)
+                for (int64_t i = 0; i < 16; i++)
+                    _mm512_store_si512(xt + (g * blocks + b) * 256 + i * 16,
+                                       _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid,
+                                           row_at, pairs + b * 16 + i, 4));
+        }
+        #pragma omp parallel
+        {
+            amx_configure();
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; t++)
+                amx_tile(kind, xt, groups, last, K, q, d, m, t * 16,
+                         N - t * 16 < 16 ? N - t * 16 : 16, bias, y + r0 * N, N);
+            _tile_release();
+        }
+    }
+    free(xt);
+    return 0;
+}
+#endif
+
+/* 1 where the bfloat16 kernels below use AMX tiles for 2 rows or more (compiled for
+ * them, this process permitted them, and not turned off), else 0. `use` 0 turns them
+ * off for the process (the dot-product kernel at every row count: tests run both), 1
+ * back on; -1 leaves them as they are. */
+int linear_bf16_tiles(int use)
+{
+#if defined(AMX)
+    if (use >= 0)
+        tiles_off = !use;
+    return !tiles_off && amx_permitted();
+#else
+    (void)use;
+    return 0;
+#endif
+}
+
+int linear_tiles_bf16(int kind, const uint16_t *x, int64_t M, int64_t K, const uint8_t *q,
+                      const float *d, const float *m, int64_t N, const float *bias,
+                      uint16_t *y)
+{
+#if defined(AMX)
+    return linear_amx(kind, x, M, K, q, d, m, N, bias, y);
+#else
+    (void)kind; (void)x; (void)M; (void)K; (void)q; (void)d; (void)m; (void)N; (void)bias;
+    (void)y;
+    return -1;
+#endif
+}
