@@ -97,20 +97,13 @@ class Pool:
         order they reached zero."""
         at = np.asarray(pages, dtype=np.int64)
         assert not np.any(self.refcount[at] <= 0), "decref of a free page"
-        if len(np.unique(at)) != len(at):          # a page listed twice: one at a time
-            for page in pages:
-                assert self.refcount[page] > 0, f"decref of free page {page}"
-                self.refcount[page] -= 1
-                if self.refcount[page] == 0:
-                    self._free_page(page)
-            return
-        self.refcount[at] -= 1
-        for page in at[self.refcount[at] == 0].tolist():
-            self._free_page(page)
-
-    def _free_page(self, page: int) -> None:
-        self._free.append(page)
-        self._free_slots[self.tier[page]].append(int(self.slot[page]))
+        np.subtract.at(self.refcount, at, 1)
+        assert not np.any(self.refcount[at] < 0), "decref of a page more times than it is held"
+        # a page reaches zero at its last place in `pages`: free in that order
+        last = np.sort(len(at) - 1 - np.unique(at[::-1], return_index=True)[1])
+        for page in at[last][self.refcount[at[last]] == 0].tolist():
+            self._free.append(page)
+            self._free_slots[self.tier[page]].append(int(self.slot[page]))
 
     # ------------------------------------------------------------ tiers
 
