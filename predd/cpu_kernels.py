@@ -155,13 +155,17 @@ class Kernels:
         self._lib = lib
         # the block kernels take bfloat16 rows where the CPU has bf16 dot products
         self.bf16_blocks = bool(lib.linear_bf16_native())
-        # ... and multiply 2 rows or more with AMX tiles where the CPU has them
-        self.bf16_tiles = self.bf16_blocks and bool(lib.linear_bf16_tiles(-1))
+
+    @property
+    def bf16_tiles(self) -> bool:
+        """Whether the bf16 block kernels multiply 2 rows or more with AMX tiles (the CPU
+        has them, the OS granted them, and they are not turned off)."""
+        return self.bf16_blocks and bool(self._lib.linear_bf16_tiles(-1))
 
     def use_bf16_tiles(self, use: bool) -> bool:
         """Turns the AMX tiles of the bf16 block kernels on or off for this process (off:
         the dot-product kernel at every row count); whether they are used now."""
-        self.bf16_tiles = self.bf16_blocks and bool(self._lib.linear_bf16_tiles(int(use)))
+        self._lib.linear_bf16_tiles(int(use))
         return self.bf16_tiles
 
     def attend(self, q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor,

@@ -125,7 +125,8 @@ static int linear_amx(const int kind, const uint16_t *x, int64_t M, int64_t K,
     if (M < AMX_MIN_ROWS || tiles_off || !amx_permitted())
         return -1;
     const int64_t blocks = K / BLOCK, tiles = (N + 15) / 16;
-    uint32_t *xt = aligned_alloc(64, (size_t)AMX_GROUPS * blocks * 256 * 4);
+    const int64_t most = (M + 15) / 16 < AMX_GROUPS ? (M + 15) / 16 : AMX_GROUPS;
+    uint32_t *xt = aligned_alloc(64, (size_t)most * blocks * 256 * 4);  /* a pass's groups */
     if (!xt)
         return -1;
     const __m512i rows = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,

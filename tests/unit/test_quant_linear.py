@@ -235,8 +235,8 @@ def test_calibrate_sets_every_projection_s_limit_and_forward_keeps_it(dtype):
     limits, timings = quant_linear.calibrate(model, dtype, reps=1)
     layers = {name: m for name, m in model.named_modules()
               if isinstance(m, quant_linear.QuantLinear)}
-    assert set(limits) == {name.rsplit(".", 1)[-1] for name in layers}
-    assert all(m.limit == limits[name.rsplit(".", 1)[-1]] for name, m in layers.items())
+    assert set(limits) == {quant_linear.group_of(name) for name in layers}
+    assert all(m.limit == limits[quant_linear.group_of(name)] for name, m in layers.items())
     assert timings.startswith("1: ")
     assert all(0 <= n <= max(quant_linear.CALIBRATION_ROWS) for n in limits.values())
     layers = list(layers.values())
