@@ -380,6 +380,8 @@ class InfoReply(Reply):
     disk_pages: int = 0        # the disk tier (0: none)
     linear: str = ""           # the projections: quantized, packed or plain (predd --linear)
     linear_reason: str = ""    # why, and where quantized up to how many rows (measured)
+    cuda_graphs: bool = False  # decode steps replayed as CUDA graphs (predd --cuda-graphs)
+    cuda_graphs_reason: str = ""   # why (on or off)
 
 
 @dataclass(kw_only=True)

@@ -26,7 +26,7 @@ from predd.identity import AuthKeys, check_endpoint
 from predd.loader import default_model_path
 from predd.memory import MemoryConfig
 from predd.quota import QuotaConfig
-from predd import attention, dtype
+from predd import attention, cuda_graphs, dtype
 from predd import tp as tp_mod
 from predd.dtype import DTYPES
 from predd.runner import LINEAR_CHOICES, Runner, RunnerConfig, TensorParallel
@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="attention backend; auto (default): flashinfer on CUDA where it "
                     "is installed and the dtype is bf16/fp16, cpu (predd's own kernel, "
                     "built on first use) on the CPU in float32, torch otherwise")
+    ap.add_argument("--cuda-graphs", default="auto", choices=cuda_graphs.CHOICES,
+                    help="replay decode steps as CUDA graphs (auto: on CUDA with "
+                         "--attention flashinfer; docs/architecture.md)")
     ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = Runner(RunnerConfig(model_path, args.device, dtype_name, dtype_reason,
                                      args.kv_pages, args.page_size, backend,
                                      threads=threads, linear=args.linear,
-                                     quant_rows=args.quant_rows),
+                                     quant_rows=args.quant_rows,
+                                     cuda_graphs=args.cuda_graphs, max_batch=args.max_batch),
                         progress=log, tp=tp)
         if tp:
             tp_mod.ready()

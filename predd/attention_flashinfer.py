@@ -81,15 +81,26 @@ class FlashInferAttention:
         problem = flashinfer_problem(str(cache.device), dtype)
         if problem:
             raise ValueError(f"--attention flashinfer {problem[0]} ({problem[1]})")
-        fi = load_flashinfer()
+        self.fi = fi = load_flashinfer()
         cfg = cache.cfg
         self.cache = cache
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=cache.device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=cache.device)
         self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD",
+            self.workspace, "NHD",
             use_tensor_cores=cfg.num_heads // cfg.num_kv_heads >= TENSOR_CORE_GROUP)
-        self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+
+    def graph_wrapper(self, indptr: torch.Tensor, indices: torch.Tensor,
+                      last_page_len: torch.Tensor):
+        """A decode wrapper in FlashInfer's CUDA-graph mode over these fixed buffers
+        (batch size `len(last_page_len)`), sharing the workspace: predd/cuda_graphs.py.
+        On CUDA cores whatever the group size (the tensor-core decode keeps a host-side
+        maximum length, which a recorded graph would freeze)."""
+        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=False,
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last_page_len)
 
     def prepare(self, tables: PageTables) -> Callable:
         cache, dev = self.cache, self.cache.device

@@ -5,6 +5,9 @@ Layout (FlashInfer's NHD paged layout, shared by every attention backend):
 holding K and 1 holding V. A flat slot id `s` (page `s // page_size`, slot
 `s % page_size`) has its K at row `rows(s)` of `kv[layer].view(-1, Hkv, D)` and its V
 `page_size` rows later. This class is the KV store's `PageData`.
+
+`spare_pages` are pages past `num_pages` that the store never hands out (CUDA graphs'
+padding rows write and read one: predd/cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -16,14 +19,15 @@ from predd.loader import ModelConfig
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, spare_pages: int = 0) -> None:
         self.cfg = cfg
         self.page_size = page_size
         self.num_pages = num_pages
+        self.spare_pages = spare_pages
         self.dtype = dtype
         self.device = device
-        self.kv = torch.zeros(cfg.num_layers, num_pages, 2, page_size, cfg.num_kv_heads,
-                              cfg.head_dim, dtype=dtype, device=device)
+        self.kv = torch.zeros(cfg.num_layers, num_pages + spare_pages, 2, page_size,
+                              cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
 
     @property
     def bytes_per_page(self) -> int:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from predd import cpu_kernels, linear, quant_linear
+from predd import cpu_kernels, cuda_graphs, linear, quant_linear
 from predd import tp as tp_mod
-from predd.attention import make_backend
+from predd.attention import make_backend, resolve as resolve_attention
 from predd.paged_kv import PagedKVCache
 from predd.dtype import DTYPES
 from predd.loader import ModelConfig, load_weights, quantized_blocks
@@ -38,6 +38,8 @@ class RunnerConfig:
     threads: int = 0          # torch intra-op threads on CPU; 0 keeps torch's default
     linear: str = "auto"      # a LINEAR_CHOICES name: quantized, else packed, where they run
     quant_rows: int | None = None   # blocks up to this many rows; None: measured at start
+    cuda_graphs: str = "auto"       # a cuda_graphs.CHOICES name
+    max_batch: int = 64             # the most calls a step carries (the largest graph)
 
 
 LINEAR_CHOICES = ("auto", "plain", "packed", "quantized")
@@ -86,10 +88,15 @@ class Runner:
         self.model.inv_freq = self.model.inv_freq.float()
         del weights
         self.linear, self.linear_reason = self._pack(config.linear)
-        pool = PagedKVCache(local, config.kv_pages, config.page_size, self.dtype, self.device)
-        self.backend = make_backend(config.attention, pool)
+        attention, _ = resolve_attention(config.attention, config.device, config.dtype)
+        graphs, self.graphs_reason = cuda_graphs.resolve(config.cuda_graphs, config.device,
+                                                         attention, tp is not None)
+        pool = PagedKVCache(local, config.kv_pages, config.page_size, self.dtype, self.device,
+                            spare_pages=1 if graphs else 0)
+        self.backend = make_backend(attention, pool)
         if self.backend.name == "cpu":     # its kernels do the layers' small ops too
             self.model.ops = cpu_kernels.CpuOps(cpu_kernels.kernels())
+        self.graphs = self._record(config, pool, progress) if graphs else None
         self.cache = pool
         if tp and tp.rank == 0:
             self.cache = tp_mod.ShardedCache(
@@ -97,7 +104,7 @@ class Runner:
         where = f" (tensor parallel rank {tp.rank} of {tp.world})" if tp else ""
         progress(f"model {full.name} ready on {config.device}{where} ({config.dtype}: "
                  f"{config.dtype_reason or 'asked for'}; attention {self.backend.name}; "
-                 f"linear {self.linear}: {self.linear_reason}) "
+                 f"linear {self.linear}: {self.linear_reason}{self._graphs_note()}) "
                  f"in {time.monotonic() - started:.1f}s; KV pool {config.kv_pages} pages "
                  f"x {config.page_size} = {pool.kv.numel() * pool.kv.element_size() / 2**20:.0f} MiB")
 
@@ -141,6 +148,28 @@ class Runner:
         return "quantized", (f"{why}: {packed}, {count} of them computed from the "
                              f"checkpoint's Q4_1/Q8_0 blocks{tiles} at {upto} ({how})")
 
+    def _graphs_note(self) -> str:
+        """How decode steps run, for the start-up line (on a GPU; the CPU has none)."""
+        if self.device.type != "cuda":
+            return ""
+        return f"; CUDA graphs {'on' if self.graphs else 'off'}: {self.graphs_reason}"
+
+    def _record(self, config: RunnerConfig, pool: PagedKVCache,
+                progress: Callable[[str], None]) -> cuda_graphs.DecodeGraphs | None:
+        """The decode step's CUDA graphs; None (eager steps, the reason kept) where
+        recording fails under `auto`; ValueError (EINVAL) where it fails under `on`."""
+        try:
+            return cuda_graphs.DecodeGraphs(self.model, pool, self.backend.graph_wrapper,
+                                            config.max_batch, cuda_graphs.cuda_capture(
+                                                self.device), progress)
+        except Exception as exc:
+            if config.cuda_graphs == "on":
+                raise ValueError(f"--cuda-graphs on: recording failed: "
+                                 f"{type(exc).__name__}: {exc} (EINVAL)") from exc
+            self.graphs_reason = (f"auto: recording failed ({type(exc).__name__}: {exc}); "
+                                  "steps run eagerly")
+            return None
+
     def _quantize(self) -> tuple[str | None, int]:
         """(why not, how many): the packed projections given their GGUF blocks."""
         if self.tp:
@@ -175,13 +204,18 @@ class Runner:
         rank other than 0 only takes its part in the all-reduces)."""
         tables = PageTables.build(self.config.page_size, [c.pages for c in chunks],
                                   [c.kv_len for c in chunks], [len(c.tokens) for c in chunks])
+        tokens = np.concatenate([c.tokens for c in chunks]).astype(np.int64)
+        positions = np.concatenate([c.positions for c in chunks]).astype(np.int64)
+        out_rows = np.concatenate(
+            [c.outputs + start for c, start in zip(chunks, tables.qo_indptr)] if logits
+            else [np.zeros(0, np.int64)]).astype(np.int64)
+        if self.graphs and logits:
+            out = self.graphs.run(tables, tokens, positions, out_rows)
+            if out is not None:
+                return out
         dev = self.device
-        input_ids = torch.from_numpy(np.concatenate([c.tokens for c in chunks]).astype(np.int64)).to(dev)
-        positions = torch.from_numpy(np.concatenate([c.positions for c in chunks]).astype(np.int64)).to(dev)
-        out_rows = ([c.outputs + start for c, start in zip(chunks, tables.qo_indptr)]
-                    if logits else [np.zeros(0, np.int64)])
-        rows = torch.from_numpy(np.concatenate(out_rows).astype(np.int64)).to(dev)
-        return self.model(input_ids, positions, self.backend.prepare(tables), rows).cpu()
+        return self.model(torch.from_numpy(tokens).to(dev), torch.from_numpy(positions).to(dev),
+                          self.backend.prepare(tables), torch.from_numpy(out_rows).to(dev)).cpu()
 
     def keepalive(self) -> None:
         """Called by the server when idle: under tensor parallelism rank 0 pings the

@@ -6,7 +6,7 @@ server, no scheduler: what the model and the attention backend cost.
     python scripts/bench_step.py --calls 8 --context 440 [--reps 8] [--threads 2]
                                  [--attention auto|torch|cpu|flashinfer]
                                  [--linear auto|packed|...] [--device cuda --dtype float16]
-                                 [--model PATH]
+                                 [--model PATH] [--cuda-graphs auto|on|off]
 """
 from __future__ import annotations
 
@@ -37,13 +37,16 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", help="a predd --dtype name (not auto)")
     ap.add_argument("--model", help="GGUF or Hugging Face directory (default: SmolLM2-135M)")
+    ap.add_argument("--cuda-graphs", default="auto", help="a predd --cuda-graphs choice")
     args = ap.parse_args()
     per = -(-(args.context + 1) // PAGE)
     runner = Runner(RunnerConfig(args.model or default_model_path(), args.device, args.dtype,
                                  kv_pages=args.calls * per + 8, page_size=PAGE,
                                  threads=args.threads, attention=args.attention,
-                                 linear=args.linear),
-                    progress=lambda msg: print(msg, file=sys.stderr) if "ready" in msg else None)
+                                 linear=args.linear, cuda_graphs=args.cuda_graphs,
+                                 max_batch=max(args.calls, 64)),
+                    progress=lambda msg: print(msg, file=sys.stderr)
+                    if "ready" in msg or "CUDA graphs" in msg else None)
     order = np.random.default_rng(0).permutation(args.calls * per).astype(np.int32)
     chunks = [Chunk(np.array([5], np.int32), np.array([args.context], np.int32),
                     order[b * per:(b + 1) * per], args.context + 1, np.array([0]))
@@ -57,7 +60,9 @@ def main() -> int:
             runner.execute(chunks)
             times.append(time.perf_counter() - t0)
     times.sort()
-    print(f"{runner.backend.name}, {runner.linear}, {args.device} {args.dtype}: calls {args.calls} context {args.context}: best {times[0] * 1e3:.1f} ms, "
+    graphs = f", CUDA graphs ({runner.graphs.replays} replays)" if runner.graphs else ""
+    print(f"{runner.backend.name}, {runner.linear}{graphs}, {args.device} {args.dtype}: "
+          f"calls {args.calls} context {args.context}: best {times[0] * 1e3:.1f} ms, "
           f"median {times[len(times) // 2] * 1e3:.1f} ms a step")
     return 0
 

@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_check.sh prepare   # here: wheels and a cut model into .gpu/
 #   bash scripts/gpu_check.sh run [OUT] # there, from the repo root, with .gpu/ carried
+#   bash scripts/gpu_check.sh graphs [OUT]   # there: the CUDA graphs' checks and timings
 #
 # `prepare` downloads flashinfer-python (the version predd/attention_flashinfer.py is
 # written against) with the two packages such a machine lacks (apache-tvm-ffi for its
@@ -43,16 +44,19 @@ stage() {   # stage NAME SECONDS COMMAND...: a heading, the command under a limi
     echo "=== $name: exit $? after $((SECONDS - t0))s"
 }
 
-run() {
-    local out=${1:-.gpu/out}
-    mkdir -p "$out"
-    exec > >(tee "$out/gpu_check.log") 2>&1
+setup() {   # setup OUT LOG: the log, the wheels, the environment
+    mkdir -p "$1"
+    exec > >(tee "$1/$2") 2>&1
     nvidia-smi -L; nvcc --version | tail -1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .gpu/whl/*.whl || exit
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
     export SYMPHONY_GPU_MODEL=$PWD/$MODEL
     python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__, torch.cuda.get_device_name())"
+}
+
+run() {
+    setup "${1:-.gpu/out}" gpu_check.log
     local pytest=(python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flashinfer.py)
     stage "kernels, fp16, SmolLM2's shape (first JIT compile)" 240 \
         "${pytest[@]}" -k "smollm2-shape and fp16"
@@ -77,6 +81,45 @@ run() {
     stage "kernels, 4 q heads a kv head (tensor-core decode)" 240 "${pytest[@]}" -k "gqa4 and fp16"
 }
 
+# The decode step's CUDA graphs (predd/cuda_graphs.py): graphs against eager steps (the
+# model's logits, fp16 first, bf16 last: each dtype is a JIT compile), a serving predd
+# with them, then the whole model's shape timed with graphs off and on: decode steps, a
+# serving predd's generate and pred loop, a SmolLM2-1.7B-shaped step.
+graphs() {
+    setup "${1:-.gpu/out}" gpu_graphs.log
+    local pytest=(python3 -m pytest -q -x --tb=short -p no:cacheprovider
+                  tests/gpu/test_flashinfer.py)
+    stage "graphs vs eager, flashinfer vs torch, fp16 (first JIT compile)" 240 \
+        "${pytest[@]}" -k "(cuda_graphs and fp16) or real_model" -s
+    stage "predd serving (flashinfer with graphs)" 90 "${pytest[@]}" -k serves
+    local whole=.gpu/smollm2-135m-shape.gguf
+    stage "grow the cut to 30 layers" 30 python3 scripts/gguf_cut.py "$whole" --layers 30 \
+        --model "$MODEL"
+    for shape in "1 512" "64 512"; do
+        set -- $shape
+        for g in off on; do
+            stage "step: 135M shape, flashinfer, graphs $g, $1 calls x $2" 60 \
+                python3 scripts/bench_step.py --device cuda --dtype float16 --model "$whole" \
+                --attention flashinfer --cuda-graphs $g --calls "$1" --context "$2" --reps 20
+        done
+    done
+    for g in off on; do
+        SYMPHONY_BENCH_PREDD_ARGS="--device cuda --attention flashinfer --cuda-graphs $g --model $whole" \
+            stage "serving, graphs $g: generate and pred loop, 1/8/64 programs x 64 tokens" 120 \
+            python3 scripts/bench_completion.py --programs 1,8,64 --as processes \
+            --modes generate,pred_loop --baselines "" --repeat 1 --dtype float16
+    done
+    local large=/tmp/smollm2-1.7b-shape.gguf
+    stage "write a random SmolLM2-1.7B-shaped model" 60 python3 scripts/gguf_random.py \
+        "$large" --shape smollm2-1.7b --tokenizer "$MODEL"
+    for g in off on; do
+        stage "step: 1.7B shape, flashinfer, graphs $g, 64 calls x 1024" 60 \
+            python3 scripts/bench_step.py --device cuda --dtype float16 --model "$large" \
+            --attention flashinfer --cuda-graphs $g --calls 64 --context 1024 --reps 20
+    done
+    stage "graphs vs eager, bf16 (its JIT compile)" 200 "${pytest[@]}" -k "cuda_graphs and bf16" -s
+}
+
 steps() {   # steps MODEL "CALLS CONTEXT"...: the decode step per backend, fp16, best of 20
     local model=$1; shift
     for shape in "$@"; do
@@ -92,5 +135,6 @@ steps() {   # steps MODEL "CALLS CONTEXT"...: the decode step per backend, fp16,
 case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 prepare | run [OUT]" >&2; exit 2 ;;
+    graphs) shift; graphs "$@" ;;
+    *) echo "usage: $0 prepare | run [OUT] | graphs [OUT]" >&2; exit 2 ;;
 esac

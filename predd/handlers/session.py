@@ -56,7 +56,8 @@ def info(e: Engine, s: Session, r: p.Info, extra: list[bytes], now: float) -> p.
         attention=e.runner.backend.name, num_layers=model.num_layers,
         version=p.PROTOCOL_VERSION, max_message_bytes=e.max_message_bytes,
         host_pages=e.pool.capacity[1], disk_pages=e.pool.capacity[2],
-        linear=e.runner.linear, linear_reason=e.runner.linear_reason)
+        linear=e.runner.linear, linear_reason=e.runner.linear_reason,
+        cuda_graphs=e.runner.graphs is not None, cuda_graphs_reason=e.runner.graphs_reason)
 
 
 def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> p.StatsReply:

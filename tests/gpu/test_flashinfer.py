@@ -8,8 +8,11 @@ without CUDA, and skipped saying so where the flashinfer package is not installe
 * the real model (SmolLM2-135M, fp16) over a fixed schedule that mixes chunked prefill
   with batched decode: torch's greedy tokens fed to flashinfer too, the same logits
   within a tolerance and the same argmax where it is not a near-tie;
-* the daemon: `predd --attention flashinfer` serves, says so in `info`, and generates
-  the tokens `--attention torch` does.
+* CUDA graphs of the decode step (predd/cuda_graphs.py): the same schedule with
+  graphs on and off, the same tokens fed to both: every logit within a tolerance, the
+  same argmax where it is not a near-tie, and the pure decode steps replayed;
+* the daemon: `predd --attention flashinfer` serves (with its CUDA graphs, `auto`), says
+  so in `info`, and generates the tokens `--attention torch` does.
 On a machine with no package index: `bash scripts/gpu_check.sh prepare` here, then
 `bash scripts/gpu_check.sh run` there (docs/architecture.md has the H100 results).
 """
@@ -164,21 +167,32 @@ def test_real_model_greedy_tokens_match(flashinfer, model_path):
     step within LOGIT_TOLERANCE, and the same argmax wherever torch's top two are
     further apart than twice that (a closer pair is a tie either may break)."""
     from predd.runner import Runner, RunnerConfig
-    from predd.tokenizer import load_tokenizer
-    tok = load_tokenizer(model_path)
-    prompts = [tok.encode(text) for text in (
-        "The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
-        "A paged KV cache stores attention keys and values in fixed-size pages, so that")]
+    prompts = prompts_of(model_path)
     runs = {}
     for name in ("torch", "flashinfer"):
         runner = Runner(RunnerConfig(model_path, device="cuda", dtype="float16",
-                                     kv_pages=64, page_size=PS, attention=name))
-        assert runner.backend.name == name
+                                     kv_pages=64, page_size=PS, attention=name,
+                                     cuda_graphs="off"))
+        assert runner.backend.name == name and runner.graphs is None
         runs[name] = run_schedule(runner, prompts, 24,
                                   runs["torch"].generated if runs else None)
         del runner
         torch.cuda.empty_cache()
-    ref, got = runs["torch"], runs["flashinfer"]
+    assert_same_logits(runs["torch"], runs["flashinfer"])
+
+
+def prompts_of(model_path) -> list[list[int]]:
+    from predd.tokenizer import load_tokenizer
+    tok = load_tokenizer(model_path)
+    return [tok.encode(text) for text in (
+        "The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
+        "A paged KV cache stores attention keys and values in fixed-size pages, so that")]
+
+
+def assert_same_logits(ref: Greedy, got: Greedy) -> None:
+    """Every logit of every step within LOGIT_TOLERANCE, and the same argmax wherever
+    ref's top two are further apart than twice that (a closer pair is a tie either
+    may break)."""
     # A and B: one token after their prompts, then one a step; C from step t=4 on
     assert [len(g) for g in ref.generated] == [25, 25, 20]
     worst, ties = 0.0, 0
@@ -195,6 +209,33 @@ def test_real_model_greedy_tokens_match(flashinfer, model_path):
     assert worst <= LOGIT_TOLERANCE
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"], ids=["fp16", "bf16"])
+def test_cuda_graphs_compute_what_eager_steps_do(flashinfer, model_path, dtype):
+    """The schedule eagerly, then with the decode step's CUDA graphs fed the same
+    tokens: the same logits (LOGIT_TOLERANCE; in bf16 four times that, its ulp being
+    8x fp16's), the pure decode steps replayed from graphs (3 steps of A and B: the
+    graph of 2; then two that C's chunks mix in; then 19 of A, B, C: the graph of 4)."""
+    from predd.runner import Runner, RunnerConfig
+    prompts = prompts_of(model_path)
+    runs = {}
+    for graphs in ("off", "on"):
+        runner = Runner(RunnerConfig(model_path, device="cuda", dtype=dtype, kv_pages=64,
+                                     page_size=PS, attention="flashinfer", cuda_graphs=graphs,
+                                     max_batch=8))
+        runs[graphs] = run_schedule(runner, prompts, 24, runs["off"].generated if runs else None)
+        if graphs == "on":
+            assert runner.graphs.sizes == [1, 2, 4, 8]
+            assert runner.graphs.replays == 3 + 19
+        del runner
+        torch.cuda.empty_cache()
+    tolerance = LOGIT_TOLERANCE * (4 if dtype == "bfloat16" else 1)
+    worst = max((have - want).abs().max().item()
+                for seq in range(3) for want, have in zip(runs["off"].logits[seq],
+                                                          runs["on"].logits[seq]))
+    print(f"{dtype}: max |logit difference| graphs/eager {worst:.4f}")
+    assert worst <= tolerance
+
+
 @pytest.mark.slow
 def test_predd_serves_with_flashinfer(flashinfer, model_path, tmp_path):
     import liblip
@@ -205,7 +246,9 @@ def test_predd_serves_with_flashinfer(flashinfer, model_path, tmp_path):
                              "--dtype", "float16", "--attention", name, "--kv-pages", "256")
         try:
             liblip.connect(daemon.addr)
-            assert liblip.info()["attention"] == name
+            info = liblip.info()
+            assert info["attention"] == name
+            assert info["cuda_graphs"] == (name == "flashinfer"), info["cuda_graphs_reason"]
             prompt = liblip.chat_template([{"role": "user", "content": "Name three colours."}])
             kv = liblip.kv_create()
             tokens[name] = list(liblip.generate(kv, prompt, max_tokens=32, ignore_eos=True))

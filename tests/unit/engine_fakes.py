@@ -51,6 +51,7 @@ class FakeRunner:
         self.backend = SimpleNamespace(name="fake")
         self.linear = "plain"
         self.linear_reason = "fake"
+        self.graphs, self.graphs_reason = None, "fake"
         self.fail = lambda chunk: False       # raise in the pass (after scribbling NaN)
         self.nan = lambda chunk: False        # NaN logits, no exception
         self.batches: list[int] = []          # chunks per execute call

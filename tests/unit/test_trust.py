@@ -39,6 +39,7 @@ class FakeRunner:
         self.backend = SimpleNamespace(name="fake")
         self.linear = "plain"
         self.linear_reason = "fake"
+        self.graphs, self.graphs_reason = None, "fake"
 
     def execute(self, chunks):
         return [torch.zeros(len(c.outputs), VOCAB) for c in chunks]
