@@ -103,10 +103,14 @@ def pad_step(tables: PageTables, tokens: np.ndarray, positions: np.ndarray,
 
 @dataclass
 class Graph:
-    """One bucket's recording: its static inputs, wrapper and output."""
+    """One bucket's recording: its static inputs, wrapper and output. Every tensor the
+    recording reads that it did not allocate itself lives here: a replay holds no
+    Python references, so a tensor only its recorded function held would be freed and
+    its memory reused under the graph (the first GPU run read its output rows so)."""
     bucket: int
     inputs: torch.Tensor        # [3, bucket] int64 on the device
     staging: torch.Tensor       # the same on the host (pinned on CUDA)
+    rows: torch.Tensor          # [bucket] int64 on the device: 0..bucket-1, logits wanted
     wrapper: object             # a flashinfer decode wrapper in CUDA-graph mode
     replay: Callable[[], None] = lambda: None
     out: torch.Tensor | None = None   # [bucket, vocab] float32, rewritten by replay
@@ -143,7 +147,7 @@ class DecodeGraphs:
             if dev.type == "cuda":
                 staging = staging.pin_memory()
             graph = Graph(bucket, torch.zeros(3, bucket, dtype=torch.int64, device=dev),
-                          staging, make_wrapper(*buffers))
+                          staging, torch.arange(bucket, device=dev), make_wrapper(*buffers))
             self._plan(graph, pad_step(PageTables.build(cache.page_size, [], [], []),
                                        np.zeros(0), np.zeros(0), np.zeros(0), bucket,
                                        self.scratch_page, self.scratch_row))
@@ -157,7 +161,6 @@ class DecodeGraphs:
     def _forward(self, graph: Graph) -> Callable[[], torch.Tensor]:
         """The model's forward over the graph's static inputs: what is recorded."""
         cache, wrapper, ps = self.cache, graph.wrapper, self.cache.page_size
-        rows = torch.arange(graph.bucket, device=cache.device)
 
         def forward() -> torch.Tensor:
             ids, positions, k_rows = graph.inputs
@@ -169,7 +172,7 @@ class DecodeGraphs:
                 flat.index_copy_(0, k_rows, k)
                 flat.index_copy_(0, v_rows, v)
                 return wrapper.run(q.contiguous(), cache.kv[layer])
-            return self.model(ids, positions, attend, rows)
+            return self.model(ids, positions, attend, graph.rows)
         return forward
 
     def _plan(self, graph: Graph, step: PaddedStep) -> None:
