@@ -6,7 +6,9 @@ so a 30-layer step costs ~15 ms whether it carries 1 call or 64. A CUDA graph re
 step's kernels once and replays them all with one launch.
 
 A graph has fixed shapes and fixed addresses. So for each batch size of a ladder
-(`buckets`: 1, 2, 4, 8, then every 8th up to `--max-batch`) `DecodeGraphs` keeps static
+(`buckets`: 1, 2, 4, 8, every 8th to 64, every 32nd to 256, up to `--max-batch`; larger
+steps gain little from a graph, and each costs its wrapper's 16 MB of plan workspace)
+`DecodeGraphs` keeps static
 inputs (token ids, positions, the K rows the new entries go to) and a flashinfer decode
 wrapper in its CUDA-graph mode (its page tables in fixed buffers, planned on the host
 before every replay, as FlashInfer's docs prescribe), and records the model's forward
@@ -34,6 +36,7 @@ from predd.page_table import PageTables
 from predd.paged_kv import PagedKVCache
 
 CHOICES = ("auto", "on", "off")
+LARGEST = 256            # no graph above this many calls: those steps run eagerly
 WARMUP_RUNS = 2          # eager runs before a capture (lazy inits, JIT loads, autotune)
 
 # capture(fn) -> (replay, out): record fn's kernels, return the replay and fn's output
@@ -66,9 +69,11 @@ def resolve(requested: str, device: str, attention: str, tensor_parallel: bool
 
 
 def buckets(max_batch: int) -> list[int]:
-    """The batch sizes graphs are recorded for: 1, 2, 4, 8, every 8th, and max_batch."""
-    sizes = {b for b in (1, 2, 4) if b < max_batch} | set(range(8, max_batch, 8))
-    return sorted(sizes | {max_batch})
+    """The batch sizes graphs are recorded for: 1, 2, 4, 8, every 8th to 64, every 32nd
+    to LARGEST, and the largest step (max_batch, at most LARGEST)."""
+    top = min(max_batch, LARGEST)
+    ladder = [1, 2, 4, *range(8, 64, 8), *range(64, LARGEST, 32)]
+    return sorted({b for b in ladder if b < top} | {top})
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,8 @@ class DecodeGraphs:
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.scratch_page = cache.num_pages
         self.scratch_row = int(cache.rows(np.array([self.scratch_page * cache.page_size]))[0])
-        self.pages_per_call = -(-cfg.max_position // cache.page_size)
+        # a call's table: its object's pages, all distinct and within the model's context
+        self.pages_per_call = min(-(-cfg.max_position // cache.page_size), cache.num_pages)
         self.replays = 0
         dev = cache.device
         started = time.monotonic()

@@ -55,6 +55,9 @@ def test_batch_sizes_recorded():
     assert buckets(10) == [1, 2, 4, 8, 10]
     assert buckets(3) == [1, 2, 3]
     assert buckets(1) == [1]
+    assert buckets(256) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192, 224, 256]
+    assert buckets(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 100]
+    assert buckets(4096) == buckets(256)
 
 
 def test_a_step_padded_into_a_graph():
