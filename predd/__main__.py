@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"--model {model_path}: no such file or directory (ENOENT)")
         return 2
     dtype_name, dtype_reason = dtype.resolve(args.dtype, args.device)
-    try:
+    try:   # both refused before the model loads
         backend, backend_reason = attention.resolve(args.attention, args.device, dtype_name)
+        cuda_graphs.resolve(args.cuda_graphs, args.device, backend, args.tp > 1)
     except ValueError as exc:
         log(str(exc))
         return 2

@@ -28,6 +28,8 @@ def test_info_stats_fsck(lip, predd):
     # ... and why, with the row limits predd measured at start-up (or was given)
     assert re.search(r"blocks at <= \d+ rows.* \((measured|--quant-rows)", info["linear_reason"]), \
         info["linear_reason"]
+    assert (info["cuda_graphs"], info["cuda_graphs_reason"]) == (
+        False, "auto: CUDA graphs need a CUDA device, not cpu")
     stats = json.loads(lip_cmd("stats").stdout)
     assert {"pages_total", "pages_free", "steps", "calls", "tokens_computed",
             "tokens_reused", "queue_wait_ms", "step_ms"} <= set(stats)

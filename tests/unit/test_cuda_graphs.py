@@ -50,6 +50,17 @@ def test_graphs_where_they_cannot_run_are_refused(requested, message):
     assert str(err.value) == message
 
 
+def test_predd_refuses_graphs_on_cpu_before_loading_a_model(tmp_path, capsys):
+    from predd.__main__ import main
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"not a model: predd must stop before reading it")
+    code = main(["--model", str(model), "--device", "cpu", "--cuda-graphs", "on",
+                 "--rundir", str(tmp_path), "--addr", f"ipc://{tmp_path}/p.sock"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "predd: --cuda-graphs on: CUDA graphs need a CUDA device, not cpu (EINVAL)")
+
+
 def test_batch_sizes_recorded():
     assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert buckets(10) == [1, 2, 4, 8, 10]
