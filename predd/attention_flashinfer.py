@@ -95,8 +95,8 @@ class FlashInferAttention:
                       last_page_len: torch.Tensor):
         """A decode wrapper in FlashInfer's CUDA-graph mode over these fixed buffers
         (batch size `len(last_page_len)`), sharing the workspace: predd/cuda_graphs.py.
-        On CUDA cores whatever the group size (the tensor-core decode keeps a host-side
-        maximum length, which a recorded graph would freeze)."""
+        On CUDA cores whatever the group size (the kernel verified under a graph on a
+        GPU; cuda_graphs.GROUPS lists the group sizes it has)."""
         return self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=False,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,

@@ -18,10 +18,14 @@ bucket that holds them (`pad_step`); the rest are padding rows that write and re
 scratch page of the pool that no object owns (`PagedKVCache(spare_pages=1)`). Any other
 step (a chunk of several tokens, more calls) runs eagerly, as without graphs.
 
-The graphs replay the same kernels as the eager flashinfer path (decode on CUDA cores in
-both: the tensor-core decode keeps a host-side maximum length that a recorded graph
-would freeze), so their logits differ from the eager ones only where the decode plan
-splits the entries differently (tests/gpu/test_flashinfer.py).
+The graphs decode on CUDA cores (FlashInfer's CUDA-core decode, which it builds for 1, 2,
+3, 4, 6 and 8 query heads per KV head: `GROUPS`; a model with another group runs every
+step eagerly, saying why). Below 4 heads a KV head (SmolLM2) that is the eager path's
+kernel too, and the graphs' logits were identical to the eager steps' on an H200; from
+4 on the eager path decodes on tensor cores, whose recording under a graph is not
+verified on a GPU here, so the graphs keep to the kernel that is. All graphs write their
+logits into one shared `[largest, vocab]` float32 buffer (one graph's output each would
+add up to ~0.7 GB at a 128K vocabulary and 256 calls).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from predd.page_table import PageTables
 from predd.paged_kv import PagedKVCache
 
 CHOICES = ("auto", "on", "off")
+GROUPS = (1, 2, 3, 4, 6, 8)   # query heads per KV head FlashInfer's CUDA-core decode has
 LARGEST = 256            # no graph above this many calls: those steps run eagerly
 WARMUP_RUNS = 2          # eager runs before a capture (lazy inits, JIT loads, autotune)
 
@@ -66,6 +71,15 @@ def resolve(requested: str, device: str, attention: str, tensor_parallel: bool
     if problem:
         return False, f"auto: CUDA graphs {problem}"
     return True, "asked for" if requested == "on" else "auto"
+
+
+def model_problem(num_heads: int, num_kv_heads: int) -> str | None:
+    """Why the graphs cannot decode this model's attention, or None."""
+    group = num_heads // num_kv_heads
+    if group not in GROUPS:
+        return (f"decode on CUDA cores, which FlashInfer has for {', '.join(map(str, GROUPS))} "
+                f"query heads per KV head, not {group}")
+    return None
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -118,7 +132,7 @@ class Graph:
     rows: torch.Tensor          # [bucket] int64 on the device: 0..bucket-1, logits wanted
     wrapper: object             # a flashinfer decode wrapper in CUDA-graph mode
     replay: Callable[[], None] = lambda: None
-    out: torch.Tensor | None = None   # [bucket, vocab] float32, rewritten by replay
+    out: torch.Tensor | None = None   # [bucket, vocab] float32 (of the shared buffer)
 
 
 class DecodeGraphs:
@@ -134,6 +148,9 @@ class DecodeGraphs:
         if cache.spare_pages < 1:
             raise ValueError("CUDA graphs need a scratch page: PagedKVCache(spare_pages=1)")
         cfg = model.cfg
+        problem = model_problem(cfg.num_heads, cfg.num_kv_heads)
+        if problem:
+            raise ValueError(f"CUDA graphs {problem}")
         self.model, self.cache = model, cache
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.scratch_page = cache.num_pages
@@ -144,7 +161,10 @@ class DecodeGraphs:
         dev = cache.device
         started = time.monotonic()
         self.graphs: dict[int, Graph] = {}
-        for bucket in sorted(buckets(max_batch), reverse=True):   # the largest first:
+        sizes = buckets(max_batch)
+        # every graph's logits, read after each replay before the next: one buffer serves
+        self.logits = torch.empty(sizes[-1], cfg.vocab_size, dtype=torch.float32, device=dev)
+        for bucket in sorted(sizes, reverse=True):   # the largest first:
             # the smaller graphs reuse its memory
             buffers = (torch.zeros(bucket + 1, dtype=torch.int32, device=dev),
                        torch.zeros(bucket * self.pages_per_call, dtype=torch.int32, device=dev),
@@ -168,6 +188,9 @@ class DecodeGraphs:
         """The model's forward over the graph's static inputs: what is recorded."""
         cache, wrapper, ps = self.cache, graph.wrapper, self.cache.page_size
 
+        out = self.logits[:graph.bucket]
+
+        @torch.inference_mode()
         def forward() -> torch.Tensor:
             ids, positions, k_rows = graph.inputs
             v_rows = k_rows + ps
@@ -178,7 +201,7 @@ class DecodeGraphs:
                 flat.index_copy_(0, k_rows, k)
                 flat.index_copy_(0, v_rows, v)
                 return wrapper.run(q.contiguous(), cache.kv[layer])
-            return self.model(ids, positions, attend, graph.rows)
+            return out.copy_(self.model(ids, positions, attend, graph.rows))
         return forward
 
     def _plan(self, graph: Graph, step: PaddedStep) -> None:

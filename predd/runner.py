@@ -163,11 +163,14 @@ class Runner:
                                             config.max_batch, cuda_graphs.cuda_capture(
                                                 self.device), progress)
         except Exception as exc:
+            try:       # a device-side error leaves the device unusable: predd stops
+                torch.cuda.synchronize(self.device)
+            except Exception:
+                raise exc from None
+            what = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
             if config.cuda_graphs == "on":
-                raise ValueError(f"--cuda-graphs on: recording failed: "
-                                 f"{type(exc).__name__}: {exc} (EINVAL)") from exc
-            self.graphs_reason = (f"auto: recording failed ({type(exc).__name__}: {exc}); "
-                                  "steps run eagerly")
+                raise ValueError(f"--cuda-graphs on: not recorded: {what} (EINVAL)") from exc
+            self.graphs_reason = f"auto: not recorded ({what}); steps run eagerly"
             return None
 
     def _quantize(self) -> tuple[str | None, int]:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from predd import cuda_graphs
 from predd.attention_flashinfer import FlashInferAttention
 from predd.cuda_graphs import DecodeGraphs, buckets, pad_step, resolve
 from predd.loader import ModelConfig
@@ -210,7 +211,38 @@ def test_steps_no_graph_serves_run_eagerly(setup):
     assert graphs.run(mixed, np.array([1, 2, 3]), np.array([4, 5, 0]), np.arange(3)) is None
     tables, tokens, positions = decode_step([(1, [i]) for i in range(9)], 0)   # 9 > 8
     assert graphs.run(tables, tokens, positions, np.arange(9)) is None
+    # more pages than the model's context (8 here): the table buffers are not sized for it
+    tables, tokens, positions = decode_step([(36, list(range(9)))], 0)
+    assert graphs.pages_per_call == 8
+    assert graphs.run(tables, tokens, positions, np.arange(1)) is None
     assert graphs.replays == 0 and torch.equal(graph_pool.kv, before)
+
+
+def test_graphs_share_one_logits_buffer(setup):
+    _, _, graphs, _, _ = setup
+    assert graphs.logits.shape == (8, CFG.vocab_size)
+    for bucket, graph in graphs.graphs.items():
+        assert graph.out.shape == (bucket, CFG.vocab_size)
+        assert graph.out.data_ptr() == graphs.logits.data_ptr()
+
+
+@pytest.mark.parametrize("heads, kv_heads, problem", [
+    (9, 3, None), (32, 32, None), (32, 8, None), (48, 8, None), (64, 8, None),
+    (28, 4, "decode on CUDA cores, which FlashInfer has for 1, 2, 3, 4, 6, 8 query heads "
+            "per KV head, not 7"),
+    (40, 8, "decode on CUDA cores, which FlashInfer has for 1, 2, 3, 4, 6, 8 query heads "
+            "per KV head, not 5"),
+])
+def test_graphs_decode_the_group_sizes_flashinfer_has(heads, kv_heads, problem):
+    assert cuda_graphs.model_problem(heads, kv_heads) == problem
+
+
+def test_a_model_of_another_group_is_not_recorded(fake_flashinfer):  # noqa: F811
+    from dataclasses import replace
+    cfg = replace(CFG, num_heads=10, num_kv_heads=2)
+    pool = PagedKVCache(cfg, PAGES, PS, torch.float32, torch.device("cpu"), spare_pages=1)
+    with pytest.raises(ValueError, match=r"^CUDA graphs decode on CUDA cores, .* not 5$"):
+        DecodeGraphs(LlamaModel(cfg), pool, lambda *a: None, 8, Recorder())
 
 
 def test_graphs_need_a_scratch_page(fake_flashinfer):  # noqa: F811
