@@ -66,6 +66,7 @@ class Call:
     logprobs: list[float] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     picked: tuple[int, float] | None = None   # the next token, chosen with the step's others
+    picks: list[tuple[int, float]] | None = None   # a greedy pred_sample's, likewise
     # cost
     admitted_at: float = 0.0
     reused: int = 0

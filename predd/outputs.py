@@ -20,6 +20,9 @@ from predd.calls import Call
 
 def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
     """The reply to a finished pred: sampled tokens, top-k, or raw logits."""
+    if call.picks is not None:    # greedy: chosen in a batch with the step's other calls
+        return p.PredSample(tokens=[t for t, _ in call.picks],
+                            logprobs=[lp for _, lp in call.picks], cost=cost)
     logits = (torch.cat(call.logits) if call.logits
               else torch.empty(0, 0, dtype=torch.float32))
     logits = sampling.apply_mask(logits, call.allowed)
@@ -37,22 +40,36 @@ def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
 
 
 def pick_greedy(calls: list[Call]) -> None:
-    """The next token of every greedy, unmasked generate in one batched op (the argmax
-    `sampling.sample` gives and its logprob, as close to exact as sample's float32
-    log_softmax or closer: predd/csrc/greedy.c), not 64 small calls. A call it leaves
-    (a failure, a NaN row) picks its own token in `next_token`."""
-    greedy = [c for c in calls if c.generating and c.allowed is None
-              and (c.sample is None or c.sample.temperature < sampling.MIN_TEMPERATURE)]
-    if not greedy:
+    """The tokens of every greedy, unmasked generate (its next) and pred_sample (one at
+    each of its outputs) in one batched op (the argmax `sampling.sample` gives and its
+    logprob, as close to exact as sample's float32 log_softmax or closer:
+    predd/csrc/greedy.c), not 64 small calls. A call it leaves (a failure, a NaN row)
+    picks its own in `next_token` or `pred_reply`."""
+    def greedy(c: Call) -> bool:
+        return c.allowed is None and (c.sample is None
+                                      or c.sample.temperature < sampling.MIN_TEMPERATURE)
+    generates = [c for c in calls if c.generating and greedy(c)]
+    samples = [c for c in calls if not c.generating and c.sample is not None and c.logits
+               and greedy(c)]
+    rows = ([c.logits[-1][-1] for c in generates]
+            + [row for c in samples for block in c.logits for row in block])
+    if not rows:
         return
     try:
-        tokens, picked = _greedy_rows([c.logits[-1][-1] for c in greedy])
+        tokens, picked = _greedy_rows(rows)
     except Exception:
         return
-    for call, token, lp in zip(greedy, tokens, picked):
+    pairs = list(zip(tokens, picked))
+    for call, (token, lp) in zip(generates, pairs):
         if token >= 0:
             call.logits.pop()
             call.picked = (token, lp)
+    at = len(generates)
+    for call in samples:
+        n = sum(len(block) for block in call.logits)
+        mine, at = pairs[at:at + n], at + n
+        if all(token >= 0 for token, _ in mine):
+            call.picks = mine
 
 
 def _greedy_rows(rows: list[torch.Tensor]) -> tuple[list[int], list[float]]:

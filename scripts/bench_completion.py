@@ -17,7 +17,7 @@ the best of --repeat timed runs (shared hosts are noisy). Prints one `RESULT {..
 per comparison: ratios, not timed asserts.
 
     python scripts/bench_completion.py [--programs 1,8,32,64] [--as processes,threads]
-        [--new-tokens 64] [--modes generate,pred_loop] [--dtype auto] [--repeat 3]
+        [--new-tokens 64] [--modes generate,pred_loop,pred_sample] [--dtype auto] [--repeat 3]
         [--baselines vllm_offline,vllm_server,transformers] [--quick]
 """
 from __future__ import annotations
@@ -316,8 +316,8 @@ def report(args, ours: dict, vllm: dict, hf: dict) -> None:
             base = vllm[("server", as_, n)]
             result(args, "completion_generate", tps(n, r), "vllm_openai_server",
                    tps(n, base), same_tokens_as_baseline=same(r[1], base[1]), **where)
-        if mode == "pred_loop" and (as_, n, "generate") in ours:
-            result(args, "completion_pred_loop_vs_generate", tps(n, r), "symphony_generate",
+        if mode in ("pred_loop", "pred_sample") and (as_, n, "generate") in ours:
+            result(args, f"completion_{mode}_vs_generate", tps(n, r), "symphony_generate",
                    tps(n, ours[(as_, n, "generate")]), **where)
         if as_ == "threads" and ("processes", n, mode) in ours:
             result(args, f"completion_{mode}_threads_vs_processes", tps(n, r),
@@ -333,7 +333,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                     help="auto: the machine's best (predd.dtype); every system uses it")
-    ap.add_argument("--modes", default="generate,pred_loop",
+    ap.add_argument("--modes", default="generate,pred_loop,pred_sample",
                     help="of generate, pred_loop, pred_sample")
     ap.add_argument("--baselines", default="vllm_offline,vllm_server,transformers")
     ap.add_argument("--repeat", type=int, default=3,
