@@ -23,8 +23,11 @@ def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
     if call.picks is not None:    # greedy: chosen in a batch with the step's other calls
         return p.PredSample(tokens=[t for t, _ in call.picks],
                             logprobs=[lp for _, lp in call.picks], cost=cost)
-    logits = (torch.cat(call.logits) if call.logits
-              else torch.empty(0, 0, dtype=torch.float32))
+    if len(call.logits) == 1:     # one chunk's rows: a view of the step's logits, not a copy
+        logits = call.logits[0]
+    else:
+        logits = (torch.cat(call.logits) if call.logits
+                  else torch.empty(0, 0, dtype=torch.float32))
     logits = sampling.apply_mask(logits, call.allowed)
     if call.sample is not None:
         picks = [sampling.sample(row, call.sample, call.generator) for row in logits]
