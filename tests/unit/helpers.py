@@ -32,3 +32,14 @@ def secrets_file(tmp_path, text: str, mode: int = 0o600) -> str:
     path.write_text(text)
     os.chmod(path, mode)
     return str(path)
+
+
+def refused_before_loading(tmp_path, capsys, *flags: str) -> tuple[int, str]:
+    """(exit status, last stderr line) of predd started with `flags` on a "model" that is
+    not one: a refusal that comes before the model loads gets this far and no further."""
+    from predd.__main__ import main
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"not a model: predd must stop before reading it")
+    status = main(["--model", str(model), *flags, "--rundir", str(tmp_path),
+                   "--addr", f"ipc://{tmp_path}/p.sock"])
+    return status, capsys.readouterr().err.strip().splitlines()[-1]

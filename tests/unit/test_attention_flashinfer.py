@@ -18,6 +18,7 @@ from predd.attention import TorchAttention, make_backend, resolve
 from predd.attention_flashinfer import FlashInferAttention, split_step
 from predd.paged_kv import PagedKVCache
 from predd.page_table import PageTables
+from tests.unit.helpers import refused_before_loading
 
 PS = 4
 # (kv_len, q_len, pages) in step order: decodes (one on a fresh page, one ending a
@@ -233,11 +234,6 @@ def test_make_backend_on_cpu():
 
 
 def test_predd_refuses_flashinfer_on_cpu_before_loading_a_model(tmp_path, capsys):
-    from predd.__main__ import main
-    model = tmp_path / "model.gguf"
-    model.write_bytes(b"not a model: predd must stop before reading it")
-    code = main(["--model", str(model), "--device", "cpu", "--attention", "flashinfer",
-                 "--rundir", str(tmp_path), "--addr", f"ipc://{tmp_path}/p.sock"])
-    assert code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "predd: --attention flashinfer needs a CUDA device, not cpu (EINVAL)")
+    assert refused_before_loading(tmp_path, capsys, "--device", "cpu", "--attention",
+                                  "flashinfer") == (
+        2, "predd: --attention flashinfer needs a CUDA device, not cpu (EINVAL)")

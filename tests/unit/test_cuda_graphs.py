@@ -18,6 +18,7 @@ from predd.loader import ModelConfig
 from predd.model import LlamaModel
 from predd.paged_kv import PagedKVCache
 from predd.page_table import PageTables
+from tests.unit.helpers import refused_before_loading
 from tests.unit.test_attention_flashinfer import fake_flashinfer, paged_reference  # noqa: F401
 
 PS = 4
@@ -52,14 +53,9 @@ def test_graphs_where_they_cannot_run_are_refused(requested, message):
 
 
 def test_predd_refuses_graphs_on_cpu_before_loading_a_model(tmp_path, capsys):
-    from predd.__main__ import main
-    model = tmp_path / "model.gguf"
-    model.write_bytes(b"not a model: predd must stop before reading it")
-    code = main(["--model", str(model), "--device", "cpu", "--cuda-graphs", "on",
-                 "--rundir", str(tmp_path), "--addr", f"ipc://{tmp_path}/p.sock"])
-    assert code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "predd: --cuda-graphs on: CUDA graphs need a CUDA device, not cpu (EINVAL)")
+    assert refused_before_loading(tmp_path, capsys, "--device", "cpu", "--cuda-graphs",
+                                  "on") == (
+        2, "predd: --cuda-graphs on: CUDA graphs need a CUDA device, not cpu (EINVAL)")
 
 
 def test_batch_sizes_recorded():

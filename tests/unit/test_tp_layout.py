@@ -8,6 +8,7 @@ import pytest
 from predd import tp
 from predd.loader import ModelConfig
 from predd.runner import Chunk
+from tests.unit.helpers import refused_before_loading
 
 
 def config(heads: int, kv: int, inter: int = 1536) -> ModelConfig:
@@ -81,11 +82,5 @@ def test_dist_backend_is_nccl_on_cuda_and_gloo_on_cpu_unless_asked():
 
 
 def test_predd_refuses_nccl_on_cpu_before_starting_a_rank(tmp_path, capsys):
-    from predd.__main__ import main
-    model = tmp_path / "model.gguf"
-    model.write_bytes(b"not a model: predd must stop before reading it")
-    code = main(["--model", str(model), "--tp", "2", "--dist-backend", "nccl",
-                 "--rundir", str(tmp_path), "--addr", f"ipc://{tmp_path}/p.sock"])
-    assert code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "predd: --dist-backend nccl needs a CUDA device, not cpu (EINVAL)")
+    assert refused_before_loading(tmp_path, capsys, "--tp", "2", "--dist-backend", "nccl") == (
+        2, "predd: --dist-backend nccl needs a CUDA device, not cpu (EINVAL)")
