@@ -33,7 +33,12 @@ StoreKV = Callable[[int, torch.Tensor, torch.Tensor], None]
 def slot_writer(cache: PagedKVCache, tables: PageTables) -> StoreKV:
     """`store(layer, k, v)` writes the step's new K/V ([T, Hkv, D], flat-batch order)
     into the slots the engine reserved for them; the row ids are computed once a step."""
-    k_rows = torch.from_numpy(cache.rows(tables.new_slots())).to(cache.device)
+    return row_writer(cache, torch.from_numpy(cache.rows(tables.new_slots())).to(cache.device))
+
+
+def row_writer(cache: PagedKVCache, k_rows: torch.Tensor) -> StoreKV:
+    """`store(layer, k, v)` writing row i of k and v at K row `k_rows[i]` of
+    `cache.flat(layer)` and its V `page_size` rows later (a CUDA graph's static rows)."""
     v_rows = k_rows + cache.page_size
 
     def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -8,11 +8,10 @@ step's kernels once and replays them all with one launch.
 A graph has fixed shapes and fixed addresses. So for each batch size of a ladder
 (`buckets`: 1, 2, 4, 8, every 8th to 64, every 32nd to 256, up to `--max-batch`; larger
 steps gain little from a graph, and each costs its wrapper's 16 MB of plan workspace)
-`DecodeGraphs` keeps static
-inputs (token ids, positions, the K rows the new entries go to) and a flashinfer decode
-wrapper in its CUDA-graph mode (its page tables in fixed buffers, planned on the host
-before every replay, as FlashInfer's docs prescribe), and records the model's forward
-once at start-up. It serves a step whose calls each compute one token (a pure decode
+`DecodeGraphs` keeps static inputs (token ids, positions, the K rows the new entries go
+to) and a flashinfer decode wrapper in its CUDA-graph mode (its page tables in fixed
+buffers, planned on the host before every replay, as FlashInfer's docs prescribe), and
+records the model's forward once at start-up. It serves a step whose calls each compute one token (a pure decode
 step) with at most the largest bucket's calls: they fill the first rows of the smallest
 bucket that holds them (`pad_step`); the rest are padding rows that write and read one
 scratch page of the pool that no object owns (`PagedKVCache(spare_pages=1)`). Any other
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from predd.attention import row_writer
 from predd.page_table import PageTables
 from predd.paged_kv import PagedKVCache
 
@@ -186,20 +186,18 @@ class DecodeGraphs:
 
     def _forward(self, graph: Graph) -> Callable[[], torch.Tensor]:
         """The model's forward over the graph's static inputs: what is recorded."""
-        cache, wrapper, ps = self.cache, graph.wrapper, self.cache.page_size
+        cache, wrapper = self.cache, graph.wrapper
 
         out = self.logits[:graph.bucket]
 
         @torch.inference_mode()
         def forward() -> torch.Tensor:
             ids, positions, k_rows = graph.inputs
-            v_rows = k_rows + ps
+            store = row_writer(cache, k_rows)
 
             def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                        ) -> torch.Tensor:
-                flat = cache.flat(layer)
-                flat.index_copy_(0, k_rows, k)
-                flat.index_copy_(0, v_rows, v)
+                store(layer, k, v)
                 return wrapper.run(q.contiguous(), cache.kv[layer])
             return out.copy_(self.model(ids, positions, attend, graph.rows))
         return forward

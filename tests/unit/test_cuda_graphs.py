@@ -19,7 +19,8 @@ from predd.model import LlamaModel
 from predd.paged_kv import PagedKVCache
 from predd.page_table import PageTables
 from tests.unit.helpers import refused_before_loading
-from tests.unit.test_attention_flashinfer import fake_flashinfer, paged_reference  # noqa: F401
+from tests.unit.test_attention_flashinfer import (  # noqa: F401
+    FakeDecode, fake_flashinfer, paged_reference)
 
 PS = 4
 PAGES = 24
@@ -148,7 +149,6 @@ def setup(fake_flashinfer):  # noqa: F811
 
 def _decode_either(workspace, kv_layout, **kwargs):
     """The fake module's decode wrapper: graph mode where asked for, else the eager fake."""
-    from tests.unit.test_attention_flashinfer import FakeDecode
     if kwargs.get("use_cuda_graph"):
         return FakeGraphDecode(workspace, kv_layout, **kwargs)
     return FakeDecode(workspace, kv_layout, **kwargs)
