@@ -37,12 +37,15 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from liblip.logits_buffer import LogitsBuffer
 from liblip.protocol import (ProtocolError, Reply, decode_reply, default_addr,
                              default_token, encode_request)
 
 
 class LipError(ProtocolError):
-    """An error from predd, kvfsd or liblip itself; `.code` is the errno name."""
+    """An error from predd, kvfsd or liblip itself; `.code` is the errno name,
+    `.from_predd` whether predd replied with it (else no reply came)."""
+    from_predd: bool = False
 
 
 def _uid_is_the_kernels() -> bool:
@@ -110,9 +113,21 @@ class Client:
         token = default_token() if token is None else token
         if token:
             hello["token"] = token
+        # raw pred rows through shared memory (liblip/logits_buffer.py): ipc only
+        self.logits = LogitsBuffer.create() if self.addr.startswith("ipc://") else None
+        if self.logits is not None:
+            hello.update(logits_fd=self.logits.fd, logits_slots=self.logits.slots)
         try:
             self.session = self.call("hello", **hello)
+            if self.logits is not None:
+                if self.session.get("logits_slot_bytes", 0) > 0:
+                    self.logits.map(self.session["logits_slot_bytes"])
+                else:
+                    self.logits.close()
+                    self.logits = None
         except BaseException:
+            if self.logits is not None:
+                self.logits.close()
             self._shutdown()   # no I/O thread or context left behind
             raise
 
@@ -168,7 +183,9 @@ class Client:
         if not header.get("ok"):
             err = header.get("error") or {}
             self._forget(rid)
-            raise LipError(err.get("code", "EIO"), err.get("message", "unknown error"))
+            exc = LipError(err.get("code", "EIO"), err.get("message", "unknown error"))
+            exc.from_predd = True
+            raise exc
         return header, frames
 
     def _forget(self, rid: int) -> None:

@@ -121,7 +121,24 @@ def _pred(kv: KV, tokens: Sequence[int], positions: Sequence[int] | None,
     return client_of(kv).request("pred", **fields)
 
 
-def _distributions(header: dict, frames: list) -> list[Distribution]:
+def _distributions(kv: KV, tokens: Sequence[int], positions: Sequence[int] | None,
+                   outputs: Sequence[int] | None, mask: Mask | None) -> list[Distribution]:
+    """A raw pred's rows: one row comes through a slot of the client's logits buffer
+    when it has a free one (liblip/logits_buffer.py), else (and several rows) as a frame."""
+    buffer = client_of(kv).logits
+    if buffer is None or (outputs is not None and len(outputs) != 1):
+        header, frames = _pred(kv, tokens, positions, outputs, mask)
+        return _rows(header, frames)
+    with buffer.slot() as slot:
+        into = {"into": slot} if slot >= 0 else {}
+        header, frames = _pred(kv, tokens, positions, outputs, mask, **into)
+        logits = header["logits"]
+        if logits.get("slot", -1) < 0:
+            return _rows(header, frames)
+        return [Distribution(buffer.row(slot, logits["shape"][1]), header.get("cost", {}))]
+
+
+def _rows(header: dict, frames: list) -> list[Distribution]:
     shape = header["logits"]["shape"]
     logits = np.frombuffer(frames[0], dtype=np.float32).reshape(shape)
     cost = header.get("cost", {})
@@ -152,7 +169,7 @@ def pred(kv: KV, tokens: Sequence[int], positions: Sequence[int] | None = None,
         return pred_topk(kv, tokens, topk, positions, outputs, mask)
     if outputs is not None:
         return pred_outputs(kv, tokens, outputs, positions, mask)
-    return _distributions(*_pred(kv, tokens, positions, None, mask))[-1]
+    return _distributions(kv, tokens, positions, None, mask)[-1]
 
 
 def pred_outputs(kv: KV, tokens: Sequence[int], outputs: Sequence[int],
@@ -161,7 +178,7 @@ def pred_outputs(kv: KV, tokens: Sequence[int], outputs: Sequence[int],
     """Append `tokens` to `kv`; the next-token distribution after each token named in
     `outputs` (indices into `tokens`, negative from the end), in that order; [] only
     appends, as `prefill` does."""
-    return _distributions(*_pred(kv, tokens, positions, outputs, mask))
+    return _distributions(kv, tokens, positions, outputs, mask)
 
 
 def pred_sample(kv: KV, tokens: Sequence[int], sample: dict,

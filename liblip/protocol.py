@@ -56,6 +56,8 @@ class Hello(Request):
     uid: int = -1
     lease_s: float = 10.0
     token: str = ""          # tcp:// clients: the secret that names their uid
+    logits_fd: int = -1      # ipc: a tmpfs file of the client's for pred logits (its fd)
+    logits_slots: int = 0    # ... holding this many rows (predd/logits_buffer.py)
     op: ClassVar[str] = "hello"
 
 
@@ -222,6 +224,7 @@ class Pred(Request):
     sample: dict | None = None
     topk: int = 0
     mask: list[int] | bytes | None = None
+    into: int = -1           # a slot of the session's logits buffer for the one row
     op: ClassVar[str] = "pred"
 
 
@@ -356,6 +359,8 @@ class HelloReply(Reply):
     model: str
     uid: int                 # the session's: the kernel's, the token's or nobody
     trusted: bool
+    logits_slot_bytes: int = 0   # the logits buffer's row stride; 0: no buffer
+    logits_buffer: str = ""      # why hello's logits_fd was refused ("" if it was not)
 
 
 @dataclass(kw_only=True)
@@ -518,20 +523,27 @@ class PredReply(Reply):
 @dataclass(kw_only=True)
 class PredLogits(PredReply):
     """Raw logits: `logits: {shape, dtype: "float32"}`, and one binary frame of float32
-    rows (row-major)."""
+    rows (row-major); or, for a request with `into`, `logits.slot` and no frame: the row
+    is in that slot of the session's logits buffer."""
     shape: list[int]           # [outputs, vocab]
-    data: bytes | memoryview   # predd sends a view of its logits (no copy)
+    data: bytes | memoryview   # predd sends a view of its logits (no copy); b"" in a slot
+    slot: int = -1
 
     def fields(self) -> dict:
-        return {"logits": {"shape": list(self.shape), "dtype": "float32"},
-                "cost": _wire_value(self.cost)}
+        logits = {"shape": list(self.shape), "dtype": "float32"}
+        if self.slot >= 0:
+            logits["slot"] = self.slot
+        return {"logits": logits, "cost": _wire_value(self.cost)}
 
     def frames(self) -> list[bytes]:
-        return [self.data]
+        return [] if self.slot >= 0 else [self.data]
 
     @classmethod
     def from_wire(cls, header: dict, frames: list[bytes]) -> PredLogits:
-        return cls(shape=list(header["logits"]["shape"]), data=_one_frame(frames, "pred logits"),
+        logits = header["logits"]
+        slot = logits.get("slot", -1)
+        data = b"" if slot >= 0 else _one_frame(frames, "pred logits")
+        return cls(shape=list(logits["shape"]), data=data, slot=slot,
                    cost=Cost(**header["cost"]))
 
 

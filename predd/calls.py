@@ -56,6 +56,7 @@ class Call:
     sample: SampleParams | None = None
     allowed: torch.Tensor | None = None                # the mask
     topk: int = 0
+    into: int = -1             # pred: the logits buffer slot for its one row (-1: a frame)
     max_tokens: int = 0
     stop: frozenset[int] = frozenset()
     stop_text: tuple[str, ...] = ()

@@ -16,10 +16,12 @@ import torch
 from liblip import protocol as p
 from predd import cpu_kernels, sampling
 from predd.calls import Call
+from predd.logits_buffer import LogitsBuffer
 
 
-def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
-    """The reply to a finished pred: sampled tokens, top-k, or raw logits."""
+def pred_reply(call: Call, cost: p.Cost, buffer: LogitsBuffer | None = None) -> p.PredReply:
+    """The reply to a finished pred: sampled tokens, top-k, or raw logits (one row in
+    the session's logits `buffer` when the call names a slot, else a frame)."""
     if call.picks is not None:    # greedy: chosen in a batch with the step's other calls
         return p.PredSample(tokens=[t for t, _ in call.picks],
                             logprobs=[lp for _, lp in call.picks], cost=cost)
@@ -38,8 +40,11 @@ def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
         return p.PredTopk(topk_ids=[i for i, _ in picks],
                           topk_logprobs=[lp for _, lp in picks], cost=cost)
     data = logits.contiguous().numpy()      # sent from this memory (the view keeps it)
-    return p.PredLogits(shape=list(data.shape), data=memoryview(data.reshape(-1).view(np.uint8)),
-                        cost=cost)
+    row_bytes = memoryview(data.reshape(-1).view(np.uint8))
+    if (call.into >= 0 and buffer is not None and len(data) == 1
+            and buffer.write(call.into, row_bytes)):
+        return p.PredLogits(shape=list(data.shape), data=b"", slot=call.into, cost=cost)
+    return p.PredLogits(shape=list(data.shape), data=row_bytes, cost=cost)
 
 
 def pick_greedy(calls: list[Call]) -> None:

@@ -11,12 +11,17 @@ Lifetime and identity rules:
 * `uid` is the kernel's (ipc), the token's (authenticated tcp) or nobody (loopback tcp
   without keys); `trusted` is set only for ipc peers running as predd's own euid.
 * Each session has a request-rate token bucket (`allow`); trusted sessions have none.
+* A session's logits buffer (predd/logits_buffer.py) is closed when it ends.
 """
 from __future__ import annotations
 
 import collections
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from predd.logits_buffer import LogitsBuffer
 
 ENDED_KEPT = 1024   # ended sessions whose final figures `ps` still shows
 
@@ -39,6 +44,7 @@ class Session:
     refilled: float = 0.0
     tokens_computed: int = 0  # what this session's calls cost (ps; kept a while after end)
     tokens_reused: int = 0
+    logits: LogitsBuffer | None = None   # hello's logits_fd, once predd holds it
 
     def expired(self, now: float) -> bool:
         return now - self.last_seen > self.lease_s
@@ -99,6 +105,9 @@ class Sessions:
     def end(self, sid: int) -> None:
         session = self._by_sid.pop(sid, None)
         if session is not None:
+            if session.logits is not None:
+                session.logits.close()
+                session.logits = None
             self.ended.append(session)   # its final figures stay visible to `ps` a while
             self._by_identity.pop(session.identity, None)
             mine = self._per_uid[session.uid]

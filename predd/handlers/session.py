@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from liblip import protocol as p
 from liblip.protocol import ProtocolError
+from predd.logits_buffer import LogitsBuffer
 
 if TYPE_CHECKING:
     from predd.engine import Engine
@@ -32,8 +33,24 @@ def hello(e: Engine, s: Session, r: p.Hello, extra: list[bytes], now: float) -> 
     if s.via != "kernel":
         s.pid = r.pid           # only for ps: the kernel cannot tell
     s.client, s.lease_s = r.client, r.lease_s
+    refused = _attach_logits(e, s, r) if r.logits_fd != -1 else ""
     return p.HelloReply(session=s.sid, version=p.PROTOCOL_VERSION, lease_s=s.lease_s,
-                        model=e.runner.model_config.name, uid=s.uid, trusted=s.trusted)
+                        model=e.runner.model_config.name, uid=s.uid, trusted=s.trusted,
+                        logits_slot_bytes=s.logits.slot_bytes if s.logits else 0,
+                        logits_buffer=refused)
+
+
+def _attach_logits(e: Engine, s: Session, r: p.Hello) -> str:
+    """Take hello's logits buffer (a second hello replaces the first); why not, else ""."""
+    if s.logits is not None:
+        s.logits.close()
+        s.logits = None
+    try:
+        s.logits = LogitsBuffer.attach(s.pid if s.via == "kernel" else 0, r.logits_fd,
+                                       r.logits_slots, e.vocab)
+    except ProtocolError as exc:
+        return f"{exc.code}: {exc.message}"
+    return ""
 
 
 def bye(e: Engine, s: Session, r: p.Bye, extra: list[bytes], now: float) -> p.EmptyReply:

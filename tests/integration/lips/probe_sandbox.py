@@ -28,3 +28,5 @@ for what, probe in probes:
 t = threading.Thread(target=lambda: print("thread ok"))
 t.start()
 t.join()
+# memfd_create is refused here: the logits buffer is a file in the run's own scratch tmpfs
+print("logits buffer", lip.client().logits is not None, repr(lip.client().session["logits_buffer"]))

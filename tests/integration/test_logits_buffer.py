@@ -1,0 +1,112 @@
+"""The logits buffer on the real predd: liblip's raw `pred` rows come through the slot the
+request names, with no frame; a hostile buffer (a pipe, a truncated and sealed file, a
+slot out of range) gets its errno or a frame and predd keeps serving; predd holds a
+buffer exactly as long as its session."""
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from tests.integration.raw_peer import Peer
+
+VOCAB = 49152
+PROMPT = "The capital of France is"
+
+
+def test_raw_pred_rows_come_through_the_buffer(lip):
+    client = lip.client()
+    assert client.logits is not None
+    assert (client.session["logits_slot_bytes"], client.session["logits_buffer"]) == (VOCAB * 4, "")
+    tokens = lip.tokenize(PROMPT)
+    kv = lip.kv_create()
+    header, frames = client.request("pred", cap=kv.cap, tokens=tokens, into=5)
+    assert header["logits"] == {"shape": [1, VOCAB], "dtype": "float32", "slot": 5}
+    assert frames == []
+    row = client.logits.row(5, VOCAB)
+    framed = lip.pred_outputs(lip.kv_create(), tokens, [0, -1])[1]   # two rows: a frame
+    assert row.argmax() == framed.argmax()
+    assert np.abs(row - framed.logits).max() <= 1e-4
+
+    d = lip.pred(lip.kv_create(), tokens)        # liblip's own slot
+    assert d.argmax() == framed.argmax() and np.abs(d.logits - row).max() <= 1e-4
+    assert lip.pred(kv, [d.argmax()]).logits.shape == (VOCAB,)
+
+
+def test_hostile_buffers_get_errnos_or_frames(lip, predd):
+    peer = Peer(predd.addr)
+    r, w = os.pipe()
+    mem = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
+    try:
+        head = peer.ok("hello", logits_fd=w, logits_slots=4)
+        assert head["logits_slot_bytes"] == 0
+        assert head["logits_buffer"] == "EINVAL: logits_fd: not a regular file"
+        cap = peer.ok("kv_create")["cap"]
+        refused = peer.ask("pred", cap=cap, tokens=[1, 2, 3], into=0)
+        assert refused["error"] == {"code": "EINVAL", "message":
+                                    "into: this session has no logits buffer (hello's logits_fd)"}
+
+        head = peer.ok("hello", logits_fd=mem, logits_slots=2)
+        assert (head["logits_slot_bytes"], head["logits_buffer"]) == (VOCAB * 4, "")
+        assert os.fstat(mem).st_size == 2 * VOCAB * 4
+        out = peer.ask("pred", cap=cap, tokens=[1, 2, 3], into=2)
+        assert out["error"]["code"] == "EINVAL"
+        assert out["error"]["message"] == "into: this session's logits buffer has slots 0..1"
+
+        peer.send("pred", cap=cap, tokens=[4], into=1)
+        head, frames = peer.recv()
+        assert head["logits"]["slot"] == 1 and frames == []
+        row = np.frombuffer(os.pread(mem, VOCAB * 4, VOCAB * 4), dtype=np.float32)
+
+        os.ftruncate(mem, 0)            # the client pulls its memory away under predd
+        fcntl.fcntl(mem, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
+        peer.send("pred", cap=cap, tokens=[], into=1)          # the same prediction again
+        head, frames = peer.recv()
+        assert head["ok"] and "slot" not in head["logits"]     # a frame instead
+        again = np.frombuffer(frames[0], dtype=np.float32)
+        assert again.argmax() == row.argmax() and np.abs(again - row).max() <= 1e-4
+        peer.ok("bye")
+    finally:
+        peer.close()
+        for fd in (r, w, mem):
+            os.close(fd)
+    assert lip.pred(lip.kv_create(), [1, 2, 3]).logits.shape == (VOCAB,)
+
+
+def buffers_held(predd) -> int:
+    """How many liblip logits buffers predd holds (its descriptors of their memfds)."""
+    fds = f"/proc/{predd.proc.pid}/fd"
+    links = []
+    for name in os.listdir(fds):
+        try:
+            links.append(os.readlink(f"{fds}/{name}"))
+        except OSError:
+            pass
+    return sum(link.startswith("/memfd:liblip-logits") for link in links)
+
+
+def test_predd_holds_a_buffer_as_long_as_its_session(lip, predd):
+    from liblip.client import Client
+    before = buffers_held(predd)
+    assert before >= 1                      # the `lip` fixture's client
+    other = Client(predd.addr)
+    assert buffers_held(predd) == before + 1
+    other.close()                           # bye
+    assert buffers_held(predd) == before
+
+    killed = subprocess.Popen(
+        [sys.executable, "-c", "import liblip, sys; liblip.connect(sys.argv[1]); "
+         "print(liblip.client().logits is not None, flush=True); input()", predd.addr],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert killed.stdout.readline() == "True\n"
+    assert buffers_held(predd) == before + 1
+    killed.kill()
+    killed.wait()
+    deadline = time.monotonic() + 15        # the lease (3 s in the tests) runs out
+    while buffers_held(predd) != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert buffers_held(predd) == before
