@@ -38,11 +38,12 @@ class LogitsBuffer:
             return cls(os.memfd_create("liblip-logits", os.MFD_CLOEXEC), slots)
         except (OSError, AttributeError):
             pass
+        tmpfile = getattr(os, "O_TMPFILE", 0)         # Linux only, as is predd's half
         for folder in (os.environ.get("TMPDIR", ""), "/dev/shm", "/tmp"):
-            if not folder:
+            if not folder or not tmpfile:
                 continue
             try:
-                fd = os.open(folder, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                fd = os.open(folder, tmpfile | os.O_RDWR | os.O_CLOEXEC, 0o600)
             except OSError:
                 continue
             if _on_tmpfs(fd):

@@ -41,7 +41,7 @@ def pred_reply(call: Call, cost: p.Cost, buffer: LogitsBuffer | None = None) -> 
                           topk_logprobs=[lp for _, lp in picks], cost=cost)
     data = logits.contiguous().numpy()      # sent from this memory (the view keeps it)
     row_bytes = memoryview(data.reshape(-1).view(np.uint8))
-    if (call.into >= 0 and buffer is not None and len(data) == 1
+    if (buffer is not None and call.into >= 0 and len(data) == 1
             and buffer.write(call.into, row_bytes)):
         return p.PredLogits(shape=list(data.shape), data=b"", slot=call.into, cost=cost)
     return p.PredLogits(shape=list(data.shape), data=row_bytes, cost=cost)

@@ -210,7 +210,7 @@ REPLY_CASES = [
     ("hello", p.HelloReply(session=4, version=1, lease_s=10.0, model="m", uid=1000,
                            trusted=False),
      {"session": 4, "version": 1, "lease_s": 10.0, "model": "m", "uid": 1000,
-      "trusted": False}, []),
+      "trusted": False, "logits_slot_bytes": 0, "logits_buffer": ""}, []),
     ("tokenize", p.TokenizeReply(tokens=[1, 2]), {"tokens": [1, 2]}, []),
     ("detokenize", p.DetokenizeReply(text="ab"), {"text": "ab"}, []),
     ("chat_template", p.ChatTemplateReply(text="ab", tokens=[1, 2]),
@@ -230,6 +230,8 @@ REPLY_CASES = [
      {"sessions": [{"session": 1}], "ended": [], "uids": [{"uid": 0}]}, []),
     ("pred", p.PredLogits(shape=[1, 2], data=b"\0" * 8, cost=COST),
      {"logits": {"shape": [1, 2], "dtype": "float32"}, "cost": COST_WIRE}, [b"\0" * 8]),
+    ("pred", p.PredLogits(shape=[1, 2], data=b"", slot=3, cost=COST),      # in the buffer
+     {"logits": {"shape": [1, 2], "dtype": "float32", "slot": 3}, "cost": COST_WIRE}, []),
     ("pred", p.PredSample(tokens=[3, 4], logprobs=[-0.5, -0.25], cost=COST),
      {"tokens": [3, 4], "logprobs": [-0.5, -0.25], "token": 4, "logprob": -0.25,
       "cost": COST_WIRE}, []),
