@@ -21,6 +21,9 @@ Why it cannot hurt predd or another session:
 * `into` must name one of the session's slots (EINVAL); one row goes there, at most
   `MAX_SLOTS` rows per session; a write that fails falls back to the frame; the
   descriptor is closed with the session.
+* A buffer costs predd a descriptor: at most a quarter of its open-file limit are held
+  (`max_live`; EMFILE past it), so buffers never take the descriptors that new
+  connections need.
 A refusal is not an error: hello's reply says why (`logits_buffer`), and the client
 keeps getting frames.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import resource
 import stat
 
 from liblip.protocol import ProtocolError
@@ -48,11 +52,18 @@ def slot_bytes(vocab: int) -> int:
     return -(-vocab * 4 // PAGE) * PAGE
 
 
+def max_live() -> int:
+    """How many buffers predd holds at most: a quarter of its open-file limit."""
+    return max(1, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+
+
 class LogitsBuffer:
     """The client's file, as predd holds it: `slots` rows of `slot_bytes` each."""
+    live = 0                 # buffers held now, in this process
 
     def __init__(self, fd: int, slots: int, row_bytes: int) -> None:
         self.fd, self.slots, self.slot_bytes = fd, slots, row_bytes
+        LogitsBuffer.live += 1
 
     @classmethod
     def attach(cls, pid: int, fd: int, slots: int, vocab: int) -> LogitsBuffer:
@@ -65,6 +76,9 @@ class LogitsBuffer:
         if pid <= 0:
             raise ProtocolError("EOPNOTSUPP", "only ipc clients (whose pid the kernel "
                                 "gives) can share a logits buffer")
+        if cls.live >= max_live():
+            raise ProtocolError("EMFILE", f"predd holds {cls.live} logits buffers, its "
+                                "most (a quarter of its open-file limit)")
         mine = _take_fd(pid, fd)
         try:
             _check(mine)
@@ -99,6 +113,7 @@ class LogitsBuffer:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+            LogitsBuffer.live -= 1
 
 
 def _take_fd(pid: int, fd: int) -> int:

@@ -88,6 +88,24 @@ def test_refusals_are_errno_named(tmp_path):
             os.close(fd)
 
 
+def test_buffers_held_are_bounded_by_the_open_file_limit(monkeypatch):
+    import predd.logits_buffer as lb
+    most = LogitsBuffer.live + 1
+    monkeypatch.setattr(lb, "max_live", lambda: most)
+    fds = [os.memfd_create("t") for _ in range(2)]
+    first = attach(fds[0])
+    try:
+        assert refusal(fds[1]) == "EMFILE"
+        first.close()
+        second = attach(fds[1])                # one was closed: room again
+        second.close()
+        second.close()                         # twice: counted once
+    finally:
+        first.close()
+        for fd in fds:
+            os.close(fd)
+
+
 def test_predd_holds_its_own_duplicate():
     fd = os.memfd_create("t")
     buf = attach(fd)
