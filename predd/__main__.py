@@ -24,6 +24,7 @@ from liblip.protocol import default_addr, default_rundir
 from predd.engine import Engine, EngineConfig
 from predd.identity import AuthKeys, check_endpoint
 from predd.loader import default_model_path
+from predd.logits_buffer import raise_open_file_limit
 from predd.memory import MemoryConfig
 from predd.quota import QuotaConfig
 from predd import attention, cuda_graphs, dtype
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         log(str(exc))
         return 2
     log(f"attention {backend} ({backend_reason})")
+    raise_open_file_limit()   # connections and logits buffers take descriptors
     tp, children, threads = None, [], args.threads
     if args.tp > 1:
         try:

@@ -57,6 +57,18 @@ def max_live() -> int:
     return max(1, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
 
 
+def raise_open_file_limit() -> int:
+    """The soft open-file limit raised to the hard one (a connection and a buffer each
+    take a descriptor; a soft 1024 is common under a hard 500,000+); the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return soft
+    return hard
+
+
 class LogitsBuffer:
     """The client's file, as predd holds it: `slots` rows of `slot_bytes` each."""
     live = 0                 # buffers held now, in this process

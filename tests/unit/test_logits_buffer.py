@@ -106,6 +106,21 @@ def test_buffers_held_are_bounded_by_the_open_file_limit(monkeypatch):
             os.close(fd)
 
 
+def test_open_file_limit_is_raised_to_the_hard_one():
+    import resource
+
+    from predd.logits_buffer import max_live, raise_open_file_limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+        assert max_live() == min(soft, 256) // 4
+        assert raise_open_file_limit() == hard
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+        assert max_live() == hard // 4
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_predd_holds_its_own_duplicate():
     fd = os.memfd_create("t")
     buf = attach(fd)
