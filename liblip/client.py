@@ -113,21 +113,16 @@ class Client:
         token = default_token() if token is None else token
         if token:
             hello["token"] = token
-        # raw pred rows through shared memory (liblip/logits_buffer.py): ipc only
-        self.logits = LogitsBuffer.create() if self.addr.startswith("ipc://") else None
-        if self.logits is not None:
-            hello.update(logits_fd=self.logits.fd, logits_slots=self.logits.slots)
+        self._hello = hello
+        # raw pred rows through shared memory (liblip/logits_buffer.py), set up by the
+        # first raw pred that asks (`logits_buffer`)
+        self.logits: LogitsBuffer | None = None
+        self.logits_refused = ""
+        self._logits_asked = False
+        self._logits_lock = threading.Lock()
         try:
             self.session = self.call("hello", **hello)
-            if self.logits is not None:
-                if self.session.get("logits_slot_bytes", 0) > 0:
-                    self.logits.map(self.session["logits_slot_bytes"])
-                else:
-                    self.logits.close()
-                    self.logits = None
         except BaseException:
-            if self.logits is not None:
-                self.logits.close()
             self._shutdown()   # no I/O thread or context left behind
             raise
 
@@ -228,6 +223,35 @@ class Client:
         for header in self.stream(op, timeout, **fields):
             yield decode_reply(op, header)
 
+    def logits_buffer(self) -> LogitsBuffer | None:
+        """This client's logits buffer, asked for once (ipc only): a sealed memfd of
+        64 rows that predd maps (hello's `logits_fd`); None where predd or this process
+        cannot share one (a sandbox, an older predd, a refusal: `logits_refused` says
+        why), and raw rows come as frames."""
+        if self._logits_asked:
+            return self.logits
+        with self._logits_lock:
+            if self._logits_asked or not self.addr.startswith("ipc://"):
+                self._logits_asked = True
+                return self.logits
+            buffer = None
+            try:
+                buffer = LogitsBuffer.create(self.call("info")["vocab_size"])
+                if buffer is not None:
+                    reply = self.call("hello", **self._hello, logits_fd=buffer.fd,
+                                      logits_slots=buffer.slots)
+                    self.logits_refused = reply.get("logits_buffer", "")
+                    if reply.get("logits_slot_bytes") == buffer.slot_bytes:
+                        buffer.close_fd()
+                        self.logits, buffer = buffer, None
+            except LipError as exc:       # e.g. an older predd: no such hello field
+                self.logits_refused = f"{exc.code}: {exc.message}"
+            finally:
+                if buffer is not None:
+                    buffer.close()
+                self._logits_asked = True
+            return self.logits
+
     def close(self) -> None:
         if self._closed:
             return
@@ -239,6 +263,8 @@ class Client:
 
     def _shutdown(self) -> None:
         self._closed = True
+        if getattr(self, "logits", None) is not None:
+            self.logits.close()
         self._stop.set()
         self._wanted.set()
         self._thread.join(timeout=5)

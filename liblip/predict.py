@@ -125,8 +125,9 @@ def _distributions(kv: KV, tokens: Sequence[int], positions: Sequence[int] | Non
                    outputs: Sequence[int] | None, mask: Mask | None) -> list[Distribution]:
     """A raw pred's rows: one row comes through a slot of the client's logits buffer
     when it has a free one (liblip/logits_buffer.py), else (and several rows) as a frame."""
-    buffer = client_of(kv).logits
-    if buffer is None or (outputs is not None and len(outputs) != 1):
+    one_row = outputs is None or len(outputs) == 1
+    buffer = client_of(kv).logits_buffer() if one_row else None
+    if buffer is None:
         header, frames = _pred(kv, tokens, positions, outputs, mask)
         return _rows(header, frames)
     with buffer.slot() as slot:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from predd.kvstore import KVStore
     from predd.limits import Limits
+    from predd.logits_buffer import LogitsBuffer
     from predd.memory import Memory
     from predd.quota import Quotas
 
@@ -57,6 +58,7 @@ class Call:
     allowed: torch.Tensor | None = None                # the mask
     topk: int = 0
     into: int = -1             # pred: the logits buffer slot for its one row (-1: a frame)
+    buffer: LogitsBuffer | None = None   # ... of the buffer the session had at submit
     max_tokens: int = 0
     stop: frozenset[int] = frozenset()
     stop_text: tuple[str, ...] = ()

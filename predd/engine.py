@@ -426,9 +426,7 @@ class Engine:
         obj = self.store.get(call.oid)
         cost = call.cost(len(obj.pages))
         if not call.generating:
-            session = self.sessions.of_sid(call.session)
-            self._reply(call.identity, call.rid, outputs.pred_reply(
-                call, cost, session.logits if session is not None else None))
+            self._reply(call.identity, call.rid, outputs.pred_reply(call, cost))
             return True
         token, logprob = outputs.next_token(call)
         call.generated.append(token)

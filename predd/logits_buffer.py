@@ -1,29 +1,30 @@
 """A session's logits buffer: a `pred`'s raw logits row written into the client's memory
 instead of sent through the socket.
 
-An ipc client may name a file of its own in `hello` (`logits_fd`: the descriptor's
-number in the client process; `logits_slots`: how many rows). predd takes a duplicate of
-that descriptor with pidfd_getfd (the pid is the kernel's, SO_PEERCRED), checks it, sizes
-it to `slots` rows of the vocabulary (each rounded up to a page), and from then on writes
-the one row of a `pred` that names `into: slot` there with pwrite, replying
-`logits: {shape, dtype, slot}` with no frame. A round trip then moves ~150 bytes through
-ZeroMQ instead of 196 KB (docs/protocol.md, "Logits buffer", has the numbers).
+An ipc client may name a sealed memfd of its own in `hello` (`logits_fd`: the
+descriptor's number in the client process; `logits_slots`: how many rows; its size
+exactly `slots` rows of the vocabulary, each rounded up to a page). predd takes a
+duplicate of that descriptor with pidfd_getfd (the pid is the kernel's, SO_PEERCRED),
+checks it, maps it, and from then on copies the one row of a `pred` that names
+`into: slot` into that slot, replying `logits: {shape, dtype, slot}` with no frame. A
+round trip then moves ~150 bytes through ZeroMQ instead of 196 KB (docs/protocol.md,
+"Logits buffer", has the numbers).
 
 Why it cannot hurt predd or another session:
-* predd holds only a duplicate of a descriptor the client already had, with the access
-  mode the client opened it with: it can write only where the client could write itself.
-* The file must be a regular file on tmpfs (a memfd, /dev/shm, the sandbox's scratch):
-  a write is a memory copy, never I/O that could stall the step (a FUSE or network
-  file could; kvfsd's own files could deadlock it).
-* pwrite, never a mapping: the client may truncate or seal its file at any time; a write
-  then fails or extends the client's own file, where a mapping would fault predd
-  (SIGBUS).
-* `into` must name one of the session's slots (EINVAL); one row goes there, at most
-  `MAX_SLOTS` rows per session; a write that fails falls back to the frame; the
-  descriptor is closed with the session.
-* A buffer costs predd a descriptor: at most a quarter of its open-file limit are held
-  (`max_live`; EMFILE past it), so buffers never take the descriptors that new
-  connections need.
+* Only a memfd sealed against shrinking and growing (`F_SEAL_SHRINK | F_SEAL_GROW |
+  F_SEAL_SEAL`, not write-sealed), of exactly the expected size, owned by the session's
+  uid. No one can truncate it under predd's mapping (no SIGBUS), predd never resizes or
+  empties it, and a memfd is anonymous: whatever process the descriptor came from, it
+  is no one's named file, and it belongs to the session's own uid, so predd writes only
+  into memory of the uid that asked (even if the pid were reused by another process).
+* predd writes through its own mapping (a memory copy): no file lock a client could
+  hold to stall predd's loop, and no I/O.
+* `into` must name one of the session's slots (EINVAL), checked against the buffer the
+  call was submitted with; one row goes there.
+* At most `MAX_SLOTS` rows a session, `max_live()` buffers (a quarter of predd's
+  open-file limit: each costs a descriptor) and `max_bytes()` of rows in all (the pages
+  predd's writes may fill; an eighth of the machine's memory): EMFILE, ENOMEM past them.
+  The descriptor and mapping go with the session.
 A refusal is not an error: hello's reply says why (`logits_buffer`), and the client
 keeps getting frames.
 """
@@ -31,9 +32,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import mmap
 import os
 import resource
 import stat
+
+import numpy as np
 
 from liblip.protocol import ProtocolError
 
@@ -42,6 +47,8 @@ PAGE = 4096
 TMPFS_MAGIC = 0x01021994
 SYS_PIDFD_GETFD = 438         # the same number on every architecture (unified table)
 _STATFS_BYTES = 120           # struct statfs; f_type is its first long
+NEEDED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -57,6 +64,11 @@ def max_live() -> int:
     return max(1, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
 
 
+def max_bytes() -> int:
+    """How many bytes of rows all buffers may hold: an eighth of physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+
+
 def raise_open_file_limit() -> int:
     """The soft open-file limit raised to the hard one (a connection and a buffer each
     take a descriptor; a soft 1024 is common under a hard 500,000+); the limit now."""
@@ -70,17 +82,21 @@ def raise_open_file_limit() -> int:
 
 
 class LogitsBuffer:
-    """The client's file, as predd holds it: `slots` rows of `slot_bytes` each."""
+    """The client's memfd, as predd maps it: `slots` rows of `slot_bytes` each."""
     live = 0                 # buffers held now, in this process
+    held_bytes = 0           # their slots' bytes
 
-    def __init__(self, fd: int, slots: int, row_bytes: int) -> None:
-        self.fd, self.slots, self.slot_bytes = fd, slots, row_bytes
+    def __init__(self, view: mmap.mmap, slots: int, row_bytes: int) -> None:
+        self.slots, self.slot_bytes = slots, row_bytes
+        self._view = view          # holds predd's one descriptor of the file (its own dup)
+        self._rows = np.frombuffer(view, dtype=np.float32).reshape(slots, row_bytes // 4)
         LogitsBuffer.live += 1
+        LogitsBuffer.held_bytes += slots * row_bytes
 
     @classmethod
-    def attach(cls, pid: int, fd: int, slots: int, vocab: int) -> LogitsBuffer:
-        """The client `pid`'s descriptor `fd`, checked and sized for `slots` rows.
-        ProtocolError (its errno and why) when it cannot serve as a buffer."""
+    def attach(cls, pid: int, fd: int, slots: int, vocab: int, uid: int) -> LogitsBuffer:
+        """Client `pid`'s descriptor `fd` (of a session of `uid`), checked and mapped
+        for `slots` rows. ProtocolError (its errno and why) when it cannot serve."""
         if not 1 <= slots <= MAX_SLOTS:
             raise ProtocolError("EINVAL", f"logits_slots must be in [1, {MAX_SLOTS}]")
         if not 0 <= fd < 2**31:
@@ -91,46 +107,48 @@ class LogitsBuffer:
         if cls.live >= max_live():
             raise ProtocolError("EMFILE", f"predd holds {cls.live} logits buffers, its "
                                 "most (a quarter of its open-file limit)")
+        size = slots * slot_bytes(vocab)
+        if cls.held_bytes + size > max_bytes():
+            raise ProtocolError("ENOMEM", "predd's logits buffers hold their most bytes "
+                                "(an eighth of its memory)")
         mine = _take_fd(pid, fd)
         try:
-            _check(mine)
-            size = slots * slot_bytes(vocab)
-            if os.fstat(mine).st_size != size:
-                os.ftruncate(mine, size)
+            _check(mine, size, uid)
+            view = mmap.mmap(mine, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
-            os.close(mine)
             raise ProtocolError(_errno_name(exc), f"logits_fd: {exc.strerror}") from None
-        except ProtocolError:
-            os.close(mine)
-            raise
-        return cls(mine, slots, slot_bytes(vocab))
+        finally:
+            os.close(mine)         # the mapping keeps a descriptor of its own
+        return cls(view, slots, slot_bytes(vocab))
+
+    @property
+    def closed(self) -> bool:
+        return self._view.closed
 
     def check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
             raise ProtocolError("EINVAL", f"into: this session's logits buffer has slots "
                                 f"0..{self.slots - 1}")
 
-    def write(self, slot: int, row: memoryview) -> bool:
-        """Put one row (its bytes) in `slot`; False when the client's file no longer
-        takes it whole (truncated, sealed, its tmpfs full): the reply then carries the
-        row as a frame."""
-        if row.nbytes > self.slot_bytes:
+    def write(self, slot: int, row: np.ndarray) -> bool:
+        """Copy one float32 row into `slot`; False (the reply then carries it as a
+        frame) when it does not fit or the buffer is closed."""
+        if self.closed or not 0 <= slot < self.slots or row.size * 4 > self.slot_bytes:
             return False
-        try:
-            return os.pwrite(self.fd, row, slot * self.slot_bytes) == row.nbytes
-        except OSError:
-            return False
+        self._rows[slot, :row.size] = row
+        return True
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if not self.closed:
+            self._rows = None
+            self._view.close()
             LogitsBuffer.live -= 1
+            LogitsBuffer.held_bytes -= self.slots * self.slot_bytes
 
 
 def _take_fd(pid: int, fd: int) -> int:
     """A duplicate of process `pid`'s descriptor `fd` (pidfd_getfd: Linux 5.6, and
-    ptrace access to the process: predd as root, or the same uid)."""
+    ptrace access to the process: predd as root, or the same uid where Yama allows)."""
     try:
         pidfd = os.pidfd_open(pid)
     except OSError as exc:
@@ -146,17 +164,29 @@ def _take_fd(pid: int, fd: int) -> int:
         os.close(pidfd)
 
 
-def _check(fd: int) -> None:
-    """EINVAL unless `fd` is a regular file on tmpfs (a memory copy to write, never I/O)."""
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+def _check(fd: int, size: int, uid: int) -> None:
+    """ProtocolError unless `fd` is a memfd on tmpfs of `uid`, sealed against resizing
+    (not against writes), of exactly `size` bytes."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         raise ProtocolError("EINVAL", "logits_fd: not a regular file")
     buf = ctypes.create_string_buffer(_STATFS_BYTES)
-    if _libc.fstatfs(fd, buf) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    if ctypes.c_long.from_buffer(buf).value != TMPFS_MAGIC:
-        raise ProtocolError("EINVAL", "logits_fd: not on tmpfs (a memfd, /dev/shm or "
-                            "another tmpfs): a write there could wait on I/O")
+    if _libc.fstatfs(fd, buf) != 0 or ctypes.c_long.from_buffer(buf).value != TMPFS_MAGIC:
+        raise ProtocolError("EINVAL", "logits_fd: not a memfd")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise ProtocolError("EINVAL", "logits_fd: not a memfd made with "
+                            "MFD_ALLOW_SEALING") from None
+    if seals & NEEDED_SEALS != NEEDED_SEALS or seals & WRITE_SEALS:
+        raise ProtocolError("EINVAL", "logits_fd: must be sealed with F_SEAL_SHRINK, "
+                            "F_SEAL_GROW and F_SEAL_SEAL, and not against writes")
+    if st.st_uid != uid:
+        raise ProtocolError("EPERM", f"logits_fd: a file of uid {st.st_uid}, not of this "
+                            f"session's uid {uid}")
+    if st.st_size != size:
+        raise ProtocolError("EINVAL", f"logits_fd: {st.st_size} bytes, not the "
+                            f"{size} its slots need")
 
 
 def _errno_name(exc: OSError) -> str:

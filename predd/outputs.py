@@ -16,12 +16,11 @@ import torch
 from liblip import protocol as p
 from predd import cpu_kernels, sampling
 from predd.calls import Call
-from predd.logits_buffer import LogitsBuffer
 
 
-def pred_reply(call: Call, cost: p.Cost, buffer: LogitsBuffer | None = None) -> p.PredReply:
+def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
     """The reply to a finished pred: sampled tokens, top-k, or raw logits (one row in
-    the session's logits `buffer` when the call names a slot, else a frame)."""
+    the session's logits buffer when the call names a slot, else a frame)."""
     if call.picks is not None:    # greedy: chosen in a batch with the step's other calls
         return p.PredSample(tokens=[t for t, _ in call.picks],
                             logprobs=[lp for _, lp in call.picks], cost=cost)
@@ -40,11 +39,11 @@ def pred_reply(call: Call, cost: p.Cost, buffer: LogitsBuffer | None = None) -> 
         return p.PredTopk(topk_ids=[i for i, _ in picks],
                           topk_logprobs=[lp for _, lp in picks], cost=cost)
     data = logits.contiguous().numpy()      # sent from this memory (the view keeps it)
-    row_bytes = memoryview(data.reshape(-1).view(np.uint8))
-    if (buffer is not None and call.into >= 0 and len(data) == 1
-            and buffer.write(call.into, row_bytes)):
+    if (call.buffer is not None and call.into >= 0 and len(data) == 1
+            and call.buffer.write(call.into, data[0])):
         return p.PredLogits(shape=list(data.shape), data=b"", slot=call.into, cost=cost)
-    return p.PredLogits(shape=list(data.shape), data=row_bytes, cost=cost)
+    return p.PredLogits(shape=list(data.shape), data=memoryview(data.reshape(-1).view(np.uint8)),
+                        cost=cost)
 
 
 def pick_greedy(calls: list[Call]) -> None:

@@ -34,7 +34,8 @@ def pred(e: Engine, s: Session, r: p.Pred, extra: list[bytes], now: float) -> No
                     rid=r.rid, tokens=list(r.tokens), positions=r.positions,
                     outputs=outputs, sample=sample,
                     allowed=sampling.mask_tensor(r.mask, e.vocab), topk=r.topk,
-                    into=r.into, generator=sampling.make_generator(sample)), now)
+                    into=r.into if s.logits is not None else -1, buffer=s.logits,
+                    generator=sampling.make_generator(sample)), now)
 
 
 def generate(e: Engine, s: Session, r: p.Generate, extra: list[bytes], now: float) -> None:

@@ -1,9 +1,10 @@
 """The logits buffer on the real predd: liblip's raw `pred` rows come through the slot the
-request names, with no frame; a hostile buffer (a pipe, a truncated and sealed file, a
-slot out of range) gets its errno or a frame and predd keeps serving; predd holds a
-buffer exactly as long as its session."""
+request names, with no frame; a hostile buffer (a pipe, an unsealed memfd, a slot out of
+range, a hole punched under predd) gets its errno or still works, and predd keeps
+serving; predd holds a buffer exactly as long as its session."""
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import subprocess
@@ -20,10 +21,11 @@ PROMPT = "The capital of France is"
 
 def test_raw_pred_rows_come_through_the_buffer(lip):
     client = lip.client()
-    assert client.logits is not None
-    assert (client.session["logits_slot_bytes"], client.session["logits_buffer"]) == (VOCAB * 4, "")
     tokens = lip.tokenize(PROMPT)
     kv = lip.kv_create()
+    lip.pred(lip.kv_create(), tokens)         # the first raw pred sets the buffer up
+    assert client.logits is not None and client.logits_refused == ""
+    assert (client.logits.slots, client.logits.slot_bytes) == (64, VOCAB * 4)
     header, frames = client.request("pred", cap=kv.cap, tokens=tokens, into=5)
     assert header["logits"] == {"shape": [1, VOCAB], "dtype": "float32", "slot": 5}
     assert frames == []
@@ -37,14 +39,27 @@ def test_raw_pred_rows_come_through_the_buffer(lip):
     assert lip.pred(kv, [d.argmax()]).logits.shape == (VOCAB,)
 
 
+def sealed_memfd(size: int) -> int:
+    fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
+
+
 def test_hostile_buffers_get_errnos_or_frames(lip, predd):
     peer = Peer(predd.addr)
     r, w = os.pipe()
-    mem = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
+    unsealed = os.memfd_create("hostile")
+    os.ftruncate(unsealed, 2 * VOCAB * 4)
+    mem = sealed_memfd(2 * VOCAB * 4)
     try:
         head = peer.ok("hello", logits_fd=w, logits_slots=4)
         assert head["logits_slot_bytes"] == 0
         assert head["logits_buffer"] == "EINVAL: logits_fd: not a regular file"
+        head = peer.ok("hello", logits_fd=unsealed, logits_slots=2)
+        assert head["logits_buffer"] == (
+            "EINVAL: logits_fd: must be sealed with F_SEAL_SHRINK, F_SEAL_GROW and "
+            "F_SEAL_SEAL, and not against writes")
         cap = peer.ok("kv_create")["cap"]
         peer.send("pred", cap=cap, tokens=[1, 2, 3], into=0)   # no buffer: a frame
         head, frames = peer.recv()
@@ -52,27 +67,28 @@ def test_hostile_buffers_get_errnos_or_frames(lip, predd):
 
         head = peer.ok("hello", logits_fd=mem, logits_slots=2)
         assert (head["logits_slot_bytes"], head["logits_buffer"]) == (VOCAB * 4, "")
-        assert os.fstat(mem).st_size == 2 * VOCAB * 4
         out = peer.ask("pred", cap=cap, tokens=[1, 2, 3], into=2)
-        assert out["error"]["code"] == "EINVAL"
-        assert out["error"]["message"] == "into: this session's logits buffer has slots 0..1"
+        assert out["error"] == {"code": "EINVAL", "message":
+                                "into: this session's logits buffer has slots 0..1"}
 
         peer.send("pred", cap=cap, tokens=[4], into=1)
         head, frames = peer.recv()
         assert head["logits"]["slot"] == 1 and frames == []
-        row = np.frombuffer(os.pread(mem, VOCAB * 4, VOCAB * 4), dtype=np.float32)
+        row = np.frombuffer(os.pread(mem, VOCAB * 4, VOCAB * 4), dtype=np.float32).copy()
+        assert row.any()
 
-        os.ftruncate(mem, 0)            # the client pulls its memory away under predd
-        fcntl.fcntl(mem, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
+        libc = ctypes.CDLL(None, use_errno=True)       # pull the pages away under predd
+        punch = 0x01 | 0x02                            # KEEP_SIZE | PUNCH_HOLE
+        assert libc.fallocate(mem, punch, ctypes.c_long(0), ctypes.c_long(2 * VOCAB * 4)) == 0
         peer.send("pred", cap=cap, tokens=[], into=1)          # the same prediction again
         head, frames = peer.recv()
-        assert head["ok"] and "slot" not in head["logits"]     # a frame instead
-        again = np.frombuffer(frames[0], dtype=np.float32)
+        assert head["logits"]["slot"] == 1 and frames == []
+        again = np.frombuffer(os.pread(mem, VOCAB * 4, VOCAB * 4), dtype=np.float32)
         assert again.argmax() == row.argmax() and np.abs(again - row).max() <= 1e-4
         peer.ok("bye")
     finally:
         peer.close()
-        for fd in (r, w, mem):
+        for fd in (r, w, unsealed, mem):
             os.close(fd)
     assert lip.pred(lip.kv_create(), [1, 2, 3]).logits.shape == (VOCAB,)
 
@@ -92,14 +108,16 @@ def buffers_held(predd) -> int:
 def test_predd_holds_a_buffer_as_long_as_its_session(lip, predd):
     from liblip.client import Client
     before = buffers_held(predd)
-    assert before >= 1                      # the `lip` fixture's client
     other = Client(predd.addr)
+    assert buffers_held(predd) == before    # none until a raw pred asks
+    assert other.logits_buffer() is not None
     assert buffers_held(predd) == before + 1
     other.close()                           # bye
     assert buffers_held(predd) == before
 
     killed = subprocess.Popen(
         [sys.executable, "-c", "import liblip, sys; liblip.connect(sys.argv[1]); "
+         "liblip.pred(liblip.kv_create(), [1, 2]); "
          "print(liblip.client().logits is not None, flush=True); input()", predd.addr],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert killed.stdout.readline() == "True\n"

@@ -105,7 +105,7 @@ def test_sandboxed_lip_reaches_predd_and_nothing_else(lip, predd):
         f"fork denied {errno.EPERM}",
         f"exec denied {errno.EPERM}",
         "thread ok",
-        "logits buffer True ''",
+        "logits buffer False",
     ]
     assert not os.path.exists(os.path.join(ROOT, "probe"))
     assert_predd_serves(lip)
