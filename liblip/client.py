@@ -225,7 +225,7 @@ class Client:
 
     def logits_buffer(self) -> LogitsBuffer | None:
         """This client's logits buffer, asked for once (ipc only): a sealed memfd of
-        64 rows that predd maps (hello's `logits_fd`); None where predd or this process
+        16 rows that predd maps (hello's `logits_fd`); None where predd or this process
         cannot share one (a sandbox, an older predd, a refusal: `logits_refused` says
         why), and raw rows come as frames."""
         if self._logits_asked:
@@ -241,7 +241,7 @@ class Client:
                     reply = self.call("hello", **self._hello, logits_fd=buffer.fd,
                                       logits_slots=buffer.slots)
                     self.logits_refused = reply.get("logits_buffer", "")
-                    if reply.get("logits_slot_bytes") == buffer.slot_bytes:
+                    if reply.get("logits_slot_bytes") == buffer.slot_bytes and not self._closed:
                         buffer.close_fd()
                         self.logits, buffer = buffer, None
             except LipError as exc:       # e.g. an older predd: no such hello field
@@ -263,8 +263,10 @@ class Client:
 
     def _shutdown(self) -> None:
         self._closed = True
-        if getattr(self, "logits", None) is not None:
-            self.logits.close()
+        if getattr(self, "_logits_lock", None) is not None:
+            with self._logits_lock:         # not while logits_buffer() sets one up
+                if self.logits is not None:
+                    self.logits.close()
         self._stop.set()
         self._wanted.set()
         self._thread.join(timeout=5)

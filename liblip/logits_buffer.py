@@ -1,5 +1,6 @@
 """The client's half of a logits buffer (predd/logits_buffer.py is predd's): a memfd this
-process creates, sizes to `slots` rows of `slot_bytes`, seals against resizing and maps
+process creates, sizes to `slots` rows of `slot_bytes`, allocates in full (its pages are
+this process's memory: predd's writes allocate none), seals against resizing and maps
 read-only; `hello` names its descriptor. predd writes a raw `pred`'s one row into the
 slot the request names (`into`) instead of sending it as a 196 KB frame; the call copies
 it out and gives the slot back.
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-SLOTS = 64
+SLOTS = 16      # rows in flight through the buffer: 3 MiB here (SmolLM2), 8 at 128K
 PAGE = 4096
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -45,6 +46,7 @@ class LogitsBuffer:
             return None
         try:
             os.ftruncate(fd, slots * slot_bytes)
+            os.posix_fallocate(fd, 0, slots * slot_bytes)   # this process's memory, not predd's
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             return cls(fd, slots, slot_bytes)
         except OSError:

@@ -56,7 +56,7 @@ class Hello(Request):
     uid: int = -1
     lease_s: float = 10.0
     token: str = ""          # tcp:// clients: the secret that names their uid
-    logits_fd: int = -1      # ipc: a tmpfs file of the client's for pred logits (its fd)
+    logits_fd: int = -1      # ipc: a sealed memfd of the client's for pred logits (its fd)
     logits_slots: int = 0    # ... holding this many rows (predd/logits_buffer.py)
     op: ClassVar[str] = "hello"
 

@@ -17,8 +17,12 @@ Why it cannot hurt predd or another session:
   empties it, and a memfd is anonymous: whatever process the descriptor came from, it
   is no one's named file, and it belongs to the session's own uid, so predd writes only
   into memory of the uid that asked (even if the pid were reused by another process).
-* predd writes through its own mapping (a memory copy): no file lock a client could
-  hold to stall predd's loop, and no I/O.
+* The client allocates every page first (`st_blocks`, checked at attach and before each
+  write; a punched hole drops the buffer): predd's writes allocate nothing, so the
+  pages stay charged to the client's memory, not predd's, and a write cannot fail for
+  want of memory. predd writes through its own mapping (a memory copy): no file lock a
+  client could hold to stall predd's loop. (A client could still page its memory out and
+  make a copy wait for it to come back.)
 * `into` must name one of the session's slots (EINVAL), checked against the buffer the
   call was submitted with; one row goes there.
 * At most `MAX_SLOTS` rows a session, `max_live()` buffers (a quarter of predd's
@@ -60,8 +64,9 @@ def slot_bytes(vocab: int) -> int:
 
 
 def max_live() -> int:
-    """How many buffers predd holds at most: a quarter of its open-file limit."""
-    return max(1, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+    """How many buffers predd holds at most: two descriptors each (the file and its
+    mapping's), a quarter of its open-file limit in all."""
+    return max(1, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8)
 
 
 def max_bytes() -> int:
@@ -86,9 +91,9 @@ class LogitsBuffer:
     live = 0                 # buffers held now, in this process
     held_bytes = 0           # their slots' bytes
 
-    def __init__(self, view: mmap.mmap, slots: int, row_bytes: int) -> None:
-        self.slots, self.slot_bytes = slots, row_bytes
-        self._view = view          # holds predd's one descriptor of the file (its own dup)
+    def __init__(self, fd: int, view: mmap.mmap, slots: int, row_bytes: int) -> None:
+        self.fd, self.slots, self.slot_bytes = fd, slots, row_bytes
+        self._view = view          # (with a descriptor of its own)
         self._rows = np.frombuffer(view, dtype=np.float32).reshape(slots, row_bytes // 4)
         LogitsBuffer.live += 1
         LogitsBuffer.held_bytes += slots * row_bytes
@@ -115,11 +120,14 @@ class LogitsBuffer:
         try:
             _check(mine, size, uid)
             view = mmap.mmap(mine, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            raise ProtocolError(_errno_name(exc), f"logits_fd: {exc.strerror}") from None
-        finally:
-            os.close(mine)         # the mapping keeps a descriptor of its own
-        return cls(view, slots, slot_bytes(vocab))
+        except (OSError, ValueError) as exc:
+            os.close(mine)
+            code = _errno_name(exc) if isinstance(exc, OSError) else "EINVAL"
+            raise ProtocolError(code, f"logits_fd: {exc}") from None
+        except ProtocolError:
+            os.close(mine)
+            raise
+        return cls(mine, view, slots, slot_bytes(vocab))
 
     @property
     def closed(self) -> bool:
@@ -135,6 +143,9 @@ class LogitsBuffer:
         frame) when it does not fit or the buffer is closed."""
         if self.closed or not 0 <= slot < self.slots or row.size * 4 > self.slot_bytes:
             return False
+        if not _allocated(self.fd, self.slots * self.slot_bytes):
+            self.close()           # a hole punched: predd's copy would allocate for it
+            return False
         self._rows[slot, :row.size] = row
         return True
 
@@ -142,6 +153,8 @@ class LogitsBuffer:
         if not self.closed:
             self._rows = None
             self._view.close()
+            os.close(self.fd)
+            self.fd = -1
             LogitsBuffer.live -= 1
             LogitsBuffer.held_bytes -= self.slots * self.slot_bytes
 
@@ -184,9 +197,18 @@ def _check(fd: int, size: int, uid: int) -> None:
     if st.st_uid != uid:
         raise ProtocolError("EPERM", f"logits_fd: a file of uid {st.st_uid}, not of this "
                             f"session's uid {uid}")
+    st = os.fstat(fd)              # again: the size may have changed before the seals
     if st.st_size != size:
         raise ProtocolError("EINVAL", f"logits_fd: {st.st_size} bytes, not the "
                             f"{size} its slots need")
+    if not _allocated(fd, size):
+        raise ProtocolError("EINVAL", "logits_fd: not allocated in full (fallocate it "
+                            "first: predd's writes must not allocate pages)")
+
+
+def _allocated(fd: int, size: int) -> bool:
+    """Whether every page of the file has memory (no hole for a write to fill)."""
+    return os.fstat(fd).st_blocks * 512 >= size
 
 
 def _errno_name(exc: OSError) -> str:
