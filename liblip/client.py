@@ -37,7 +37,7 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from liblip.logits_buffer import LogitsBuffer
+from liblip.logits_buffer import MOST_SLOTS, SLOTS, LogitsBuffer
 from liblip.protocol import (ProtocolError, Reply, decode_reply, default_addr,
                              default_token, encode_request)
 
@@ -118,7 +118,7 @@ class Client:
         # first raw pred that asks (`logits_buffer`)
         self.logits: LogitsBuffer | None = None
         self.logits_refused = ""
-        self._logits_asked = False
+        self._logits_asked = self._logits_grown = False
         self._logits_lock = threading.Lock()
         try:
             self.session = self.call("hello", **hello)
@@ -223,34 +223,45 @@ class Client:
         for header in self.stream(op, timeout, **fields):
             yield decode_reply(op, header)
 
-    def logits_buffer(self) -> LogitsBuffer | None:
-        """This client's logits buffer, asked for once (ipc only): a sealed memfd of
-        16 rows that predd maps (hello's `logits_fd`); None where predd or this process
-        cannot share one (a sandbox, an older predd, a refusal: `logits_refused` says
-        why), and raw rows come as frames."""
-        if self._logits_asked:
+    def logits_buffer(self, grow: bool = False) -> LogitsBuffer | None:
+        """This client's logits buffer (ipc only): a sealed memfd that predd maps
+        (hello's `logits_fd`), set up by the first raw pred with `SLOTS` rows and, once,
+        with `MOST_SLOTS` when a call finds every slot taken (`grow`: a threaded LIP);
+        None where predd or this process cannot share one (a sandbox, an older predd, a
+        refusal: `logits_refused` says why), and raw rows come as frames."""
+        if self._logits_asked and not (grow and self._may_grow()):
             return self.logits
         with self._logits_lock:
-            if self._logits_asked or not self.addr.startswith("ipc://"):
+            if not self._logits_asked:
                 self._logits_asked = True
-                return self.logits
-            buffer = None
-            try:
-                buffer = LogitsBuffer.create(self.call("info")["vocab_size"])
-                if buffer is not None:
-                    reply = self.call("hello", **self._hello, logits_fd=buffer.fd,
-                                      logits_slots=buffer.slots)
-                    self.logits_refused = reply.get("logits_buffer", "")
-                    if reply.get("logits_slot_bytes") == buffer.slot_bytes and not self._closed:
-                        buffer.close_fd()
-                        self.logits, buffer = buffer, None
-            except LipError as exc:       # e.g. an older predd: no such hello field
-                self.logits_refused = f"{exc.code}: {exc.message}"
-            finally:
-                if buffer is not None:
-                    buffer.close()
-                self._logits_asked = True
+                if self.addr.startswith("ipc://"):
+                    self._share_logits(SLOTS)
+            elif grow and self._may_grow():
+                self._logits_grown = True
+                self._share_logits(MOST_SLOTS)   # the old one: its calls in flight get frames
             return self.logits
+
+    def _may_grow(self) -> bool:
+        return self.logits is not None and not self._logits_grown
+
+    def _share_logits(self, slots: int) -> None:
+        """A new buffer of `slots` rows for predd to map (replacing any); on refusal
+        the one before stays (predd dropped it: its rows come as frames)."""
+        buffer = None
+        try:
+            buffer = LogitsBuffer.create(self.call("info")["vocab_size"], slots)
+            if buffer is not None:
+                reply = self.call("hello", **self._hello, logits_fd=buffer.fd,
+                                  logits_slots=buffer.slots)
+                self.logits_refused = reply.get("logits_buffer", "")
+                if reply.get("logits_slot_bytes") == buffer.slot_bytes and not self._closed:
+                    buffer.close_fd()
+                    self.logits, buffer = buffer, None
+        except LipError as exc:       # e.g. an older predd: no such hello field
+            self.logits_refused = f"{exc.code}: {exc.message}"
+        finally:
+            if buffer is not None:
+                buffer.close()
 
     def close(self) -> None:
         if self._closed:

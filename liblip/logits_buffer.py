@@ -21,7 +21,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-SLOTS = 16      # rows in flight through the buffer: 3 MiB here (SmolLM2), 8 at 128K
+SLOTS = 16          # rows in flight through the buffer: 3 MiB here (SmolLM2), 8 at 128K
+MOST_SLOTS = 64     # a threaded program's, once 16 were not enough (predd's most)
 PAGE = 4096
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 

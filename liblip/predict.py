@@ -131,6 +131,8 @@ def _distributions(kv: KV, tokens: Sequence[int], positions: Sequence[int] | Non
         header, frames = _pred(kv, tokens, positions, outputs, mask)
         return _rows(header, frames)
     with buffer.slot() as slot:
+        if slot < 0:                  # every slot taken: a bigger buffer for later calls
+            client_of(kv).logits_buffer(grow=True)
         into = {"into": slot} if slot >= 0 else {}
         header, frames = _pred(kv, tokens, positions, outputs, mask, **into)
         logits = header["logits"]

@@ -130,3 +130,23 @@ def test_predd_holds_a_buffer_as_long_as_its_session(lip, predd):
     while buffers_held(predd) != before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert buffers_held(predd) == before
+
+
+def test_a_client_with_every_slot_taken_grows_its_buffer_once(lip, predd):
+    client = lip.client()
+    tokens = lip.tokenize(PROMPT)
+    want = lip.pred_outputs(lip.kv_create(), tokens, [0, -1])[1]     # a frame
+    small = client.logits_buffer()
+    assert small is not None and small.slots == 16
+    held = buffers_held(predd)
+    taken = [small.slot() for _ in range(16)]
+    assert [t.__enter__() for t in taken] == list(range(16))
+    d = lip.pred(lip.kv_create(), tokens)          # no slot free: a frame, then a bigger one
+    assert d.argmax() == want.argmax()
+    assert client.logits is not small and client.logits.slots == 64
+    assert buffers_held(predd) == held             # predd swapped the session's buffer
+    for t in taken:
+        t.__exit__(None, None, None)
+    again = lip.pred(lip.kv_create(), tokens)      # through the bigger buffer's slot 0
+    assert np.abs(again.logits - want.logits).max() <= 1e-4
+    assert client.logits_buffer(grow=True) is client.logits       # only once
