@@ -118,7 +118,7 @@ class Client:
         # first raw pred that asks (`logits_buffer`)
         self.logits: LogitsBuffer | None = None
         self.logits_refused = ""
-        self._logits_asked = self._logits_grown = False
+        self._logits_asked = False
         self._logits_lock = threading.Lock()
         try:
             self.session = self.call("hello", **hello)
@@ -237,17 +237,17 @@ class Client:
                 if self.addr.startswith("ipc://"):
                     self._share_logits(SLOTS)
             elif grow and self._may_grow():
-                self._logits_grown = True
-                self._share_logits(MOST_SLOTS)   # the old one: its calls in flight get frames
+                self._share_logits(MOST_SLOTS)
             return self.logits
 
     def _may_grow(self) -> bool:
-        return self.logits is not None and not self._logits_grown
+        return self.logits is not None and self.logits.slots < MOST_SLOTS
 
     def _share_logits(self, slots: int) -> None:
-        """A new buffer of `slots` rows for predd to map (replacing any); on refusal
-        the one before stays (predd dropped it: its rows come as frames)."""
-        buffer = None
+        """A new buffer of `slots` rows for predd to map, or none where refused. Either
+        way predd has dropped the one before: calls in flight with it get frames, and
+        it is unmapped when the last of them lets go of it."""
+        buffer, self.logits = None, None
         try:
             buffer = LogitsBuffer.create(self.call("info")["vocab_size"], slots)
             if buffer is not None:

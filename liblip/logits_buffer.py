@@ -24,7 +24,12 @@ import numpy as np
 SLOTS = 16          # rows in flight through the buffer: 3 MiB here (SmolLM2), 8 at 128K
 MOST_SLOTS = 64     # a threaded program's, once 16 were not enough (predd's most)
 PAGE = 4096
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL   # what predd requires
+
+
+def slot_bytes(vocab: int) -> int:
+    """One row of float32 logits, rounded up to whole pages (predd's stride too)."""
+    return -(-vocab * 4 // PAGE) * PAGE
 
 
 class LogitsBuffer:
@@ -40,16 +45,16 @@ class LogitsBuffer:
     def create(cls, vocab: int, slots: int = SLOTS) -> LogitsBuffer | None:
         """A sealed memfd of `slots` rows of `vocab` float32 logits (each rounded up to
         a page), mapped; None where one cannot be made."""
-        slot_bytes = -(-vocab * 4 // PAGE) * PAGE
+        stride = slot_bytes(vocab)
         try:
             fd = os.memfd_create("liblip-logits", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except (OSError, AttributeError):
             return None
         try:
-            os.ftruncate(fd, slots * slot_bytes)
-            os.posix_fallocate(fd, 0, slots * slot_bytes)   # this process's memory, not predd's
+            os.ftruncate(fd, slots * stride)
+            os.posix_fallocate(fd, 0, slots * stride)   # this process's memory, not predd's
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            return cls(fd, slots, slot_bytes)
+            return cls(fd, slots, stride)
         except OSError:
             os.close(fd)
             return None

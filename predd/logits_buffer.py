@@ -44,23 +44,17 @@ import stat
 
 import numpy as np
 
+from liblip.logits_buffer import SEALS, slot_bytes
 from liblip.protocol import ProtocolError
 
 MAX_SLOTS = 64
-PAGE = 4096
 TMPFS_MAGIC = 0x01021994
 SYS_PIDFD_GETFD = 438         # the same number on every architecture (unified table)
 _STATFS_BYTES = 120           # struct statfs; f_type is its first long
-NEEDED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-
-
-def slot_bytes(vocab: int) -> int:
-    """One row of float32 logits, rounded up to whole pages."""
-    return -(-vocab * 4 // PAGE) * PAGE
 
 
 def max_live() -> int:
@@ -191,7 +185,7 @@ def _check(fd: int, size: int, uid: int) -> None:
     except OSError:
         raise ProtocolError("EINVAL", "logits_fd: not a memfd made with "
                             "MFD_ALLOW_SEALING") from None
-    if seals & NEEDED_SEALS != NEEDED_SEALS or seals & WRITE_SEALS:
+    if seals & SEALS != SEALS or seals & WRITE_SEALS:
         raise ProtocolError("EINVAL", "logits_fd: must be sealed with F_SEAL_SHRINK, "
                             "F_SEAL_GROW and F_SEAL_SEAL, and not against writes")
     if st.st_uid != uid:
