@@ -48,6 +48,10 @@ def _add(total: dict, s: dict) -> None:
                 mine = tiers.setdefault(tier, {"pages_total": 0, "pages_used": 0})
                 for f in ("pages_total", "pages_used"):
                     mine[f] += figures.get(f, 0)
+        elif key == "logits_rows" and isinstance(value, dict):
+            rows = total.setdefault("logits_rows", {})
+            for via, n in value.items():
+                rows[via] = rows.get(via, 0) + n
 
 
 def read_migrations(mount: str) -> tuple[int, int]:
@@ -141,6 +145,12 @@ class PreddCollector:
                                   "tiers", value=s.get("bytes_moved", 0))
         yield CounterMetricFamily("symphony_admission_waits", "calls that waited for room "
                                   "on the device", value=s.get("admission_waits", 0))
+        rows = CounterMetricFamily("symphony_logits_rows", "raw pred rows by the way they "
+                                   "went back: the session's logits buffer or a frame",
+                                   labels=["via"])
+        for via, n in (s.get("logits_rows") or {}).items():
+            rows.add_metric([via], n)
+        yield rows
         yield CounterMetricFamily("symphony_launch_wait_seconds",
                                   "time predd held a step for more calls (adaptive launch)",
                                   value=s.get("launch_wait_ms", 0.0) / 1e3)

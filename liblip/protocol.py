@@ -411,6 +411,7 @@ class StatsReply(Reply):
     throttled: int             # EAGAIN replies
     capped_steps: int          # steps the latency bound made smaller
     admission_waits: int       # calls that waited for room on the device
+    logits_rows: dict          # {buffer, frame}: raw pred rows by the way they went back
     tiers: dict                # {device|host|disk: {pages_total, pages_used}}
     pages_moved_down: int
     pages_moved_up: int

@@ -426,7 +426,11 @@ class Engine:
         obj = self.store.get(call.oid)
         cost = call.cost(len(obj.pages))
         if not call.generating:
-            self._reply(call.identity, call.rid, outputs.pred_reply(call, cost))
+            reply = outputs.pred_reply(call, cost)
+            if isinstance(reply, p.PredLogits):
+                self.counters.logits_rows["buffer" if reply.slot >= 0 else "frame"] += (
+                    reply.shape[0] if reply.shape else 0)
+            self._reply(call.identity, call.rid, reply)
             return True
         token, logprob = outputs.next_token(call)
         call.generated.append(token)

@@ -37,6 +37,8 @@ class Counters:
     errors: int = 0
     throttled: int = 0        # EAGAIN replies (rate, calls in flight, sessions)
     admission_waits: int = 0  # calls that waited for room on the device
+    # raw pred rows by the way they went back: the session's logits buffer or a frame
+    logits_rows: dict[str, int] = field(default_factory=lambda: {"buffer": 0, "frame": 0})
     # where predd's time goes (seconds): the model's forward passes and the rest
     time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("schedule", "prepare", "forward", "outputs", "requests"), 0.0))

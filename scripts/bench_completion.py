@@ -187,6 +187,12 @@ def vllm_http(url: str, n_new: int) -> Workload:
 
 # ------------------------------------------------------------------ the systems
 
+def rows(before: dict, after: dict) -> str:
+    """Raw pred rows between two `stats`, by the way they went back."""
+    a, b = after.get("logits_rows", {}), before.get("logits_rows", {})
+    return " ".join(f"{via} {a[via] - b.get(via, 0)}" for via in sorted(a)) or "-"
+
+
 def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
     """(as, N, mode) -> (best seconds, ids)."""
     import liblip as lip
@@ -214,7 +220,8 @@ def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
                         f"({n * args.new_tokens / elapsed:.0f} tokens/s), {steps} steps, "
                         f"mean batch {(after['calls'] - before['calls']) / steps:.1f}, step "
                         f"{(after['step_ms'] - before['step_ms']) / steps:.1f} ms, launch wait "
-                        f"{after['launch_wait_ms'] - before['launch_wait_ms']:.0f} ms")
+                        f"{after['launch_wait_ms'] - before['launch_wait_ms']:.0f} ms, "
+                        f"logits rows {rows(before, after)}")
     return results
 
 

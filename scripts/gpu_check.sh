@@ -5,6 +5,7 @@
 #   bash scripts/gpu_check.sh prepare   # here: wheels and a cut model into .gpu/
 #   bash scripts/gpu_check.sh run [OUT] # there, from the repo root, with .gpu/ carried
 #   bash scripts/gpu_check.sh graphs [OUT]   # there: the CUDA graphs' checks and timings
+#   bash scripts/gpu_check.sh buffer [OUT]   # there: bf16 graphs, the pred loop's buffer
 #
 # `prepare` downloads flashinfer-python (the version predd/attention_flashinfer.py is
 # written against) with the two packages such a machine lacks (apache-tvm-ffi for its
@@ -121,6 +122,26 @@ graphs() {
         stage "graphs vs eager, bf16 (its JIT compile)" 200 "${pytest[@]}" -k "cuda_graphs and bf16" -s
 }
 
+# bf16 on the GPU (what `--dtype auto` picks there): the decode graphs against eager steps
+# (the shared logits rows, the JIT compile of bf16), then a serving predd with graphs on,
+# the whole model's shape: generate, the `pred` loop (rows through the logits buffer:
+# each run's log line counts rows by the way they went back) and pred_sample, 1/8/64
+# programs as processes and as threads.
+buffer() {
+    setup "${1:-.gpu/out}" gpu_buffer.log
+    local pytest=(python3 -m pytest -q -x --tb=short -p no:cacheprovider
+                  tests/gpu/test_flashinfer.py)
+    stage "graphs vs eager, bf16 (first JIT compile)" 240 \
+        "${pytest[@]}" -k "cuda_graphs and bf16" -s
+    local whole=.gpu/smollm2-135m-shape.gguf
+    stage "grow the cut to 30 layers" 30 python3 scripts/gguf_cut.py "$whole" --layers 30 \
+        --model "$MODEL"
+    SYMPHONY_BENCH_PREDD_ARGS="--device cuda --attention flashinfer --cuda-graphs on --model $whole" \
+        stage "serving, bf16, graphs on: generate, pred loop, pred_sample" 240 \
+        python3 scripts/bench_completion.py --programs 1,8,64 --as processes,threads \
+        --modes generate,pred_loop,pred_sample --baselines "" --repeat 1 --dtype bfloat16
+}
+
 steps() {   # steps MODEL "CALLS CONTEXT"...: the decode step per backend, fp16, best of 20
     local model=$1; shift
     for shape in "$@"; do
@@ -137,5 +158,6 @@ case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
     graphs) shift; graphs "$@" ;;
-    *) echo "usage: $0 prepare | run [OUT] | graphs [OUT]" >&2; exit 2 ;;
+    buffer) shift; buffer "$@" ;;
+    *) echo "usage: $0 prepare | run [OUT] | graphs [OUT] | buffer [OUT]" >&2; exit 2 ;;
 esac

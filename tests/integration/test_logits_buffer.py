@@ -22,6 +22,7 @@ def test_raw_pred_rows_come_through_the_buffer(lip):
     client = lip.client()
     tokens = lip.tokenize(PROMPT)
     kv = lip.kv_create()
+    before = lip.stats()["logits_rows"]
     lip.pred(lip.kv_create(), tokens)         # the first raw pred sets the buffer up
     assert client.logits is not None and client.logits_refused == ""
     assert (client.logits.slots, client.logits.slot_bytes) == (16, VOCAB * 4)
@@ -36,6 +37,8 @@ def test_raw_pred_rows_come_through_the_buffer(lip):
     d = lip.pred(lip.kv_create(), tokens)        # liblip's own slot
     assert d.argmax() == framed.argmax() and np.abs(d.logits - row).max() <= 1e-4
     assert lip.pred(kv, [d.argmax()]).logits.shape == (VOCAB,)
+    after = lip.stats()["logits_rows"]      # 4 rows in slots, the two-row reply framed
+    assert (after["buffer"] - before["buffer"], after["frame"] - before["frame"]) == (4, 2)
 
 
 def sealed_memfd(size: int) -> int:

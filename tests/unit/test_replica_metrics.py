@@ -15,7 +15,8 @@ HIST = {"le_ms": [1, 10], "cumulative": [2, 5], "sum_ms": 30.0}
 def stats(pages_used: int) -> dict:
     return {"pages_total": 512, "pages_used": pages_used, "steps": 10, "calls": 40,
             "mean_batch": 4.0, "queue_wait_hist": dict(HIST, cumulative=[2, 5]),
-            "tiers": {"device": {"pages_total": 512, "pages_used": pages_used}}}
+            "tiers": {"device": {"pages_total": 512, "pages_used": pages_used}},
+            "logits_rows": {"buffer": pages_used, "frame": 1}}
 
 
 class FakeReplica(Replica):
@@ -43,6 +44,7 @@ def test_add_sums_numbers_histograms_and_tiers():
     assert total["queue_wait_hist"] == {"le_ms": [1, 10], "cumulative": [4, 10],
                                         "sum_ms": 60.0}
     assert total["tiers"] == {"device": {"pages_total": 1024, "pages_used": 7}}
+    assert total["logits_rows"] == {"buffer": 7, "frame": 2}
 
 
 def test_replica_metrics(tmp_path):
@@ -59,6 +61,8 @@ def test_replica_metrics(tmp_path):
     assert m[("symphony_kv_pages_used", ())] == 7.0
     assert m[("symphony_mean_batch", ())] == 4.0
     assert m[("symphony_queue_wait_seconds_count", ())] == 10.0
+    assert m[("symphony_logits_rows_total", (("via", "buffer"),))] == 7.0
+    assert m[("symphony_logits_rows_total", (("via", "frame"),))] == 2.0
     assert m[("symphony_kv_migrations_total", ())] == 0.0     # tmp_path has no such xattr
     r1.up = False                         # a local replica known down is not asked
     r1.answer = stats(100)
