@@ -19,17 +19,29 @@ decode are the same thing). Rules:
   the flooder's throughput.
 * Adaptive launch: after a step, the objects whose calls finished in it are *expected*
   to send their next call. The next step waits for them, but no longer than
-  `wait_factor * last step time` (capped at `max_wait_s`); with nothing expected, or a
-  full batch already waiting, it launches at once — unless an expected object belongs
-  to a uid with nothing queued: a pred loop is not left behind another uid's flood.
+  `wait_factor * last step time`, or, where the expected objects have been seen to come
+  back later than that, until 90% of them are due (each object's return time is
+  learned: a decaying maximum of how long its next call took after a step), at most
+  one step time; always capped at `max_wait_s`. An object that did not come back within
+  a step is not waited for past `wait_factor` until it comes back quickly again. With
+  nothing expected, or a full batch already waiting, it launches at once — unless an
+  expected object belongs to a uid with nothing queued: a pred loop is not left behind
+  another uid's flood. (On a GPU, steps of 3-5 ms are shorter than a program's round trip
+  with 64 programs on 16 cores; holding only 0.3 of a step split them into two cohorts
+  that alternated, each step half full.)
 """
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from predd.calls import Call
+
+RETURN_DECAY = 0.8        # an object's learned return time decays by this a return
+RETURN_QUANTILE = 0.9     # the hold waits until this share of the expected objects are due
+RETURN_STEPS = 1.0        # ... if they are due within this many step times
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,8 @@ class Scheduler:
         self.last_step_end = 0.0
         self.last_step_time = 0.0
         self.waited_s = 0.0                        # total adaptive-launch waiting
+        self._returns: dict[int, float] = {}       # oid -> learned seconds to its next call
+        self._hold_s = 0.0                         # the hold after the last step
         self.cost = StepCost()
         self.steps = 0
         self._active: dict[int, tuple[float, int]] = {}   # uid -> (time, tokens) of its last call
@@ -159,7 +173,9 @@ class Scheduler:
         call.cid = next(self._ids)
         call.arrival = now
         self._queues.setdefault(call.oid, []).append(call)
-        self.expected.discard(call.oid)
+        if call.oid in self.expected:
+            self._learn(call.oid, max(now - self.last_step_end, 0.0))
+            self.expected.discard(call.oid)
         self._count(call, 1)
         self._active[call.uid] = (now, min(call.total, self.config.token_budget))
         return call
@@ -212,6 +228,26 @@ class Scheduler:
 
     def forget(self, oid: int) -> None:
         self.expected.discard(oid)
+        self._returns.pop(oid, None)
+
+    def _learn(self, oid: int, seconds: float) -> None:
+        """An expected object's call came `seconds` after the step's end: a decaying
+        maximum, up at once, down by RETURN_DECAY a return (after a miss, `update`'s
+        math.inf, the sample itself)."""
+        before = self._returns.get(oid, math.inf)
+        self._returns[oid] = seconds if math.isinf(before) else max(seconds,
+                                                                    RETURN_DECAY * before)
+
+    def _hold(self, step_time: float) -> float:
+        """How long the next launch may wait for the expected objects: `wait_factor` of
+        the step, or until RETURN_QUANTILE of those with a learned return time within one
+        step are due; within `max_wait_s`."""
+        base = self.config.wait_factor * step_time
+        most = RETURN_STEPS * step_time
+        due = sorted(r for o in self.expected if (r := self._returns.get(o, math.inf)) <= most)
+        if due:
+            base = max(base, due[math.ceil(RETURN_QUANTILE * len(due)) - 1])
+        return min(base, most, self.config.max_wait_s)
 
     # ------------------------------------------------------------ planning
 
@@ -265,8 +301,7 @@ class Scheduler:
                 or sum(c.remaining for c in heads) >= self.config.token_budget)
         if full and {self._expected_uid.get(o) for o in self.expected} <= {c.uid for c in heads}:
             return 0.0
-        hold = min(self.config.wait_factor * self.last_step_time, self.config.max_wait_s)
-        return max(0.0, self.last_step_end + hold - now)
+        return max(0.0, self.last_step_end + self._hold_s - now)
 
     def schedule(self, admit: Callable[[Call], bool | None] = lambda call: True) -> Plan:
         """The next step's batch. `admit` is asked before a call's first chunk (the
@@ -322,6 +357,8 @@ class Scheduler:
             else:
                 self._scale = min(self._scale * 1.1, 1.0)
         self.steps += 1
+        for oid in self.expected:        # not back within this step: not waited for
+            self._returns[oid] = math.inf
         self.expected = set()
         self._expected_uid = {}
         for item in plan.items:
@@ -339,6 +376,7 @@ class Scheduler:
             del self._active[uid]
         # An object with a queued call is not waited for.
         self.expected -= set(self._queues)
+        self._hold_s = self._hold(step_time)
 
     def note_wait(self, seconds: float) -> None:
         self.waited_s += seconds

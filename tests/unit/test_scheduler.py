@@ -5,6 +5,8 @@ Times are binary fractions so that wait times compare exactly.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from predd.calls import Call
@@ -295,6 +297,62 @@ def test_wait_is_capped_by_max_wait():
     s.update(s.schedule(), {1}, now=5.0, step_time=2.0)
     submit(s, 2, 20, 1, now=5.0)
     assert s.wait_time(5.0) == 0.25
+
+
+def step_all(s, now: float, step_time: float = 0.5) -> None:
+    """One step that runs and finishes every queued call (each one token)."""
+    plan = s.schedule()
+    s.update(plan, {i.call.cid for i in plan.items}, now=now, step_time=step_time)
+
+
+def test_the_hold_stretches_to_when_expected_objects_came_back_before():
+    """With 0.25 of a 0.5 s step, programs whose calls came 0.375 s after a step would
+    miss every launch: the hold learns each object's return time and waits for them,
+    within one step and max_wait_s."""
+    s = make(wait_factor=0.25, max_wait_s=1.0)
+    for oid in (10, 20, 30):
+        submit(s, oid, oid, 1)
+    step_all(s, now=1.0)
+    submit(s, 99, 99, 1, now=1.0)                                    # another is ready
+    assert s.expected == {10, 20, 30} and s.wait_time(1.0) == 0.125   # nothing learned
+    submit(s, 10, 10, 1, now=1.375)
+    submit(s, 20, 20, 1, now=1.25)                                   # 30 does not come
+    step_all(s, now=2.0)
+    assert s._returns == {10: 0.375, 20: 0.25, 30: math.inf}
+    submit(s, 99, 99, 1, now=2.0)
+    assert s.wait_time(2.0) == 0.375          # until 10 and 20 are due; 30 not waited for
+    submit(s, 10, 10, 1, now=2.0625)          # 10 comes back sooner: its time decays
+    assert s._returns[10] == 0.8 * 0.375 and s.wait_time(2.0625) == 0.3125
+    submit(s, 20, 20, 1, now=2.125)
+    assert s.expected == set() and s.wait_time(2.125) == 0.0        # all back: go
+    s.forget(10)
+    assert 10 not in s._returns
+
+
+def test_the_learned_hold_waits_for_nine_in_ten_and_at_most_a_step():
+    s = make(wait_factor=0.25, max_wait_s=1.0)
+    for oid in range(1, 11):
+        submit(s, oid, oid, 1)
+    step_all(s, now=1.0)
+    for oid in range(1, 11):                  # returns 1/32 ... 10/32 s after the step
+        submit(s, oid, oid, 1, now=1.0 + oid / 32)
+    step_all(s, now=2.0)
+    submit(s, 99, 99, 1, now=2.0)
+    assert s.wait_time(2.0) == 9 / 32         # the 9th of 10, not the slowest
+    s2 = make(wait_factor=0.25, max_wait_s=0.1875)
+    submit(s2, 1, 1, 1)
+    step_all(s2, now=1.0)
+    submit(s2, 1, 1, 1, now=1.4375)
+    step_all(s2, now=2.0)
+    submit(s2, 2, 2, 1, now=2.0)
+    assert s2.wait_time(2.0) == 0.1875        # max_wait_s
+    s3 = make(wait_factor=0.25, max_wait_s=1.0)
+    submit(s3, 1, 1, 1)
+    step_all(s3, now=1.0)
+    submit(s3, 1, 1, 1, now=1.4375)
+    step_all(s3, now=2.0, step_time=0.375)    # 0.4375 is more than a step of 0.375
+    submit(s3, 2, 2, 1, now=2.0)
+    assert s3.wait_time(2.0) == 0.09375       # not waited for: wait_factor's 0.25 * 0.375
 
 
 def test_no_wait_when_a_full_batch_is_waiting():
