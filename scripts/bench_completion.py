@@ -193,6 +193,12 @@ def rows(before: dict, after: dict) -> str:
     return " ".join(f"{via} {a[via] - b.get(via, 0)}" for via in sorted(a)) or "-"
 
 
+def split(before: dict, after: dict, steps: int) -> str:
+    """Where predd's time went between two `stats`, per step (B4's split)."""
+    a, b = after.get("time_ms", {}), before.get("time_ms", {})
+    return " ".join(f"{k} {(a[k] - b.get(k, 0)) / steps:.1f}" for k in a)
+
+
 def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
     """(as, N, mode) -> (best seconds, ids)."""
     import liblip as lip
@@ -221,7 +227,7 @@ def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
                         f"mean batch {(after['calls'] - before['calls']) / steps:.1f}, step "
                         f"{(after['step_ms'] - before['step_ms']) / steps:.1f} ms, launch wait "
                         f"{after['launch_wait_ms'] - before['launch_wait_ms']:.0f} ms, "
-                        f"logits rows {rows(before, after)}")
+                        f"logits rows {rows(before, after)}; ms a step: {split(before, after, steps)}")
     return results
 
 

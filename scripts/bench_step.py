@@ -7,6 +7,7 @@ server, no scheduler: what the model and the attention backend cost.
                                  [--attention auto|torch|cpu|flashinfer]
                                  [--linear auto|packed|...] [--device cuda --dtype float16]
                                  [--model PATH] [--cuda-graphs auto|on|off]
+                                 [--shared N]
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", help="a predd --dtype name (not auto)")
     ap.add_argument("--model", help="GGUF or Hugging Face directory (default: SmolLM2-135M)")
     ap.add_argument("--cuda-graphs", default="auto", help="a predd --cuda-graphs choice")
+    ap.add_argument("--shared", type=int, default=0,
+                    help="the first N entries (whole pages) are one set of pages in every "
+                         "call's table: forks of one cached document (B2)")
     args = ap.parse_args()
     per = -(-(args.context + 1) // PAGE)
     runner = Runner(RunnerConfig(args.model or default_model_path(), args.device, args.dtype,
@@ -48,9 +52,12 @@ def main() -> int:
                     progress=lambda msg: print(msg, file=sys.stderr)
                     if "ready" in msg or "CUDA graphs" in msg else None)
     order = np.random.default_rng(0).permutation(args.calls * per).astype(np.int32)
+    tables = [order[b * per:(b + 1) * per] for b in range(args.calls)]
+    shared = min(args.shared // PAGE, per - 1)
+    for table in tables[1:]:
+        table[:shared] = tables[0][:shared]
     chunks = [Chunk(np.array([5], np.int32), np.array([args.context], np.int32),
-                    order[b * per:(b + 1) * per], args.context + 1, np.array([0]))
-              for b in range(args.calls)]
+                    table, args.context + 1, np.array([0])) for table in tables]
     with torch.inference_mode():
         for _ in range(3):
             runner.execute(chunks)
@@ -62,7 +69,7 @@ def main() -> int:
     times.sort()
     graphs = f", CUDA graphs ({runner.graphs.replays} replays)" if runner.graphs else ""
     print(f"{runner.backend.name}, {runner.linear}{graphs}, {args.device} {args.dtype}: "
-          f"calls {args.calls} context {args.context}: best {times[0] * 1e3:.1f} ms, "
+          f"calls {args.calls} context {args.context} (shared {shared * PAGE}): best {times[0] * 1e3:.1f} ms, "
           f"median {times[len(times) // 2] * 1e3:.1f} ms a step")
     return 0
 
