@@ -641,7 +641,11 @@ def _is_instance(value: Any, kind: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if origin is list:
         (item,) = typing.get_args(kind) or (Any,)
-        return isinstance(value, list) and all(_is_instance(v, item) for v in value)
+        if not isinstance(value, list):
+            return False
+        if item is int and all(type(v) is int for v in value):   # token ids: ~10x faster
+            return True
+        return all(_is_instance(v, item) for v in value)
     if origin is dict:
         return isinstance(value, dict)
     return isinstance(value, kind)
