@@ -26,6 +26,8 @@ cd "$(dirname "$0")/.."
 FLASHINFER=flashinfer-python==0.6.18.post1
 WHEELS=(apache-tvm-ffi==0.1.15.post2 pyzmq==27.3.0 gguf==0.19.0)
 MODEL=.gpu/smollm2-4layers.gguf
+WHOLE=.gpu/smollm2-135m-shape.gguf
+PYTEST_STOP=(python3 -m pytest -q -x --tb=short -p no:cacheprovider tests/gpu/test_flashinfer.py)
 
 prepare() {
     local py=${VENV:-.venv}/bin/python
@@ -35,6 +37,12 @@ prepare() {
         --platform manylinux2014_x86_64 -d .gpu/whl "$FLASHINFER" "${WHEELS[@]}" || return
     [ -f "$MODEL" ] || "$py" scripts/gguf_cut.py "$MODEL" --layers 4 || return
     du -sh .gpu/whl "$MODEL"
+}
+
+grow_whole() {   # the 4-layer cut grown back to SmolLM2-135M's 30 layers (its shape and
+                 # cost, not its weights), at $WHOLE
+    stage "grow the cut to 30 layers" 30 python3 scripts/gguf_cut.py "$WHOLE" --layers 30 \
+        --model "$MODEL"
 }
 
 stage() {   # stage NAME SECONDS COMMAND...: a heading, the command under a limit, its status
@@ -65,9 +73,8 @@ run() {
     stage "predd --attention flashinfer serving" 60 "${pytest[@]}" -k serves
     # The whole model's shape: the 4-layer cut grown back to 30 layers (blocks 0-3 in
     # turn), so each step costs what SmolLM2-135M's does; its tokens are not the model's.
-    local whole=.gpu/smollm2-135m-shape.gguf
-    stage "grow the cut to 30 layers" 30 python3 scripts/gguf_cut.py "$whole" --layers 30 \
-        --model "$MODEL"
+    local whole=$WHOLE
+    grow_whole
     steps "$whole" "1 512" "64 512" "8 8192"
     for backend in torch flashinfer; do
         SYMPHONY_BENCH_PREDD_ARGS="--device cuda --attention $backend --model $whole" \
@@ -88,14 +95,12 @@ run() {
 # serving predd's generate and pred loop, a SmolLM2-1.7B-shaped step.
 graphs() {
     setup "${1:-.gpu/out}" gpu_graphs.log
-    local pytest=(python3 -m pytest -q -x --tb=short -p no:cacheprovider
-                  tests/gpu/test_flashinfer.py)
+    local pytest=("${PYTEST_STOP[@]}")
     stage "graphs vs eager, flashinfer vs torch, fp16 (first JIT compile)" 240 \
         "${pytest[@]}" -k "(cuda_graphs and fp16) or real_model" -s
     stage "predd serving (flashinfer with graphs)" 90 "${pytest[@]}" -k serves
-    local whole=.gpu/smollm2-135m-shape.gguf
-    stage "grow the cut to 30 layers" 30 python3 scripts/gguf_cut.py "$whole" --layers 30 \
-        --model "$MODEL"
+    local whole=$WHOLE
+    grow_whole
     for shape in "1 512" "64 512"; do
         set -- $shape
         for g in off on; do
@@ -129,13 +134,11 @@ graphs() {
 # programs as processes and as threads.
 buffer() {
     setup "${1:-.gpu/out}" gpu_buffer.log
-    local pytest=(python3 -m pytest -q -x --tb=short -p no:cacheprovider
-                  tests/gpu/test_flashinfer.py)
+    local pytest=("${PYTEST_STOP[@]}")
     stage "graphs vs eager, bf16 (first JIT compile)" 240 \
         "${pytest[@]}" -k "cuda_graphs and bf16" -s
-    local whole=.gpu/smollm2-135m-shape.gguf
-    stage "grow the cut to 30 layers" 30 python3 scripts/gguf_cut.py "$whole" --layers 30 \
-        --model "$MODEL"
+    local whole=$WHOLE
+    grow_whole
     SYMPHONY_BENCH_PREDD_ARGS="--device cuda --attention flashinfer --cuda-graphs on --model $whole" \
         stage "serving, bf16, graphs on: generate, pred loop, pred_sample" 240 \
         python3 scripts/bench_completion.py --programs 1,8,64 --as processes,threads \
