@@ -212,10 +212,17 @@ class KVStore:
     # ------------------------------------------------------------ reading
 
     def slots(self, obj: KVObject, start: int = 0, end: int | None = None) -> np.ndarray:
+        """The flat slot ids of entries [start, end). Only the pages of that range are
+        read: a decode step's one-entry reserve and commit on a long cache stay O(1)
+        (converting all of a 32K-entry object's 2048 pages took 28 us, twice a call a step)."""
         end = obj.length if end is None else end
-        idx = np.arange(start, end)
         ps = self.page_size
-        return np.asarray(obj.pages, dtype=np.int64)[idx // ps] * ps + idx % ps
+        if end <= start:
+            return np.zeros(0, dtype=np.int64)
+        first = start // ps
+        pages = np.asarray(obj.pages[first:(end - 1) // ps + 1], dtype=np.int64)
+        idx = np.arange(start, end)
+        return pages[idx // ps - first] * ps + idx % ps
 
     def page_table(self, obj: KVObject, length: int) -> np.ndarray:
         """The device slots of the pages holding `obj`'s first `length` entries
