@@ -411,7 +411,8 @@ class StatsReply(Reply):
     throttled: int             # EAGAIN replies
     capped_steps: int          # steps the latency bound made smaller
     admission_waits: int       # calls that waited for room on the device
-    logits_rows: dict          # {buffer, frame}: raw pred rows by the way they went back
+    # {buffer, frame}: raw pred rows by the way they went back ({} from an older predd)
+    logits_rows: dict = field(default_factory=dict)
     tiers: dict                # {device|host|disk: {pages_total, pages_used}}
     pages_moved_down: int
     pages_moved_up: int
@@ -643,8 +644,8 @@ def _is_instance(value: Any, kind: Any) -> bool:
         (item,) = typing.get_args(kind) or (Any,)
         if not isinstance(value, list):
             return False
-        if item is int and all(type(v) is int for v in value):   # token ids: ~10x faster
-            return True
+        if item is int:   # token ids: one type() test an item, ~10x faster, the same answers
+            return all(type(v) is int or _is_instance(v, int) for v in value)
         return all(_is_instance(v, item) for v in value)
     if origin is dict:
         return isinstance(value, dict)

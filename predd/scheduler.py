@@ -19,12 +19,14 @@ decode are the same thing). Rules:
   the flooder's throughput.
 * Adaptive launch: after a step, the objects whose calls finished in it are *expected*
   to send their next call. The next step waits for them, but no longer than
-  `wait_factor * last step time`, or, where the expected objects have been seen to come
-  back later than that, until 90% of them are due (each object's return time is
-  learned: a decaying maximum of how long its next call took after a step), at most
-  one step time; always capped at `max_wait_s`. An object that did not come back within
-  a step is not waited for past `wait_factor` until it comes back quickly again. With
-  nothing expected, or a full batch already waiting, it launches at once — unless an
+  `wait_factor * last step time`, or, where the expected objects come back later than
+  that, until 9 in 10 of them are due, at most one step time; always capped at
+  `max_wait_s`. Each object's return time is learned: a call that comes during the
+  hold gives it exactly (a decaying maximum of the samples); one that misses the hold
+  cannot be timed (predd handles it after the step) and raises its object's time to
+  1.25 times the hold it missed, so the hold climbs until the programs make it — or
+  reaches its cap, and then that object is not waited for until it comes back within
+  a hold again. With nothing expected, or a full batch already waiting, it launches at once — unless an
   expected object belongs to a uid with nothing queued: a pred loop is not left behind
   another uid's flood. (On a GPU, steps of 3-5 ms are shorter than a program's round trip
   with 64 programs on 16 cores; holding only 0.3 of a step split them into two cohorts
@@ -40,8 +42,9 @@ from dataclasses import dataclass, field
 from predd.calls import Call
 
 RETURN_DECAY = 0.8        # an object's learned return time decays by this a return
+RETURN_RAISE = 1.25       # ... and is raised to this times a hold it missed
 RETURN_QUANTILE = 0.9     # the hold waits until this share of the expected objects are due
-RETURN_STEPS = 1.0        # ... if they are due within this many step times
+RETURN_STEPS = 1.0        # ... if that is within this many step times
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class Scheduler:
         self.waited_s = 0.0                        # total adaptive-launch waiting
         self._returns: dict[int, float] = {}       # oid -> learned seconds to its next call
         self._hold_s = 0.0                         # the hold after the last step
+        self._hold_cap = 0.0                       # ... and the most it could have been
         self.cost = StepCost()
         self.steps = 0
         self._active: dict[int, tuple[float, int]] = {}   # uid -> (time, tokens) of its last call
@@ -231,23 +235,33 @@ class Scheduler:
         self._returns.pop(oid, None)
 
     def _learn(self, oid: int, seconds: float) -> None:
-        """An expected object's call came `seconds` after the step's end: a decaying
-        maximum, up at once, down by RETURN_DECAY a return (after a miss, `update`'s
-        math.inf, the sample itself)."""
+        """An expected object's call came `seconds` after the step's end, within the
+        hold: a decaying maximum, up at once, down by RETURN_DECAY a return."""
         before = self._returns.get(oid, math.inf)
         self._returns[oid] = seconds if math.isinf(before) else max(seconds,
                                                                     RETURN_DECAY * before)
 
+    def _missed(self, oid: int) -> None:
+        """An expected object's call did not come before the step ended: its time is
+        raised past the hold it missed, or, where that hold was already at its cap,
+        math.inf (not waited for until a call of it comes within a hold)."""
+        if self._hold_s >= self._hold_cap:
+            self._returns[oid] = math.inf
+        else:
+            self._returns[oid] = max(self._returns.get(oid, 0.0), RETURN_RAISE * self._hold_s)
+
     def _hold(self, step_time: float) -> float:
         """How long the next launch may wait for the expected objects: `wait_factor` of
-        the step, or until RETURN_QUANTILE of those with a learned return time within one
-        step are due; within `max_wait_s`."""
-        base = self.config.wait_factor * step_time
-        most = RETURN_STEPS * step_time
-        due = sorted(r for o in self.expected if (r := self._returns.get(o, math.inf)) <= most)
-        if due:
-            base = max(base, due[math.ceil(RETURN_QUANTILE * len(due)) - 1])
-        return min(base, most, self.config.max_wait_s)
+        the step, or until RETURN_QUANTILE of them are due (an object not yet timed counts
+        as due at once, one not waited for as never) where that is within RETURN_STEPS
+        step times; within `max_wait_s`. Sets the cap `_missed` compares with."""
+        self._hold_cap = min(RETURN_STEPS * step_time, self.config.max_wait_s)
+        base = min(self.config.wait_factor * step_time, self._hold_cap)
+        if not self.expected:
+            return base
+        due = sorted(self._returns.get(o, 0.0) for o in self.expected)
+        last = due[math.ceil(RETURN_QUANTILE * len(due)) - 1]
+        return max(base, last) if last <= self._hold_cap else base
 
     # ------------------------------------------------------------ planning
 
@@ -357,8 +371,8 @@ class Scheduler:
             else:
                 self._scale = min(self._scale * 1.1, 1.0)
         self.steps += 1
-        for oid in self.expected:        # not back within this step: not waited for
-            self._returns[oid] = math.inf
+        for oid in self.expected:        # not back before this step ended
+            self._missed(oid)
         self.expected = set()
         self._expected_uid = {}
         for item in plan.items:

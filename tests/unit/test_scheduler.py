@@ -305,28 +305,74 @@ def step_all(s, now: float, step_time: float = 0.5) -> None:
     s.update(plan, {i.call.cid for i in plan.items}, now=now, step_time=step_time)
 
 
-def test_the_hold_stretches_to_when_expected_objects_came_back_before():
-    """With 0.25 of a 0.5 s step, programs whose calls came 0.375 s after a step would
-    miss every launch: the hold learns each object's return time and waits for them,
-    within one step and max_wait_s."""
-    s = make(wait_factor=0.25, max_wait_s=1.0)
-    for oid in (10, 20, 30):
+def test_the_hold_learns_from_calls_in_time_and_climbs_past_a_missed_one():
+    """A call that comes during the hold gives its object's return time (a decaying
+    maximum); one that misses it is handled after the step (predd has one thread), so
+    it only raises its object's time to 1.25 times the hold it missed."""
+    s = make(wait_factor=0.25, max_wait_s=1.0)            # hold 0.125 of a 0.5 s step
+    for oid in (10, 20):
         submit(s, oid, oid, 1)
     step_all(s, now=1.0)
-    submit(s, 99, 99, 1, now=1.0)                                    # another is ready
-    assert s.expected == {10, 20, 30} and s.wait_time(1.0) == 0.125   # nothing learned
-    submit(s, 10, 10, 1, now=1.375)
-    submit(s, 20, 20, 1, now=1.25)                                   # 30 does not come
-    step_all(s, now=2.0)
-    assert s._returns == {10: 0.375, 20: 0.25, 30: math.inf}
-    submit(s, 99, 99, 1, now=2.0)
-    assert s.wait_time(2.0) == 0.375          # until 10 and 20 are due; 30 not waited for
-    submit(s, 10, 10, 1, now=2.0625)          # 10 comes back sooner: its time decays
-    assert s._returns[10] == 0.8 * 0.375 and s.wait_time(2.0625) == 0.3125
-    submit(s, 20, 20, 1, now=2.125)
-    assert s.expected == set() and s.wait_time(2.125) == 0.0        # all back: go
+    assert s.expected == {10, 20} and s.wait_time(1.0) is None      # nothing queued
+    submit(s, 10, 10, 1, now=1.0625)                      # in time: learned
+    assert s._returns == {10: 0.0625} and s.wait_time(1.0625) == 0.0625
+    step_all(s, now=2.0)                                  # 20 missed a hold of 0.125
+    assert s._returns == {10: 0.0625, 20: 0.15625} and s.expected == {10}
+    submit(s, 20, 20, 1, now=2.0)                         # handled after the step: no sample
+    submit(s, 10, 10, 1, now=2.03125)
+    assert s._returns == {10: 0.05, 20: 0.15625}          # 0.8 * 0.0625
+    step_all(s, now=3.0)
+    submit(s, 99, 99, 1, now=3.0)                         # another is ready
+    assert s.wait_time(3.0) == 0.15625                    # until 20 is due, not 0.125
+    submit(s, 20, 20, 1, now=3.125)                       # in time now: its own time
+    assert s._returns[20] == 0.125 and s.wait_time(3.125) == 0.03125   # 10 still due
+    submit(s, 10, 10, 1, now=3.125)
+    assert s.expected == set() and s.wait_time(3.125) == 0.0          # all back: go
     s.forget(10)
     assert 10 not in s._returns
+
+
+def run_loop(s, returns: list[float], steps: int, step_time: float = 0.5) -> list[int]:
+    """predd's loop over `s` with one program per object, whose next call comes
+    `returns[oid]` after the step that answered it: calls that come while a launch is
+    held are handled as they come, those that come during a step after it. The batch
+    size of every step."""
+    arrivals: list[tuple[float, int]] = []
+    for oid in range(len(returns)):
+        submit(s, oid, oid, 1, now=0.0)
+    now, sizes = 0.0, []
+    for _ in range(steps):
+        while True:
+            wait = s.wait_time(now)
+            come = arrivals[0][0] if arrivals else math.inf
+            if wait is not None and now + wait <= come:
+                now += wait
+                break
+            t, oid = arrivals.pop(0)
+            now = max(now, t)
+            submit(s, oid, oid, 1, now=now)
+        plan = s.schedule()
+        sizes.append(len(plan.items))
+        now += step_time
+        s.update(plan, {i.call.cid for i in plan.items}, now=now, step_time=step_time)
+        late = [a for a in arrivals if a[0] <= now]       # came during the step
+        arrivals = [a for a in arrivals if a[0] > now]
+        for _, oid in late:
+            submit(s, oid, oid, 1, now=now)
+        arrivals = sorted(arrivals + [(now + returns[i.call.oid], i.call.oid)
+                                      for i in plan.items])
+    return sizes
+
+
+def test_programs_slower_than_the_base_hold_end_up_in_one_batch():
+    """16 programs answering 0.4-0.55 of a step after it (a GPU's short steps): with a
+    hold of 0.25 of a step they would miss every launch and split into cohorts; the
+    learned hold climbs until all of them make it."""
+    returns = [0.2 + 0.005 * i for i in range(16)]        # 0.2 .. 0.275 s of a 0.5 s step
+    sizes = run_loop(make(wait_factor=0.25, max_wait_s=1.0), returns, 80)[-40:]
+    # (a hold of 0.25 of a step alone: 15, 1, 15, 1, ...: a mean of 8). The slowest tenth
+    # is not waited for, so it sometimes runs a step later: 14-16 a step.
+    assert min(sizes) >= 14 and sum(sizes) / len(sizes) >= 14.5
 
 
 def test_the_learned_hold_waits_for_nine_in_ten_and_at_most_a_step():
@@ -345,7 +391,7 @@ def test_the_learned_hold_waits_for_nine_in_ten_and_at_most_a_step():
     submit(s2, 1, 1, 1, now=1.4375)
     step_all(s2, now=2.0)
     submit(s2, 2, 2, 1, now=2.0)
-    assert s2.wait_time(2.0) == 0.1875        # max_wait_s
+    assert s2.wait_time(2.0) == 0.125         # 0.4375 is past max_wait_s: not waited for
     s3 = make(wait_factor=0.25, max_wait_s=1.0)
     submit(s3, 1, 1, 1)
     step_all(s3, now=1.0)
@@ -353,6 +399,14 @@ def test_the_learned_hold_waits_for_nine_in_ten_and_at_most_a_step():
     step_all(s3, now=2.0, step_time=0.375)    # 0.4375 is more than a step of 0.375
     submit(s3, 2, 2, 1, now=2.0)
     assert s3.wait_time(2.0) == 0.09375       # not waited for: wait_factor's 0.25 * 0.375
+    s4 = make(wait_factor=0.25, max_wait_s=1.0)
+    s4.expected = set(range(1, 11))          # ten expected, none timed yet: due at once
+    s4._returns = {1: 0.46875}                # one slow (or hostile) object of ten
+    assert s4._hold(0.5) == 0.125             # cannot hold the other nine
+    s4._returns[2] = 0.4375                   # two of ten: the 9th is due at 0.4375
+    assert s4._hold(0.5) == 0.4375
+    s4._returns.update({1: math.inf, 2: math.inf})   # both not waited for: the 9th never due
+    assert s4._hold(0.5) == 0.125
 
 
 def test_no_wait_when_a_full_batch_is_waiting():
