@@ -25,10 +25,10 @@ decode are the same thing). Rules:
   hold gives it exactly (a decaying maximum of the samples); one that misses the hold
   cannot be timed (predd handles it after the step) and raises its object's time to
   1.25 times the hold it missed, so the hold climbs until the programs make it — or
-  reaches its cap, and then that object is not waited for until it comes back within
-  a hold again. With nothing expected, or a full batch already waiting, it launches at once — unless an
-  expected object belongs to a uid with nothing queued: a pred loop is not left behind
-  another uid's flood. (On a GPU, steps of 3-5 ms are shorter than a program's round trip
+  passes its cap, and then that object is not waited for until a call of it comes
+  within a hold again. With nothing expected, or a full batch already waiting, it
+  launches at once — unless an expected object belongs to a uid with nothing queued: a
+  pred loop is not left behind another uid's flood. (On a GPU, steps of 3-5 ms are shorter than a program's round trip
   with 64 programs on 16 cores; holding only 0.3 of a step split them into two cohorts
   that alternated, each step half full.)
 """

@@ -1,6 +1,7 @@
 """Wire validation: every bad input is a ProtocolError with an errno name, nothing else."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import msgpack
@@ -278,6 +279,17 @@ def test_a_reply_missing_a_field_is_ebadmsg():
     assert code(lambda: p.decode_reply("pred", {"rid": 1, "ok": True, "logits": {
         "shape": [1, 2], "dtype": "float32"}, "cost": COST_WIRE})) == "EBADMSG"   # no frame
     assert code(lambda: p.decode_reply("nope", {"rid": 1, "ok": True})) == "ENOSYS"
+
+
+def test_a_stats_reply_of_an_older_predd_has_no_logits_rows():
+    """`logits_rows` came later than the other stats: a reply without it decodes to {}."""
+    wire = {f.name: 0 for f in dataclasses.fields(p.StatsReply)}
+    wire.update(rid=1, ok=True, mean_batch=0.0, tiers={}, time_ms={}, queue_wait_hist={},
+                step_hist={}, queue_wait_ms=0.0, step_ms=0.0, launch_wait_ms=0.0,
+                uptime_s=0.0, logits_rows={"buffer": 3, "frame": 1})
+    assert p.decode_reply("stats", wire).logits_rows == {"buffer": 3, "frame": 1}
+    del wire["logits_rows"]
+    assert p.decode_reply("stats", wire).logits_rows == {}
 
 
 def test_check_rights():
