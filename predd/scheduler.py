@@ -18,33 +18,20 @@ decode are the same thing). Rules:
   from one uid then slows another uid's decode by about that factor, at the cost of
   the flooder's throughput.
 * Adaptive launch: after a step, the objects whose calls finished in it are *expected*
-  to send their next call. The next step waits for them, but no longer than
-  `wait_factor * last step time`, or, where the expected objects come back later than
-  that, until 9 in 10 of them are due, at most one step time; always capped at
-  `max_wait_s`. Each object's return time is learned: a call that comes during the
-  hold gives it exactly (a decaying maximum of the samples); one that misses the hold
-  cannot be timed (predd handles it after the step) and raises its object's time to
-  1.25 times the hold it missed, so the hold climbs until the programs make it — or
-  passes its cap, and then that object is not waited for until a call of it comes
-  within a hold again. With nothing expected, or a full batch already waiting, it
-  launches at once — unless an expected object belongs to a uid with nothing queued: a
-  pred loop is not left behind another uid's flood. (On a GPU, steps of 3-5 ms are shorter than a program's round trip
-  with 64 programs on 16 cores; holding only 0.3 of a step split them into two cohorts
-  that alternated, each step half full.)
+  to send their next call. The next step waits for them as long as
+  predd/returns.py's hold (0.3 of the step, or until 9 in 10 of them are due by their
+  learned return times; at most a step and `max_wait_s`); with nothing expected, or a
+  full batch already waiting, it launches at once — unless an expected object belongs
+  to a uid with nothing queued: a pred loop is not left behind another uid's flood.
 """
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from predd.calls import Call
-
-RETURN_DECAY = 0.8        # an object's learned return time decays by this a return
-RETURN_RAISE = 1.25       # ... and is raised to this times a hold it missed
-RETURN_QUANTILE = 0.9     # the hold waits until this share of the expected objects are due
-RETURN_STEPS = 1.0        # ... if that is within this many step times
+from predd.returns import ReturnTimes
 
 
 @dataclass(frozen=True)
@@ -161,9 +148,7 @@ class Scheduler:
         self.last_step_end = 0.0
         self.last_step_time = 0.0
         self.waited_s = 0.0                        # total adaptive-launch waiting
-        self._returns: dict[int, float] = {}       # oid -> learned seconds to its next call
-        self._hold_s = 0.0                         # the hold after the last step
-        self._hold_cap = 0.0                       # ... and the most it could have been
+        self.returns = ReturnTimes()               # when expected objects come back
         self.cost = StepCost()
         self.steps = 0
         self._active: dict[int, tuple[float, int]] = {}   # uid -> (time, tokens) of its last call
@@ -178,7 +163,7 @@ class Scheduler:
         call.arrival = now
         self._queues.setdefault(call.oid, []).append(call)
         if call.oid in self.expected:
-            self._learn(call.oid, max(now - self.last_step_end, 0.0))
+            self.returns.came(call.oid, max(now - self.last_step_end, 0.0))
             self.expected.discard(call.oid)
         self._count(call, 1)
         self._active[call.uid] = (now, min(call.total, self.config.token_budget))
@@ -232,36 +217,7 @@ class Scheduler:
 
     def forget(self, oid: int) -> None:
         self.expected.discard(oid)
-        self._returns.pop(oid, None)
-
-    def _learn(self, oid: int, seconds: float) -> None:
-        """An expected object's call came `seconds` after the step's end, within the
-        hold: a decaying maximum, up at once, down by RETURN_DECAY a return."""
-        before = self._returns.get(oid, math.inf)
-        self._returns[oid] = seconds if math.isinf(before) else max(seconds,
-                                                                    RETURN_DECAY * before)
-
-    def _missed(self, oid: int) -> None:
-        """An expected object's call did not come before the step ended: its time is
-        raised past the hold it missed, or, where that hold was already at its cap,
-        math.inf (not waited for until a call of it comes within a hold)."""
-        if self._hold_s >= self._hold_cap:
-            self._returns[oid] = math.inf
-        else:
-            self._returns[oid] = max(self._returns.get(oid, 0.0), RETURN_RAISE * self._hold_s)
-
-    def _hold(self, step_time: float) -> float:
-        """How long the next launch may wait for the expected objects: `wait_factor` of
-        the step, or until RETURN_QUANTILE of them are due (an object not yet timed counts
-        as due at once, one not waited for as never) where that is within RETURN_STEPS
-        step times; within `max_wait_s`. Sets the cap `_missed` compares with."""
-        self._hold_cap = min(RETURN_STEPS * step_time, self.config.max_wait_s)
-        base = min(self.config.wait_factor * step_time, self._hold_cap)
-        if not self.expected:
-            return base
-        due = sorted(self._returns.get(o, 0.0) for o in self.expected)
-        last = due[math.ceil(RETURN_QUANTILE * len(due)) - 1]
-        return max(base, last) if last <= self._hold_cap else base
+        self.returns.forget(oid)
 
     # ------------------------------------------------------------ planning
 
@@ -315,7 +271,7 @@ class Scheduler:
                 or sum(c.remaining for c in heads) >= self.config.token_budget)
         if full and {self._expected_uid.get(o) for o in self.expected} <= {c.uid for c in heads}:
             return 0.0
-        return max(0.0, self.last_step_end + self._hold_s - now)
+        return max(0.0, self.last_step_end + self.returns.hold_s - now)
 
     def schedule(self, admit: Callable[[Call], bool | None] = lambda call: True) -> Plan:
         """The next step's batch. `admit` is asked before a call's first chunk (the
@@ -372,7 +328,7 @@ class Scheduler:
                 self._scale = min(self._scale * 1.1, 1.0)
         self.steps += 1
         for oid in self.expected:        # not back before this step ended
-            self._missed(oid)
+            self.returns.missed(oid)
         self.expected = set()
         self._expected_uid = {}
         for item in plan.items:
@@ -390,7 +346,8 @@ class Scheduler:
             del self._active[uid]
         # An object with a queued call is not waited for.
         self.expected -= set(self._queues)
-        self._hold_s = self._hold(step_time)
+        self.returns.plan(self.expected, step_time, self.config.wait_factor,
+                          self.config.max_wait_s)
 
     def note_wait(self, seconds: float) -> None:
         self.waited_s += seconds

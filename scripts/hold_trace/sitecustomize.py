@@ -1,8 +1,9 @@
 """A measuring hook for predd's adaptive-launch hold (docs/benchmarks.md, "Learning when
 programs come back"), loaded by putting this folder on PYTHONPATH: with HOLD_TRACE=FILE,
-every predd started with that environment appends to FILE at exit the percentiles of its
-objects' return times, its holds, its step times and its expected objects per step;
-HOLD_STEPS=N sets predd.scheduler.RETURN_STEPS. Other processes only get a path hook.
+every predd started with that environment appends to FILE at exit the percentiles of the
+return times of calls that came within a hold, its holds, its step times and its
+expected objects per step; HOLD_STEPS=N sets predd.returns.RETURN_STEPS. Other
+processes only get a path hook.
 
     PYTHONPATH=$PWD:$PWD/scripts/hold_trace HOLD_TRACE=/tmp/hold.txt \
         python3 scripts/bench_completion.py --programs 64 --modes pred_sample ...
@@ -18,21 +19,22 @@ if os.environ.get("HOLD_TRACE"):
     def patch(m):
         if os.environ.get("HOLD_STEPS"):
             m.RETURN_STEPS = float(os.environ["HOLD_STEPS"])
-        S = m.Scheduler
+        R = m.ReturnTimes
         samples, holds, steps, expected = [], [], [], []
-        learn, update = S._learn, S.update
+        came, plan = R.came, R.plan
 
-        def _learn(self, oid, seconds):
+        def _came(self, oid, seconds):
             samples.append(seconds)
-            return learn(self, oid, seconds)
+            return came(self, oid, seconds)
 
-        def upd(self, plan, finished, now, step_time):
-            update(self, plan, finished, now, step_time)
-            holds.append(self._hold_s)
+        def _plan(self, exp, step_time, wait_factor, max_wait_s):
+            hold = plan(self, exp, step_time, wait_factor, max_wait_s)
+            holds.append(hold)
             steps.append(step_time)
-            expected.append(len(self.expected))
+            expected.append(len(exp))
+            return hold
 
-        S._learn, S.update = _learn, upd
+        R.came, R.plan = _came, _plan
 
         def dump():
             def pct(xs):
@@ -50,7 +52,7 @@ if os.environ.get("HOLD_TRACE"):
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "predd.scheduler":
+            if name != "predd.returns":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)

@@ -315,21 +315,21 @@ def test_the_hold_learns_from_calls_in_time_and_climbs_past_a_missed_one():
     step_all(s, now=1.0)
     assert s.expected == {10, 20} and s.wait_time(1.0) is None      # nothing queued
     submit(s, 10, 10, 1, now=1.0625)                      # in time: learned
-    assert s._returns == {10: 0.0625} and s.wait_time(1.0625) == 0.0625
+    assert s.returns.times == {10: 0.0625} and s.wait_time(1.0625) == 0.0625
     step_all(s, now=2.0)                                  # 20 missed a hold of 0.125
-    assert s._returns == {10: 0.0625, 20: 0.15625} and s.expected == {10}
+    assert s.returns.times == {10: 0.0625, 20: 0.15625} and s.expected == {10}
     submit(s, 20, 20, 1, now=2.0)                         # handled after the step: no sample
     submit(s, 10, 10, 1, now=2.03125)
-    assert s._returns == {10: 0.05, 20: 0.15625}          # 0.8 * 0.0625
+    assert s.returns.times == {10: 0.05, 20: 0.15625}          # 0.8 * 0.0625
     step_all(s, now=3.0)
     submit(s, 99, 99, 1, now=3.0)                         # another is ready
     assert s.wait_time(3.0) == 0.15625                    # until 20 is due, not 0.125
     submit(s, 20, 20, 1, now=3.125)                       # in time now: its own time
-    assert s._returns[20] == 0.125 and s.wait_time(3.125) == 0.03125   # 10 still due
+    assert s.returns.times[20] == 0.125 and s.wait_time(3.125) == 0.03125   # 10 still due
     submit(s, 10, 10, 1, now=3.125)
     assert s.expected == set() and s.wait_time(3.125) == 0.0          # all back: go
     s.forget(10)
-    assert 10 not in s._returns
+    assert 10 not in s.returns.times
 
 
 def run_loop(s, returns: list[float], steps: int, step_time: float = 0.5) -> list[int]:
@@ -401,12 +401,12 @@ def test_the_learned_hold_waits_for_nine_in_ten_and_at_most_a_step():
     assert s3.wait_time(2.0) == 0.09375       # not waited for: wait_factor's 0.25 * 0.375
     s4 = make(wait_factor=0.25, max_wait_s=1.0)
     s4.expected = set(range(1, 11))          # ten expected, none timed yet: due at once
-    s4._returns = {1: 0.46875}                # one slow (or hostile) object of ten
-    assert s4._hold(0.5) == 0.125             # cannot hold the other nine
-    s4._returns[2] = 0.4375                   # two of ten: the 9th is due at 0.4375
-    assert s4._hold(0.5) == 0.4375
-    s4._returns.update({1: math.inf, 2: math.inf})   # both not waited for: the 9th never due
-    assert s4._hold(0.5) == 0.125
+    s4.returns.times = {1: 0.46875}                # one slow (or hostile) object of ten
+    assert s4.returns.plan(s4.expected, 0.5, 0.25, 1.0) == 0.125             # cannot hold the other nine
+    s4.returns.times[2] = 0.4375                   # two of ten: the 9th is due at 0.4375
+    assert s4.returns.plan(s4.expected, 0.5, 0.25, 1.0) == 0.4375
+    s4.returns.times.update({1: math.inf, 2: math.inf})   # both not waited for: the 9th never due
+    assert s4.returns.plan(s4.expected, 0.5, 0.25, 1.0) == 0.125
 
 
 def test_no_wait_when_a_full_batch_is_waiting():
