@@ -227,7 +227,8 @@ def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
                         f"mean batch {(after['calls'] - before['calls']) / steps:.1f}, step "
                         f"{(after['step_ms'] - before['step_ms']) / steps:.1f} ms, launch wait "
                         f"{after['launch_wait_ms'] - before['launch_wait_ms']:.0f} ms, "
-                        f"logits rows {rows(before, after)}; ms a step: {split(before, after, steps)}")
+                        f"logits rows {rows(before, after)}; "
+                        f"ms a step: {split(before, after, steps)}")
     return results
 
 

@@ -69,7 +69,8 @@ def main() -> int:
     times.sort()
     graphs = f", CUDA graphs ({runner.graphs.replays} replays)" if runner.graphs else ""
     print(f"{runner.backend.name}, {runner.linear}{graphs}, {args.device} {args.dtype}: "
-          f"calls {args.calls} context {args.context} (shared {shared * PAGE}): best {times[0] * 1e3:.1f} ms, "
+          f"calls {args.calls} context {args.context} (shared {shared * PAGE}): "
+          f"best {times[0] * 1e3:.1f} ms, "
           f"median {times[len(times) // 2] * 1e3:.1f} ms a step")
     return 0
 

@@ -10,6 +10,7 @@ import math
 import pytest
 
 from predd.calls import Call
+from predd.returns import ReturnTimes
 from predd.scheduler import Plan, PlanItem, Scheduler, SchedulerConfig, StepCost
 
 
@@ -399,14 +400,13 @@ def test_the_learned_hold_waits_for_nine_in_ten_and_at_most_a_step():
     step_all(s3, now=2.0, step_time=0.375)    # 0.4375 is more than a step of 0.375
     submit(s3, 2, 2, 1, now=2.0)
     assert s3.wait_time(2.0) == 0.09375       # not waited for: wait_factor's 0.25 * 0.375
-    s4 = make(wait_factor=0.25, max_wait_s=1.0)
-    s4.expected = set(range(1, 11))          # ten expected, none timed yet: due at once
-    s4.returns.times = {1: 0.46875}                # one slow (or hostile) object of ten
-    assert s4.returns.plan(s4.expected, 0.5, 0.25, 1.0) == 0.125             # cannot hold the other nine
-    s4.returns.times[2] = 0.4375                   # two of ten: the 9th is due at 0.4375
-    assert s4.returns.plan(s4.expected, 0.5, 0.25, 1.0) == 0.4375
-    s4.returns.times.update({1: math.inf, 2: math.inf})   # both not waited for: the 9th never due
-    assert s4.returns.plan(s4.expected, 0.5, 0.25, 1.0) == 0.125
+    r, ten = ReturnTimes(), range(1, 11)      # ten expected, none timed yet: due at once
+    r.times = {1: 0.46875}                    # one slow (or hostile) object of ten
+    assert r.plan(ten, 0.5, 0.25, 1.0) == 0.125          # cannot hold the other nine
+    r.times[2] = 0.4375                       # two of ten: the 9th is due at 0.4375
+    assert r.plan(ten, 0.5, 0.25, 1.0) == 0.4375
+    r.times.update({1: math.inf, 2: math.inf})           # neither waited for: the 9th never
+    assert r.plan(ten, 0.5, 0.25, 1.0) == 0.125
 
 
 def test_no_wait_when_a_full_batch_is_waiting():
