@@ -133,16 +133,21 @@ graphs() {
 # each run's log line counts rows by the way they went back) and pred_sample, 1/8/64
 # programs as processes and as threads.
 buffer() {
-    setup "${1:-.gpu/out}" gpu_buffer.log
+    local out=${1:-.gpu/out}
+    setup "$out" gpu_buffer.log
     local pytest=("${PYTEST_STOP[@]}")
     stage "graphs vs eager, bf16 (first JIT compile)" 240 \
         "${pytest[@]}" -k "cuda_graphs and bf16" -s
     local whole=$WHOLE
     grow_whole
+    # each run's log line has predd's split of a step; the launch hold's trace (its
+    # objects' return times and holds, scripts/hold_trace) goes to OUT/hold_trace.txt
     SYMPHONY_BENCH_PREDD_ARGS="--device cuda --attention flashinfer --cuda-graphs on --model $whole" \
+        PYTHONPATH="$PYTHONPATH:$PWD/scripts/hold_trace" HOLD_TRACE="$out/hold_trace.txt" \
         stage "serving, bf16, graphs on: generate, pred loop, pred_sample" 240 \
         python3 scripts/bench_completion.py --programs 1,8,64 --as processes,threads \
         --modes generate,pred_loop,pred_sample --baselines "" --repeat 1 --dtype bfloat16
+    cat "$out/hold_trace.txt"
 }
 
 steps() {   # steps MODEL "CALLS CONTEXT"...: the decode step per backend, fp16, best of 20
