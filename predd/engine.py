@@ -428,8 +428,8 @@ class Engine:
         if not call.generating:
             reply = outputs.pred_reply(call, cost)
             if isinstance(reply, p.PredLogits):
-                self.counters.logits_rows["buffer" if reply.slot >= 0 else "frame"] += (
-                    reply.shape[0] if reply.shape else 0)
+                self.counters.logits_rows["buffer" if reply.slot >= 0 else "frame"] += \
+                    reply.shape[0]
             self._reply(call.identity, call.rid, reply)
             return True
         token, logprob = outputs.next_token(call)

@@ -217,8 +217,6 @@ class KVStore:
         (converting all of a 32K-entry object's 2048 pages took 28 us, twice a call a step)."""
         end = obj.length if end is None else end
         ps = self.page_size
-        if end <= start:
-            return np.zeros(0, dtype=np.int64)
         first = start // ps
         pages = np.asarray(obj.pages[first:(end - 1) // ps + 1], dtype=np.int64)
         idx = np.arange(start, end)

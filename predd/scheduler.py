@@ -146,7 +146,6 @@ class Scheduler:
         self.expected: set[int] = set()            # oids whose next call we wait for
         self._expected_uid: dict[int, int] = {}    # their uids
         self.last_step_end = 0.0
-        self.last_step_time = 0.0
         self.waited_s = 0.0                        # total adaptive-launch waiting
         self.returns = ReturnTimes()               # when expected objects come back
         self.cost = StepCost()
@@ -319,7 +318,6 @@ class Scheduler:
         """Record a step's outcome. The engine has already grown the `total` of generate
         calls that go on; `finished` holds the cids that are complete."""
         self.last_step_end = now
-        self.last_step_time = step_time
         self.cost.observe(plan.num_tokens, step_time)
         if self._bound_s is not None and plan.items:
             if step_time > 1.05 * self._bound_s:

@@ -187,16 +187,11 @@ def vllm_http(url: str, n_new: int) -> Workload:
 
 # ------------------------------------------------------------------ the systems
 
-def rows(before: dict, after: dict) -> str:
-    """Raw pred rows between two `stats`, by the way they went back."""
-    a, b = after.get("logits_rows", {}), before.get("logits_rows", {})
-    return " ".join(f"{via} {a[via] - b.get(via, 0)}" for via in sorted(a)) or "-"
-
-
-def split(before: dict, after: dict, steps: int) -> str:
-    """Where predd's time went between two `stats`, per step (B4's split)."""
-    a, b = after.get("time_ms", {}), before.get("time_ms", {})
-    return " ".join(f"{k} {(a[k] - b.get(k, 0)) / steps:.1f}" for k in a)
+def changed(before: dict, after: dict, key: str, per: float = 1.0) -> str:
+    """What the map `key` of `stats` (logits_rows, time_ms) gained between two reads,
+    each entry divided by `per` (to 0.1)."""
+    a, b = after.get(key, {}), before.get(key, {})
+    return " ".join(f"{k} {round((a[k] - b.get(k, 0)) / per, 1):g}" for k in a) or "-"
 
 
 def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
@@ -227,8 +222,8 @@ def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
                         f"mean batch {(after['calls'] - before['calls']) / steps:.1f}, step "
                         f"{(after['step_ms'] - before['step_ms']) / steps:.1f} ms, launch wait "
                         f"{after['launch_wait_ms'] - before['launch_wait_ms']:.0f} ms, "
-                        f"logits rows {rows(before, after)}; "
-                        f"ms a step: {split(before, after, steps)}")
+                        f"logits rows {changed(before, after, 'logits_rows')}; "
+                        f"ms a step: {changed(before, after, 'time_ms', steps)}")
     return results
 
 

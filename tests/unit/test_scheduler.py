@@ -443,11 +443,11 @@ def test_only_finished_non_generate_calls_without_queued_successors_are_expected
     assert s.expected == {11}
 
 
-def test_update_records_step_time_and_note_wait_accumulates():
+def test_update_plans_the_hold_from_the_step_time_and_note_wait_accumulates():
     s = make()
     submit(s, 1, 10, 1)
     s.update(s.schedule(), {1}, now=4.0, step_time=0.5)
-    assert (s.last_step_end, s.last_step_time) == (4.0, 0.5)
+    assert (s.last_step_end, s.returns.hold_s) == (4.0, 0.25)   # 0.5 x 0.5 s, max_wait_s
     s.note_wait(0.25)
     s.note_wait(0.125)
     assert s.waited_s == 0.375
