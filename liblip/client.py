@@ -66,6 +66,8 @@ _READ = object()
 FOLLOW_S = 0.05     # a call that does not hold the socket looks again this often
 KEEP_S = 0.1        # the keeper thread's round
 RETRY_S = 0.02      # a reader retries sending this often while not connected
+# zmq's flags as plain ints: its enum.Flag values cost a Python call at every | and &
+NOBLOCK, EVENTS, POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Client:
@@ -332,7 +334,7 @@ class Client:
     def _flush(self, now: float) -> None:
         while self._outbox:
             try:
-                self._dealer.send_multipart(self._outbox[0], zmq.NOBLOCK, copy=False)
+                self._dealer.send_multipart(self._outbox[0], NOBLOCK, copy=False)
             except zmq.Again:   # not connected (yet): retry, or fail in _pump
                 return
             self._outbox.popleft()
@@ -359,7 +361,7 @@ class Client:
                 self._last_heard = self._down_since = now
         if now - self._last_sent >= self._ping_every:
             try:
-                self._dealer.send_multipart([encode_request("ping", -1, {})], zmq.NOBLOCK)
+                self._dealer.send_multipart([encode_request("ping", -1, {})], NOBLOCK)
             except zmq.Again:
                 pass
             self._last_sent = now
@@ -396,9 +398,9 @@ def _received(sock: zmq.Socket, receive: Callable[[int], T]) -> list[T]:
     a zmq.Again raised at the end (an exception a round costs a call ~10 us of CPU).
     Messages come as bytes: the one copy that Frame.bytes made before."""
     got = []
-    while sock.get(zmq.EVENTS) & zmq.POLLIN:
+    while sock.getsockopt(EVENTS) & POLLIN:
         try:
-            got.append(receive(zmq.NOBLOCK))
+            got.append(receive(NOBLOCK))
         except zmq.Again:       # EVENTS said there was one: it went (a reset connection)
             break
     return got
