@@ -202,7 +202,7 @@ class CpuAttention(TorchAttention):
                        + np.arange(len(row_token)) - np.repeat(np.cumsum(n) - n, n) + 1)
         row_pages = np.repeat(tables.indptr[mine].astype(np.int64), n)
         kernel = self.kernel.bind_attention(tables.indices, row_token, row_pages, row_visible,
-                                            int(row_visible.max()))
+                                            int(row_visible.max()), call_rows=n)
         paged = self.cache.kv
         return self._attend(tables, lambda layer, q, out: kernel(q, out, paged[layer]), others)
 

@@ -39,8 +39,9 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c",
-           CSRC / "quant_tiles.c", CSRC / "greedy.c")
-HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h", CSRC / "quant_blocks.h")
+           CSRC / "quant_tiles.c", CSRC / "attention_tiles.c", CSRC / "greedy.c")
+HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h", CSRC / "quant_blocks.h",
+           CSRC / "amx.h")
 LIBRARY = "predd-cpu"
 # -fno-trapping-math: predd never unmasks floating-point exceptions, and without it GCC
 # will not turn a float compare-and-select (exp_approx's clamp) into a vector blend on
@@ -48,6 +49,11 @@ LIBRARY = "predd-cpu"
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 PROBE_TOLERANCE = 1e-4      # float32, another summation order
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}    # the kernels' dtypes
+# a call of this many new tokens or more attends by AMX tiles where they run (bind_attention):
+# 16 query heads x 440 entries, 30 layers, 2 Sapphire Rapids cores: at 2 rows the tiles
+# and the row kernel are even (0.68 / 0.62 ms), at 4 the tiles win (0.83 / 1.10), at 41
+# by 2x (5.1 / 10.4)
+TILE_ROWS = 4
 
 
 class KernelUnavailable(Exception):
@@ -145,6 +151,7 @@ class Kernels:
             "linear_bf16_native": (ctypes.c_int, []),
             "linear_bf16_tiles": (ctypes.c_int, [ctypes.c_int]),
             "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),
+            "paged_attention_tiles_bf16": (ctypes.c_int, attention[:12] + [ptr, ptr, i64, i64, f32]),
             "store_entries": (None, [ptr, ptr, i64, ptr, ptr, i64, i64, i64]),
         }
         for name, (restype, argtypes) in signatures.items():
@@ -178,10 +185,53 @@ class Kernels:
         self.bind_attention(indices, row_token, row_pages, row_visible, max_visible)(q, out, paged)
 
     def bind_attention(self, indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
-                       row_visible: np.ndarray, max_visible: int
+                       row_visible: np.ndarray, max_visible: int,
+                       call_rows: np.ndarray | None = None
                        ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
         """`attend` with one step's rows fixed (their pointers taken once), for every
-        layer: `run(q, out, paged)`."""
+        layer: `run(q, out, paged)`. `call_rows`: how many rows each call has, in row
+        order (each call's rows consecutive tokens); a call of `TILE_ROWS` or more then
+        takes the AMX tile kernel (predd/csrc/attention_tiles.c) where it runs: bf16,
+        pages of 16, head_dim a multiple of 64."""
+        vector = self._bind_rows(indices, row_token, row_pages, row_visible, max_visible)
+        if call_rows is None or not self.bf16_tiles:
+            return vector
+        call_rows = np.ascontiguousarray(call_rows, dtype=np.int64)
+        big = call_rows >= TILE_ROWS
+        if not big.any():
+            return vector
+        call_row = np.ascontiguousarray((np.cumsum(call_rows) - call_rows)[big])
+        chunk_rows = np.ascontiguousarray(call_rows[big])
+        rest = np.repeat(~big, call_rows)
+        others = (self._bind_rows(indices, *(np.ascontiguousarray(a[rest]) for a in
+                                             (row_token, row_pages, row_visible)), max_visible)
+                  if rest.any() else None)
+        tables = (indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
+                  row_visible.ctypes.data, call_row.ctypes.data, chunk_rows.ctypes.data,
+                  len(chunk_rows), max_visible)
+        tiles = self._lib.paged_attention_tiles_bf16
+
+        def run(q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor) -> None:
+            _, _, page_size, kv_heads, head_dim = paged.shape
+            if (q.dtype == torch.bfloat16 and out.dtype == q.dtype and paged.dtype == q.dtype
+                    and q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous()
+                    and paged.is_contiguous() and q.is_cpu
+                    and tiles(q.data_ptr(), q.stride(0), out.data_ptr(), paged.data_ptr(),
+                              page_size, kv_heads, q.shape[1], head_dim, *tables,
+                              head_dim ** -0.5) == 0):
+                if others is not None:
+                    others(q, out, paged)
+                return
+            vector(q, out, paged)            # not a shape the tiles take: every row here
+
+        run.keeps = (vector, others, call_row, chunk_rows, indices, row_token, row_pages,
+                     row_visible)
+        return run
+
+    def _bind_rows(self, indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
+                   row_visible: np.ndarray, max_visible: int
+                   ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+        """bind_attention by paged_attention.c alone: a task per row."""
         rows = len(row_token)
         tables = (indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
                   row_visible.ctypes.data, rows, max_visible)
@@ -474,23 +524,36 @@ def _probe_attention(lib: Kernels) -> float:
     rows over 1, 19 and 40 entries of scattered pages, two query heads per kv head; in
     float32, and in bfloat16 beyond what rounding the output to bf16 explains (half a
     unit in its last place, 2^-8 relative)."""
-    return max(_attention_error(lib, torch.float32),
-               _attention_error(lib, torch.bfloat16, 2.0 ** -8))
+    errors = [_attention_error(lib, torch.float32),
+              _attention_error(lib, torch.bfloat16, 2.0 ** -8)]
+    if lib.bf16_tiles:     # a chunk of 6 rows after 34 entries: the AMX tile kernel
+        errors.append(_attention_error(lib, torch.bfloat16, 2.0 ** -8, chunk=6))
+    return max(errors)
 
 
-def _attention_error(lib: Kernels, dtype: torch.dtype, rounding: float = 0.0) -> float:
+def _attention_error(lib: Kernels, dtype: torch.dtype, rounding: float = 0.0,
+                     chunk: int = 0) -> float:
+    """Three rows over 1, 19 and 40 entries (pages of 4, head_dim 16); or, with `chunk`,
+    one call's `chunk` rows seeing 35.. entries (pages of 16, head_dim 64: the tiles)."""
     gen = torch.Generator().manual_seed(0)
-    ps, kv_heads, heads, d = 4, 2, 4, 16
+    ps, kv_heads, heads, d = (16, 2, 4, 64) if chunk else (4, 2, 4, 16)
     paged = torch.randn(16, 2, ps, kv_heads, d, generator=gen).to(dtype)
-    q = torch.randn(3, heads, d, generator=gen).to(dtype)
-    out = torch.zeros(3, heads, d, dtype=dtype)
+    rows = chunk or 3
+    q = torch.randn(rows, heads, d, generator=gen).to(dtype)
+    out = torch.zeros(rows, heads, d, dtype=dtype)
     indices = np.random.default_rng(0).permutation(16).astype(np.int32)
-    visible = np.array([1, 19, 40], np.int64)
-    starts = np.array([0, 1, 6], np.int64)
-    lib.attend(q, out, paged, indices, np.arange(3, dtype=np.int64), starts, visible, 40)
+    if chunk:
+        visible = np.arange(35, 35 + chunk, dtype=np.int64)
+        starts = np.zeros(chunk, np.int64)
+    else:
+        visible = np.array([1, 19, 40], np.int64)
+        starts = np.array([0, 1, 6], np.int64)
+    lib.bind_attention(indices, np.arange(rows, dtype=np.int64), starts, visible,
+                       int(visible.max()), np.array([chunk], np.int64) if chunk else None)(
+                           q, out, paged)
     paged, q, out = paged.float(), q.float(), out.float()
     worst = 0.0
-    for r in range(3):
+    for r in range(rows):
         pages = torch.from_numpy(indices[starts[r]:].astype(np.int64))[:-(-visible[r] // ps)]
         k = paged[pages, 0].flatten(0, 1)[:visible[r]].repeat_interleave(heads // kv_heads, 1)
         v = paged[pages, 1].flatten(0, 1)[:visible[r]].repeat_interleave(heads // kv_heads, 1)

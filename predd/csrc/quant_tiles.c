@@ -6,12 +6,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "quant_blocks.h"
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(AMX)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX 1
 #define AMX_GROUPS 6                          /* rows of x per pass: 6 tiles of 16 */
 /* one row takes the dot-product kernel: with nothing to share the unpacking with, the
  * tiles' set-up costs more than they save (all of SmolLM2-135M's projections, 2
@@ -46,18 +46,25 @@ static int amx_permitted(void)
     return state;
 }
 
-/* tiles 0..5: the sums of group g (weight rows x rows of x), 6: the weight, 7: x's group;
- * all 16 rows of 64 bytes */
-static void amx_configure(void)
+int amx_ready(void)
 {
-    struct tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
+    return !tiles_off && amx_permitted();
+}
+
+/* here tiles 0..5 are the sums of group g (weight rows x rows of x), 6 the weight, 7
+ * x's group. The configuration is a constant in memory, not built on the stack: GCC
+ * does not count ldtilecfg as reading its operand, and, once this function was no
+ * longer inlined, dropped the stores that built it (the tile unit then faults on the
+ * garbage in its reserved bytes). */
+static const struct tile_config amx_config __attribute__((aligned(64))) = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+void amx_configure(void)
+{
+    _tile_loadconfig(&amx_config);
 }
 
 /* tile numbers are immediates: one case per group */
@@ -122,7 +129,7 @@ static int linear_amx(const int kind, const uint16_t *x, int64_t M, int64_t K,
                       const uint8_t *q, const float *d, const float *m, int64_t N,
                       const float *bias, uint16_t *y)
 {
-    if (M < AMX_MIN_ROWS || tiles_off || !amx_permitted())
+    if (M < AMX_MIN_ROWS || !amx_ready())
         return -1;
     const int64_t blocks = K / BLOCK, tiles = (N + 15) / 16;
     const int64_t most = (M + 15) / 16 < AMX_GROUPS ? (M + 15) / 16 : AMX_GROUPS;

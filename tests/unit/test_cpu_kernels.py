@@ -106,6 +106,46 @@ def test_whole_pages_of_16_in_bfloat16_score_as_the_float32_reference(kv_heads, 
     assert (got == want.to(torch.bfloat16).float()).float().mean() > 0.95
 
 
+TILES = cpu_kernels.problem() is None and cpu_kernels.kernels().bf16_tiles
+
+
+@pytest.mark.skipif(not TILES, reason="no AMX tiles here (or predd's kernels do not build)")
+@pytest.mark.parametrize("kv_heads,heads,head_dim", [(3, 9, 64), (2, 2, 64), (1, 5, 128),
+                                                    (2, 16, 64)])
+def test_chunks_attend_by_tiles_as_the_float32_reference_rounded_once(kv_heads, heads,
+                                                                    head_dim, monkeypatch):
+    """Calls of TILE_ROWS new tokens or more take the AMX tile kernel (chunks after a past
+    and fresh prefills; blocks of 16 query vectors that end inside a row's heads; pasts
+    that end inside a page), the rest the row kernel, in one step; both held to the
+    bound of the bf16 tests above. NaN in the unused entries of a call's last page (an
+    earlier owner's garbage) must not reach any output."""
+    calls = [(9, 1), (8, 8), (30, 9), (64, 41), (100, 64), (47, 3), (17, 17), (29, 12)]
+    ours, ref, tables, (q, k, v) = _step(calls, kv_heads=kv_heads, heads=heads,
+                                         head_dim=head_dim, ps=16, pages=96, seed=3,
+                                         dtype=torch.bfloat16)
+    ref.kv.copy_(ours.kv.float())
+    for i, (kv_len, _) in enumerate(calls):      # (the torch reference reads whole pages)
+        last = tables.indices[tables.indptr[i + 1] - 1]
+        ours.kv[0, last, :, kv_len % 16 or 16:] = float("nan")
+    kernels = cpu_kernels.kernels()
+    tiles, used = kernels._lib.paged_attention_tiles_bf16, []
+    monkeypatch.setattr(kernels._lib, "paged_attention_tiles_bf16",
+                        lambda *a: used.append(a[14]) or tiles(*a))
+    got = CpuAttention(ours).prepare(tables)(0, q, k, v).float()
+    assert used == [6]                       # the six calls of TILE_ROWS (4) or more, a layer
+    want = TorchAttention(ref).prepare(tables)(0, q.float(), k.float(), v.float())
+    ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2 ** -30))) - 7)
+    err = (got - want).abs()
+    assert (err <= ulp + 1e-6).all(), float((err / (ulp + 1e-6)).max())
+    assert (got == want.to(torch.bfloat16).float()).float().mean() > 0.95
+    kernels.use_bf16_tiles(False)            # the row kernel alone: the same bound
+    try:
+        rows = CpuAttention(ours).prepare(tables)(0, q, k, v).float()
+    finally:
+        kernels.use_bf16_tiles(True)
+    assert used == [6] and ((rows - want).abs() <= ulp + 1e-6).all()
+
+
 def test_cpu_backend_sends_calls_of_up_to_kernel_rows_to_the_kernel(monkeypatch):
     """The kernel sees decode rows and the rows of short chunks, after a past or fresh,
     each with the entries it may see (causal within its chunk); a chunk of more than
@@ -115,12 +155,13 @@ def test_cpu_backend_sends_calls_of_up_to_kernel_rows_to_the_kernel(monkeypatch)
     backend = CpuAttention(ours)
     seen = []
     monkeypatch.setattr(backend.kernel, "bind_attention", lambda indices, token, pages,
-                        visible, most: seen.append((token.tolist(), pages.tolist(),
-                                                    visible.tolist(), most)) or (lambda *a: None))
+                        visible, most, call_rows: seen.append((
+                            token.tolist(), pages.tolist(), visible.tolist(), most,
+                            call_rows.tolist())) or (lambda *a: None))
     backend.prepare(tables)(0, q, k, v)
     assert seen == [([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
                      [0, 3, 3, 3, 3, 3, 6, 6, 6, 6, 6, 6],
-                     [9, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5, 6], 11)]
+                     [9, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5, 6], 11, [1, 5, 6])]
 
 
 def test_probe_and_cache(tmp_path, monkeypatch):
