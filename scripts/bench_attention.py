@@ -1,0 +1,86 @@
+"""The cpu attention kernel alone, as a step calls it: `decodes` decode rows over
+`context` entries each and one chunk of `chunk` new tokens after `past` entries, on
+SmolLM2-135M's shape (9 query heads, 3 kv heads, head_dim 64, pages of 16, bfloat16),
+30 layers; best of --reps, with the chunk on AMX tiles (where they run) and with every
+row on the row kernel (predd/csrc/paged_attention.c, attention_tiles.c).
+
+    python scripts/bench_attention.py [--decodes 7] [--chunk 41] [--past 400]
+        [--context 440] [--reps 20] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from predd import cpu_kernels  # noqa: E402
+
+PAGE, KV_HEADS, HEADS, HEAD_DIM, LAYERS = 16, 3, 9, 64, 30
+
+
+def step(kernels: cpu_kernels.Kernels, calls: list[tuple[int, int]], reps: int) -> float:
+    """Best ms for LAYERS layers of `calls` (new tokens, entries before them), each call's
+    pages scattered over the pool."""
+    tables = [-(-(past + n) // PAGE) for n, past in calls]
+    pool = torch.randn(sum(tables) + 8, 2, PAGE, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
+    order = np.random.default_rng(0).permutation(len(pool))[:sum(tables)].astype(np.int32)
+    rows = sum(n for n, _ in calls)
+    q = torch.randn(rows, HEADS, HEAD_DIM).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    token, pages, visible = [], [], []
+    start = 0
+    for (n, past), count in zip(calls, tables):
+        for j in range(n):
+            token.append(len(token))
+            pages.append(start)
+            visible.append(past + j + 1)
+        start += count
+    run = kernels.bind_attention(order, np.array(token, np.int64), np.array(pages, np.int64),
+                                 np.array(visible, np.int64), max(visible),
+                                 call_rows=np.array([n for n, _ in calls], np.int64))
+    best = float("inf")
+    for _ in range(reps):
+        began = time.perf_counter()
+        for _ in range(LAYERS):
+            run(q, out, pool)
+        best = min(best, time.perf_counter() - began)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--decodes", type=int, default=7)
+    ap.add_argument("--chunk", type=int, default=41)
+    ap.add_argument("--past", type=int, default=400)
+    ap.add_argument("--context", type=int, default=440)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    problem = cpu_kernels.problem()
+    if problem:
+        sys.exit(f"bench_attention: predd's kernels are unavailable here: {problem}")
+    kernels = cpu_kernels.kernels()
+    calls = [(1, args.context - 1)] * args.decodes + ([(args.chunk, args.past)]
+                                                      if args.chunk else [])
+    shape = f"{args.decodes} decodes over {args.context}, a chunk of {args.chunk} after {args.past}"
+    if kernels.bf16_tiles:
+        print(f"{shape}: {step(kernels, calls, args.reps):.2f} ms, the chunk on AMX tiles "
+              f"(calls of {cpu_kernels.TILE_ROWS} rows or more)")
+    else:
+        print("bench_attention: no AMX tiles here: the row kernel only")
+    kernels.use_bf16_tiles(False)
+    try:
+        print(f"{shape}: {step(kernels, calls, args.reps):.2f} ms, every row on the row kernel")
+    finally:
+        kernels.use_bf16_tiles(True)
+
+
+if __name__ == "__main__":
+    main()
