@@ -171,8 +171,8 @@ def admit(call: Call, store: KVStore, quotas: Quotas, limits: Limits,
 
 def commit(call: Call, store: KVStore, done: int) -> None:
     """The call's first `done` tokens are computed: make those not yet committed entries."""
-    store.commit(call.oid, np.asarray(call.tokens[call.committed:done], np.int32),
-                 np.asarray(call.positions[call.committed:done], np.int32))
+    store.commit(call.oid, call.tokens[call.committed:done],
+                 call.positions[call.committed:done])
     call.committed = done
 
 

@@ -24,7 +24,7 @@ import itertools
 import struct
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -186,15 +186,21 @@ class KVStore:
         grow = self.pages_for(obj.length + obj.reserved + n) - len(obj.pages)
         return max(grow, 0) + int(self._needs_copy(obj))
 
-    def commit(self, oid: int, tokens: np.ndarray, positions: np.ndarray) -> None:
-        """The next len(tokens) reserved slots now hold K/V: make them entries."""
+    def commit(self, oid: int, tokens: Sequence[int], positions: Sequence[int]) -> None:
+        """The next len(tokens) reserved slots now hold K/V: make them entries (ids and
+        positions as int32 arrays or lists of ints)."""
         obj = self.get(oid)
         n = len(tokens)
         assert n <= obj.reserved, "commit past reservation"
-        slots = self.slots(obj, obj.length, obj.length + n)
         ps = self.page_size
-        self.pool.token_ids[slots // ps, slots % ps] = tokens
-        self.pool.positions[slots // ps, slots % ps] = positions
+        if n == 1:          # a decode step's: two scalar stores, no index arrays
+            page, at = obj.pages[obj.length // ps], obj.length % ps
+            self.pool.token_ids[page, at] = tokens[0]
+            self.pool.positions[page, at] = positions[0]
+        else:
+            slots = self.slots(obj, obj.length, obj.length + n)
+            self.pool.token_ids[slots // ps, slots % ps] = tokens
+            self.pool.positions[slots // ps, slots % ps] = positions
         obj.length += n
         obj.reserved -= n
 

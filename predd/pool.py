@@ -77,6 +77,8 @@ class Pool:
             raise ProtocolError(
                 "ENOSPC", f"KV pool exhausted: need {n} pages, {self.free_pages} free "
                 f"of {self.num_pages}{held}")
+        if not n:           # most decode steps' reservations: no array ops for nothing
+            return []
         pages = [self._free.pop() for _ in range(n)]
         slots = [self._free_slots[DEVICE].pop() for _ in range(n)]
         self.refcount[pages] = 1
