@@ -31,6 +31,15 @@
 #include "bf16.h"
 #include "exp_approx.h"
 
+/* The arguments: as paged_attention.c's, with the calls instead of the rows: call c's
+ * rows are rows call_row[c] .. call_row[c] + call_rows[c] - 1 of row_token / row_pages /
+ * row_visible (its tokens, consecutive in q and out; row_visible rising by one a row). */
+#define TILE_ARGS const void *q, int64_t q_stride, void *out, const void *kv,              \
+    int64_t page_size, int64_t kv_heads, int64_t heads, int64_t head_dim,                   \
+    const int32_t *indices, const int64_t *row_token, const int64_t *row_pages,           \
+    const int64_t *row_visible, const int64_t *call_row, const int64_t *call_rows,        \
+    int64_t calls, int64_t max_visible, float scale
+
 #if defined(AMX)
 #define PAGE 16
 #define ENTRY_STEP 32      /* entries per tile product of the weighted sum: two pages */
@@ -71,14 +80,6 @@ static inline void v_pairs(uint32_t *vb, const uint16_t *const *entry, int64_t v
     }
 }
 
-/* The arguments: as paged_attention.c's, with the calls instead of the rows: call c's
- * rows are rows call_row[c] .. call_row[c] + call_rows[c] - 1 of row_token / row_pages /
- * row_visible (its tokens, consecutive in q and out; row_visible rising by one a row). */
-#define TILE_ARGS const void *q, int64_t q_stride, void *out, const void *kv,              \
-    int64_t page_size, int64_t kv_heads, int64_t heads, int64_t head_dim,                   \
-    const int32_t *indices, const int64_t *row_token, const int64_t *row_pages,           \
-    const int64_t *row_visible, const int64_t *call_row, const int64_t *call_rows,        \
-    int64_t calls, int64_t max_visible, float scale
 
 struct scratch {
     float *s;          /* [16][width] scores, then probabilities */
@@ -242,13 +243,7 @@ int paged_attention_tiles_bf16(TILE_ARGS)
     return failed ? -1 : 0;
 }
 #else
-int paged_attention_tiles_bf16(const void *q, int64_t q_stride, void *out, const void *kv,
-                               int64_t page_size, int64_t kv_heads, int64_t heads,
-                               int64_t head_dim, const int32_t *indices,
-                               const int64_t *row_token, const int64_t *row_pages,
-                               const int64_t *row_visible, const int64_t *call_row,
-                               const int64_t *call_rows, int64_t calls, int64_t max_visible,
-                               float scale)
+int paged_attention_tiles_bf16(TILE_ARGS)
 {
     (void)q; (void)q_stride; (void)out; (void)kv; (void)page_size; (void)kv_heads;
     (void)heads; (void)head_dim; (void)indices; (void)row_token; (void)row_pages;
