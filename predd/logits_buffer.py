@@ -28,7 +28,9 @@ Why it cannot hurt predd or another session:
 * At most `MAX_SLOTS` rows a session, `max_live()` buffers (a quarter of predd's
   open-file limit: each costs a descriptor) and `max_bytes()` of rows in all (the pages
   predd's writes may fill; an eighth of the machine's memory): EMFILE, ENOMEM past them.
-  The descriptor and mapping go with the session.
+  One uid may hold at most half of each (`UID_SHARE`), so no user's sessions can take
+  every buffer from the others; predd's own uid is exempt, as from its other uid
+  limits (predd/quota.py). The descriptor and mapping go with the session.
 A refusal is not an error: hello's reply says why (`logits_buffer`), and the client
 keeps getting frames.
 """
@@ -48,6 +50,7 @@ from liblip.logits_buffer import SEALS, slot_bytes
 from liblip.protocol import ProtocolError
 
 MAX_SLOTS = 64
+UID_SHARE = 2                 # one uid holds at most 1/UID_SHARE of the buffers and bytes
 TMPFS_MAGIC = 0x01021994
 SYS_PIDFD_GETFD = 438         # the same number on every architecture (unified table)
 _STATFS_BYTES = 120           # struct statfs; f_type is its first long
@@ -84,18 +87,31 @@ class LogitsBuffer:
     """The client's memfd, as predd maps it: `slots` rows of `slot_bytes` each."""
     live = 0                 # buffers held now, in this process
     held_bytes = 0           # their slots' bytes
+    of_uid: dict[int, tuple[int, int]] = {}   # uid: (buffers, bytes) it holds now
 
-    def __init__(self, fd: int, view: mmap.mmap, slots: int, row_bytes: int) -> None:
-        self.fd, self.slots, self.slot_bytes = fd, slots, row_bytes
+    def __init__(self, fd: int, view: mmap.mmap, slots: int, row_bytes: int,
+                 uid: int) -> None:
+        self.fd, self.slots, self.slot_bytes, self.uid = fd, slots, row_bytes, uid
         self._view = view          # (with a descriptor of its own)
         self._rows = np.frombuffer(view, dtype=np.float32).reshape(slots, row_bytes // 4)
-        LogitsBuffer.live += 1
-        LogitsBuffer.held_bytes += slots * row_bytes
+        self._count(+1)
+
+    def _count(self, sign: int) -> None:
+        size = sign * self.slots * self.slot_bytes
+        LogitsBuffer.live += sign
+        LogitsBuffer.held_bytes += size
+        live, held = LogitsBuffer.of_uid.get(self.uid, (0, 0))
+        if (live + sign, held + size) == (0, 0):
+            LogitsBuffer.of_uid.pop(self.uid, None)
+        else:
+            LogitsBuffer.of_uid[self.uid] = (live + sign, held + size)
 
     @classmethod
-    def attach(cls, pid: int, fd: int, slots: int, vocab: int, uid: int) -> LogitsBuffer:
+    def attach(cls, pid: int, fd: int, slots: int, vocab: int, uid: int,
+               exempt: bool = False) -> LogitsBuffer:
         """Client `pid`'s descriptor `fd` (of a session of `uid`), checked and mapped
-        for `slots` rows. ProtocolError (its errno and why) when it cannot serve."""
+        for `slots` rows. ProtocolError (its errno and why) when it cannot serve.
+        `exempt`: the uid's share is not checked (predd's own uid)."""
         if not 1 <= slots <= MAX_SLOTS:
             raise ProtocolError("EINVAL", f"logits_slots must be in [1, {MAX_SLOTS}]")
         if not 0 <= fd < 2**31:
@@ -110,6 +126,13 @@ class LogitsBuffer:
         if cls.held_bytes + size > max_bytes():
             raise ProtocolError("ENOMEM", "predd's logits buffers hold their most bytes "
                                 "(an eighth of its memory)")
+        live, held = cls.of_uid.get(uid, (0, 0))
+        if not exempt and live >= max(1, max_live() // UID_SHARE):
+            raise ProtocolError("EMFILE", f"uid {uid} holds {live} logits buffers, its "
+                                f"most (1/{UID_SHARE} of predd's)")
+        if not exempt and held + size > max_bytes() // UID_SHARE:
+            raise ProtocolError("ENOMEM", f"uid {uid}'s logits buffers would hold more "
+                                f"than its share of their bytes (1/{UID_SHARE})")
         mine = _take_fd(pid, fd)
         try:
             _check(mine, size, uid)
@@ -121,7 +144,7 @@ class LogitsBuffer:
         except ProtocolError:
             os.close(mine)
             raise
-        return cls(mine, view, slots, slot_bytes(vocab))
+        return cls(mine, view, slots, slot_bytes(vocab), uid)
 
     @property
     def closed(self) -> bool:
@@ -149,8 +172,7 @@ class LogitsBuffer:
             self._view.close()
             os.close(self.fd)
             self.fd = -1
-            LogitsBuffer.live -= 1
-            LogitsBuffer.held_bytes -= self.slots * self.slot_bytes
+            self._count(-1)
 
 
 def _take_fd(pid: int, fd: int) -> int:

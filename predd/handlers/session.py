@@ -47,7 +47,7 @@ def _attach_logits(e: Engine, s: Session, r: p.Hello) -> str:
         s.logits = None
     try:
         s.logits = LogitsBuffer.attach(s.pid if s.via == "kernel" else 0, r.logits_fd,
-                                       r.logits_slots, e.vocab, s.uid)
+                                       r.logits_slots, e.vocab, s.uid, exempt=s.trusted)
     except ProtocolError as exc:
         return f"{exc.code}: {exc.message}"
     return ""

@@ -24,13 +24,14 @@ VOCAB = 1000                       # 4000 bytes a row: one page a slot
 UID = os.getuid()
 
 
-def attach(fd: int, slots: int = 3, uid: int = UID) -> LogitsBuffer:
-    return LogitsBuffer.attach(os.getpid(), fd, slots, VOCAB, uid)
+def attach(fd: int, slots: int = 3, uid: int = UID, exempt: bool = False) -> LogitsBuffer:
+    return LogitsBuffer.attach(os.getpid(), fd, slots, VOCAB, uid, exempt)
 
 
-def refusal(fd: int, slots: int = 3, pid: int | None = None, uid: int = UID) -> str:
+def refusal(fd: int, slots: int = 3, pid: int | None = None, uid: int = UID,
+            exempt: bool = False) -> str:
     return code(lambda: LogitsBuffer.attach(os.getpid() if pid is None else pid, fd,
-                                            slots, VOCAB, uid))
+                                            slots, VOCAB, uid, exempt))
 
 
 def sealed(size: int, seals: int = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -105,24 +106,55 @@ def test_refusals_are_errno_named():
 
 
 def test_buffers_are_bounded_by_descriptors_and_bytes(monkeypatch):
+    """predd's own limits, for every uid (its own, exempt from the uid share, here)"""
     fds = [sealed(3 * 4096) for _ in range(2)]
     try:
         monkeypatch.setattr(lb, "max_live", lambda: 1)
-        first = attach(fds[0])
-        assert refusal(fds[1]) == "EMFILE"
+        first = attach(fds[0], exempt=True)
+        assert refusal(fds[1], exempt=True) == "EMFILE"
         first.close()
         monkeypatch.setattr(lb, "max_live", lambda: 10)
         monkeypatch.setattr(lb, "max_bytes", lambda: 5 * 4096)
-        first = attach(fds[0])
+        first = attach(fds[0], exempt=True)
         assert LogitsBuffer.held_bytes == 3 * 4096
-        assert refusal(fds[1]) == "ENOMEM"                     # 6 pages > 5
+        assert refusal(fds[1], exempt=True) == "ENOMEM"                     # 6 pages > 5
         first.close()
         first.close()                                          # twice: counted once
         assert (LogitsBuffer.live, LogitsBuffer.held_bytes) == (0, 0)
-        attach(fds[1]).close()
+        attach(fds[1], exempt=True).close()
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_one_uid_holds_at_most_half_of_the_buffers_and_bytes(monkeypatch):
+    other = UID + 1000
+    fds = [sealed(3 * 4096) for _ in range(5)]
+    os.fchown(fds[3], other, -1)                               # memfds of another uid
+    os.fchown(fds[4], other, -1)
+    held: list[LogitsBuffer] = []
+    try:
+        monkeypatch.setattr(lb, "max_live", lambda: 4)         # 2 a uid
+        held += [attach(fds[0]), attach(fds[1])]
+        assert refusal(fds[2]) == "EMFILE"                     # this uid's third
+        held.append(attach(fds[3], uid=other))                 # another uid's first
+        assert LogitsBuffer.of_uid == {UID: (2, 6 * 4096), other: (1, 3 * 4096)}
+        held.append(attach(fds[2], exempt=True))               # predd's own uid: no share
+        for buf in held:
+            buf.close()
+        held.clear()
+        assert LogitsBuffer.of_uid == {}
+        monkeypatch.setattr(lb, "max_bytes", lambda: 8 * 4096)   # 4 pages a uid
+        held.append(attach(fds[0]))
+        assert refusal(fds[1]) == "ENOMEM"                     # 6 pages > 4
+        held.append(attach(fds[4], uid=other))
+        assert (LogitsBuffer.live, LogitsBuffer.held_bytes) == (2, 6 * 4096)
+    finally:
+        for buf in held:
+            buf.close()
+        for fd in fds:
+            os.close(fd)
+    assert (LogitsBuffer.live, LogitsBuffer.held_bytes, LogitsBuffer.of_uid) == (0, 0, {})
 
 
 def test_open_file_limit_is_raised_to_the_hard_one():
