@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cuda-graphs", default="auto", choices=cuda_graphs.CHOICES,
                     help="replay decode steps as CUDA graphs (auto: on CUDA with "
                          "--attention flashinfer; docs/architecture.md)")
+    ap.add_argument("--layer-loop", default="on", choices=("on", "off"),
+                    help="on (default): run a step's layers in one C call where every "
+                         "piece of it runs on predd's CPU kernels (docs/architecture.md)")
     ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")
@@ -166,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                                      args.kv_pages, args.page_size, backend,
                                      threads=threads, linear=args.linear,
                                      quant_rows=args.quant_rows,
-                                     cuda_graphs=args.cuda_graphs, max_batch=args.max_batch),
+                                     cuda_graphs=args.cuda_graphs, max_batch=args.max_batch,
+                                     layer_loop=args.layer_loop == "on"),
                         progress=log, tp=tp)
         if tp:
             tp_mod.ready()

@@ -190,21 +190,32 @@ class CpuAttention(TorchAttention):
         return store
 
     def prepare(self, tables: PageTables) -> Callable:
-        q_len, kv_len = tables.q_len, tables.kv_len
-        mine = [i for i in range(len(tables)) if q_len[i] <= self.KERNEL_ROWS]
-        others = sorted(set(range(len(tables))) - set(mine))
+        mine, others = self.split(tables)
         if not mine:
             return self._attend(tables, lambda layer, q, out: None, others)
-        n = q_len[mine].astype(np.int64)
-        row_token = tables.query_rows(mine)
-        # row j of a chunk of n after `past` entries sees past + j + 1 of them
-        row_visible = (np.repeat(kv_len[mine].astype(np.int64) - n, n)
-                       + np.arange(len(row_token)) - np.repeat(np.cumsum(n) - n, n) + 1)
-        row_pages = np.repeat(tables.indptr[mine].astype(np.int64), n)
+        n, row_token, row_pages, row_visible = self.rows(tables, mine)
         kernel = self.kernel.bind_attention(tables.indices, row_token, row_pages, row_visible,
                                             int(row_visible.max()), call_rows=n)
         paged = self.cache.kv
         return self._attend(tables, lambda layer, q, out: kernel(q, out, paged[layer]), others)
+
+    def split(self, tables: PageTables) -> tuple[list[int], list[int]]:
+        """(the calls the kernels take: up to `KERNEL_ROWS` new tokens, the others)."""
+        mine = [i for i in range(len(tables)) if tables.q_len[i] <= self.KERNEL_ROWS]
+        return mine, sorted(set(range(len(tables))) - set(mine))
+
+    @staticmethod
+    def rows(tables: PageTables, calls: list[int]
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For `calls`: (new tokens each, then per query row: its token, where its
+        call's page table starts in `tables.indices`, the entries it sees), int64."""
+        n = tables.q_len[calls].astype(np.int64)
+        row_token = tables.query_rows(calls)
+        # row j of a chunk of n after `past` entries sees past + j + 1 of them
+        row_visible = (np.repeat(tables.kv_len[calls].astype(np.int64) - n, n)
+                       + np.arange(len(row_token)) - np.repeat(np.cumsum(n) - n, n) + 1)
+        row_pages = np.repeat(tables.indptr[calls].astype(np.int64), n)
+        return n, row_token, row_pages, row_visible
 
 
 def flashinfer_problem(device: str, dtype: str) -> tuple[str, str] | None:

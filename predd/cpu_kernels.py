@@ -39,7 +39,8 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c",
-           CSRC / "quant_tiles.c", CSRC / "attention_tiles.c", CSRC / "greedy.c")
+           CSRC / "quant_tiles.c", CSRC / "attention_tiles.c", CSRC / "greedy.c",
+           CSRC / "layer_loop.c")
 HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h", CSRC / "quant_blocks.h",
            CSRC / "amx.h")
 LIBRARY = "predd-cpu"
@@ -153,6 +154,8 @@ class Kernels:
             "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),
             "paged_attention_tiles_bf16": (ctypes.c_int, attention[:12] + [ptr, ptr, i64, i64, f32]),
             "store_entries": (None, [ptr, ptr, i64, ptr, ptr, i64, i64, i64]),
+            "run_layers_f32": (ctypes.c_int, [ptr, i64, ptr]),
+            "run_layers_bf16": (ctypes.c_int, [ptr, i64, ptr]),
         }
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(lib, name)
@@ -194,18 +197,11 @@ class Kernels:
         takes the AMX tile kernel (predd/csrc/attention_tiles.c) where it runs: bf16,
         pages of 16, head_dim a multiple of 64."""
         vector = self._bind_rows(indices, row_token, row_pages, row_visible, max_visible)
-        if call_rows is None or not self.bf16_tiles:
+        split = self.tile_calls(call_rows, row_token, row_pages, row_visible)
+        if split is None:
             return vector
-        call_rows = np.ascontiguousarray(call_rows, dtype=np.int64)
-        big = call_rows >= TILE_ROWS
-        if not big.any():
-            return vector
-        call_row = np.ascontiguousarray((np.cumsum(call_rows) - call_rows)[big])
-        chunk_rows = np.ascontiguousarray(call_rows[big])
-        rest = np.repeat(~big, call_rows)
-        others = (self._bind_rows(indices, *(np.ascontiguousarray(a[rest]) for a in
-                                             (row_token, row_pages, row_visible)), max_visible)
-                  if rest.any() else None)
+        call_row, chunk_rows, rest = split
+        others = self._bind_rows(indices, *rest, max_visible) if len(rest[0]) else None
         tables = (indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
                   row_visible.ctypes.data, call_row.ctypes.data, chunk_rows.ctypes.data,
                   len(chunk_rows), max_visible)
@@ -228,6 +224,30 @@ class Kernels:
                      row_visible)
         return run
 
+    def tile_calls(self, call_rows: np.ndarray | None, row_token: np.ndarray,
+                   row_pages: np.ndarray, row_visible: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]] | None:
+        """The calls of `call_rows` (rows each, in row order) that the AMX tile kernel
+        takes (`TILE_ROWS` or more, where the tiles run): (their first rows, their row
+        counts, (row_token, row_pages, row_visible) of the rows left to the row kernel);
+        None where it takes none. Every array int64 and contiguous."""
+        if call_rows is None or not self.bf16_tiles:
+            return None
+        call_rows = np.ascontiguousarray(call_rows, dtype=np.int64)
+        big = call_rows >= TILE_ROWS
+        if not big.any():
+            return None
+        rest = np.repeat(~big, call_rows)
+        return (np.ascontiguousarray((np.cumsum(call_rows) - call_rows)[big]),
+                np.ascontiguousarray(call_rows[big]),
+                tuple(np.ascontiguousarray(a[rest]) for a in (row_token, row_pages, row_visible)))
+
+    @staticmethod
+    def row_span(rows: int, kv_heads: int) -> int:
+        """The row kernel's kv heads a task: all of them (each entry read once) when
+        there are rows enough for the threads, else one (a task per row and kv head)."""
+        return kv_heads if rows >= 2 * torch.get_num_threads() else 1
+
     def _bind_rows(self, indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
                    row_visible: np.ndarray, max_visible: int
                    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
@@ -235,7 +255,6 @@ class Kernels:
         rows = len(row_token)
         tables = (indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
                   row_visible.ctypes.data, rows, max_visible)
-        threads = torch.get_num_threads()
 
         def run(q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor) -> None:
             _, _, page_size, kv_heads, head_dim = paged.shape
@@ -244,9 +263,7 @@ class Kernels:
                     or not paged.is_contiguous() or not q.is_cpu):
                 raise ValueError("paged_attention takes float32 or bfloat16 rows of "
                                  "contiguous heads, out and pool of the same dtype")
-            # a task per row reads each entry's K and V once, all heads together; with
-            # fewer rows than threads to share, a task per (row, kv head)
-            span = kv_heads if rows >= 2 * threads else 1
+            span = self.row_span(rows, kv_heads)
             status = self._op("paged_attention", q.dtype)(
                 q.data_ptr(), q.stride(0), out.data_ptr(), paged.data_ptr(), page_size,
                 kv_heads, q.shape[1], head_dim, *tables, head_dim ** -0.5, span)

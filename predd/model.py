@@ -193,15 +193,25 @@ class LlamaModel(nn.Module):
                 attend: StepAttention, out_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; out_rows: [R] rows whose logits are wanted -> [R, V] fp32."""
         ops = self.ops
-        x = self.model.embed_tokens(input_ids)                         # [T, C]
-        rotary = ops.rotary(positions.float()[:, None] * self.inv_freq[None, :], x.dtype)
+        x, rotary = self.embed(input_ids, positions)
         delta = None          # each block's output, added into x by the next norm
         for i, layer in enumerate(self.model.layers):
             x, h = ops.add_norm(x, delta, layer.input_layernorm)
             delta = self.reduce(layer.self_attn(h, rotary, ops, i, attend))
             x, h = ops.add_norm(x, delta, layer.post_attention_layernorm)
             delta = self.reduce(layer.mlp(h, ops))
+        return self.head(x, delta, out_rows)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, object]:
+        """The layers' input: (the tokens' embeddings [T, C], RoPE's angles for `ops`)."""
+        x = self.model.embed_tokens(input_ids)
+        return x, self.ops.rotary(positions.float()[:, None] * self.inv_freq[None, :], x.dtype)
+
+    def head(self, x: torch.Tensor, delta: torch.Tensor, out_rows: torch.Tensor
+             ) -> torch.Tensor:
+        """The logits [R, V] (float32) of rows `out_rows` of the residual stream x plus
+        the last layer's output `delta`."""
         if out_rows.numel() == 0:
             return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        x = self.model.norm((x + delta)[out_rows])
-        return self.lm_head(x).float()
+        return self.lm_head(self.model.norm((x + delta)[out_rows])).float()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from predd import cpu_kernels, cuda_graphs, linear, quant_linear
+from predd import cpu_kernels, cuda_graphs, layer_loop, linear, quant_linear
 from predd import tp as tp_mod
 from predd.attention import make_backend, resolve as resolve_attention
 from predd.paged_kv import PagedKVCache
@@ -40,6 +40,7 @@ class RunnerConfig:
     quant_rows: int | None = None   # blocks up to this many rows; None: measured at start
     cuda_graphs: str = "auto"       # a cuda_graphs.CHOICES name
     max_batch: int = 64             # the most calls a step carries (the largest graph)
+    layer_loop: bool = True         # a step's layers in one C call where it can (CPU)
 
 
 LINEAR_CHOICES = ("auto", "plain", "packed", "quantized")
@@ -97,6 +98,11 @@ class Runner:
         if self.backend.name == "cpu":     # its kernels do the layers' small ops too
             self.model.ops = cpu_kernels.CpuOps(cpu_kernels.kernels())
         self.graphs = self._record(config, pool, progress) if graphs else None
+        self.layer_loop_reason = (layer_loop.problem(self.model, self.backend, self.dtype,
+                                                     tp is not None)
+                                  if config.layer_loop else "off (asked for)")
+        self.layer_loop = (layer_loop.LayerLoop(self.model, pool, self.backend)
+                           if self.layer_loop_reason is None else None)
         self.cache = pool
         if tp and tp.rank == 0:
             self.cache = tp_mod.ShardedCache(
@@ -104,7 +110,8 @@ class Runner:
         where = f" (tensor parallel rank {tp.rank} of {tp.world})" if tp else ""
         progress(f"model {full.name} ready on {config.device}{where} ({config.dtype}: "
                  f"{config.dtype_reason or 'asked for'}; attention {self.backend.name}; "
-                 f"linear {self.linear}: {self.linear_reason}{self._graphs_note()}) "
+                 f"linear {self.linear}: {self.linear_reason}{self._graphs_note()}"
+                 f"{self._layer_loop_note()}) "
                  f"in {time.monotonic() - started:.1f}s; KV pool {config.kv_pages} pages "
                  f"x {config.page_size} = {pool.kv.numel() * pool.kv.element_size() / 2**20:.0f} MiB")
 
@@ -153,6 +160,13 @@ class Runner:
         if self.device.type != "cuda":
             return ""
         return f"; CUDA graphs {'on' if self.graphs else 'off'}: {self.graphs_reason}"
+
+    def _layer_loop_note(self) -> str:
+        """Whether steps run their layers in one C call, for the start-up line (CPU)."""
+        if self.device.type != "cpu":
+            return ""
+        return ("; layers in one C call" if self.layer_loop
+                else f"; layers from Python: {self.layer_loop_reason}")
 
     def _record(self, config: RunnerConfig, pool: PagedKVCache,
                 progress: Callable[[str], None]) -> cuda_graphs.DecodeGraphs | None:
@@ -217,8 +231,13 @@ class Runner:
             if out is not None:
                 return out
         dev = self.device
-        return self.model(torch.from_numpy(tokens).to(dev), torch.from_numpy(positions).to(dev),
-                          self.backend.prepare(tables), torch.from_numpy(out_rows).to(dev)).cpu()
+        tokens_t, positions_t = torch.from_numpy(tokens).to(dev), torch.from_numpy(positions).to(dev)
+        out_rows_t = torch.from_numpy(out_rows).to(dev)
+        if self.layer_loop:
+            out = self.layer_loop.run(tables, tokens_t, positions_t, out_rows_t)
+            if out is not None:
+                return out
+        return self.model(tokens_t, positions_t, self.backend.prepare(tables), out_rows_t).cpu()
 
     def keepalive(self) -> None:
         """Called by the server when idle: under tensor parallelism rank 0 pings the

@@ -1,0 +1,155 @@
+"""A step's decoder layers in one C call (predd/csrc/layer_loop.c) where every piece of
+the step runs on predd's own CPU kernels.
+
+`LlamaModel.forward` drives each layer from Python: ~10 kernel calls a layer, each
+through a module call, ctypes and a fresh torch tensor. At a decode step of a few calls
+that loop is a third of the step (8 calls on 2 Sapphire Rapids cores: the main thread
+spent ~38% of its samples in Python and torch, while the other thread waited for it).
+`LayerLoop.run` hands the whole loop to C instead: the same kernels with the same
+arguments in the same order (the same bits out), the step's buffers made once, the
+layers' weights' pointers taken once at start.
+
+It takes a step only where the Python loop would call exactly these kernels: float32,
+or bfloat16 with the bf16 block kernels, the `cpu` attention backend and its ops, one rank, every
+projection from its blocks at this step's rows (`QuantLinear`'s limit), every call on
+the attention kernels (up to `CpuAttention.KERNEL_ROWS` new tokens). Anything else (a
+long prefill, a projection past its limit) takes the Python loop, as before.
+`Runner.layer_loop_reason` says why it is off where it is.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from predd import cpu_kernels
+from predd.attention import CpuAttention
+from predd.model import LlamaModel
+from predd.page_table import PageTables
+from predd.paged_kv import PagedKVCache
+from predd.quant_linear import QuantLinear
+
+i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+KINDS = {"Q4_1": 4, "Q8_0": 8}
+
+
+class Projection(ctypes.Structure):
+    _fields_ = [("kind", i64), ("k", i64), ("n", i64), ("q", ptr), ("d", ptr), ("m", ptr),
+                ("bias", ptr)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ptr), ("post_norm", ptr), ("qkv", Projection),
+                ("o", Projection), ("gate_up", Projection), ("down", Projection), ("kv", ptr)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [(name, i64) for name in ("T", "C", "heads", "kv_heads", "head_dim", "inter",
+                                         "page_size")] + [
+        ("eps", f32), ("scale", f32),
+        *((name, ptr) for name in ("x", "delta", "h", "qkv", "attn", "gate_up", "act",
+                                   "cos", "sin", "store_rows", "indices", "row_token",
+                                   "row_pages", "row_visible")),
+        ("rows", i64), ("max_visible", i64), ("call_row", ptr), ("call_rows", ptr),
+        ("calls", i64), ("rest_token", ptr), ("rest_pages", ptr), ("rest_visible", ptr),
+        ("rest", i64), ("span_rows", i64), ("span_rest", i64)]
+
+
+def _projection(m: QuantLinear) -> Projection:
+    b = m.blocks
+    return Projection(KINDS[b.kind], b.q.shape[1] * 32, b.rows(), b.q.ctypes.data,
+                      b.d.ctypes.data, None if b.m is None else b.m.ctypes.data,
+                      None if m.bias is None else m.bias.data_ptr())
+
+
+def problem(model: LlamaModel, backend, dtype: torch.dtype, tp: bool) -> str | None:
+    """Why the layers cannot run in one C call here, or None."""
+    if backend.name != "cpu":
+        return f"the attention backend is {backend.name}, not cpu"
+    if dtype not in cpu_kernels.SUFFIX:
+        return f"it runs float32 and bfloat16 models, this one is {str(dtype)[6:]}"
+    if tp:
+        return "tensor parallel: the layers' outputs are all-reduced between the kernels"
+    if dtype == torch.bfloat16 and not backend.kernel.bf16_blocks:
+        return "the CPU has no bf16 dot products for the block kernels"
+    for i, layer in enumerate(model.model.layers):
+        for name, m in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                        ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+            if not isinstance(m, QuantLinear) or m.blocks.kind not in KINDS:
+                return (f"layer {i}'s {name} is not computed from Q4_1 or Q8_0 blocks "
+                        "(--linear quantized)")
+    return None
+
+
+class LayerLoop:
+    """`run` a step's layers in C; built once per runner (the weights' pointers)."""
+
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, backend: CpuAttention) -> None:
+        self.model, self.cache, self.backend = model, cache, backend
+        self.kernels = backend.kernel
+        cfg = model.cfg
+        layers = model.model.layers
+        self.quant = [m for layer in layers for m in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)]
+        self.layers = (Layer * len(layers))(*(
+            Layer(layer.input_layernorm.weight.data_ptr(),
+                  layer.post_attention_layernorm.weight.data_ptr(),
+                  _projection(layer.self_attn.qkv_proj), _projection(layer.self_attn.o_proj),
+                  _projection(layer.mlp.gate_up_proj), _projection(layer.mlp.down_proj), None)
+            for layer in layers))
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                      cfg.intermediate_size)
+        self.eps = cfg.rms_norm_eps
+        self.dtype = layers[0].input_layernorm.weight.dtype
+        self.run_layers = getattr(self.kernels._lib, f"run_layers_{cpu_kernels.SUFFIX[self.dtype]}")
+
+    def takes(self, tables: PageTables) -> bool:
+        """Whether the Python loop would call exactly the kernels `run` calls."""
+        rows = int(tables.qo_indptr[-1])
+        return (bool(len(tables)) and int(tables.q_len.max()) <= self.backend.KERNEL_ROWS
+                and all(rows <= (m.limit if m.limit is not None
+                                 else m.default_limit(self.dtype)) for m in self.quant))
+
+    @torch.inference_mode()
+    def run(self, tables: PageTables, tokens: torch.Tensor, positions: torch.Tensor,
+            out_rows: torch.Tensor) -> torch.Tensor | None:
+        """The step's logits as `LlamaModel.forward` returns them, or None (nothing
+        done) where `takes` says no."""
+        if not self.takes(tables):
+            return None
+        pool = self.cache.kv                         # [layers, ...], as it is now
+        if not pool.is_contiguous():
+            return None
+        for i in range(len(self.layers)):
+            self.layers[i].kv = pool.data_ptr() + i * pool.stride(0) * pool.element_size()
+        heads, kv_heads, head_dim, hidden, inter = self.shape
+        calls = list(range(len(tables)))
+        n, row_token, row_pages, row_visible = CpuAttention.rows(tables, calls)
+        split = self.kernels.tile_calls(n, row_token, row_pages, row_visible)
+        call_row, call_rows, rest = split if split else (None, None, (None, None, None))
+        store_rows = np.ascontiguousarray(self.cache.rows(tables.new_slots()), dtype=np.int64)
+        x, (cos, sin) = self.model.embed(tokens, positions)
+        T = x.shape[0]
+        buffers = {name: torch.empty(T, width, dtype=x.dtype) for name, width in (
+            ("delta", hidden), ("h", hidden), ("qkv", (heads + 2 * kv_heads) * head_dim),
+            ("attn", heads * head_dim), ("gate_up", 2 * inter), ("act", inter))}
+        step = Step(T, hidden, heads, kv_heads, head_dim, inter, self.cache.page_size,
+                    self.eps, head_dim ** -0.5, x.data_ptr(),
+                    *(buffers[name].data_ptr() for name in ("delta", "h", "qkv", "attn",
+                                                            "gate_up", "act")),
+                    cos.data_ptr(), sin.data_ptr(), store_rows.ctypes.data,
+                    tables.indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
+                    row_visible.ctypes.data, len(row_token), int(row_visible.max()),
+                    _at(call_row), _at(call_rows), 0 if call_rows is None else len(call_rows),
+                    *(_at(a) for a in rest), 0 if rest[0] is None else len(rest[0]),
+                    self.kernels.row_span(len(row_token), kv_heads),
+                    self.kernels.row_span(0 if rest[0] is None else len(rest[0]), kv_heads))
+        if self.run_layers(self.layers, len(self.layers), ctypes.byref(step)) != 0:
+            raise MemoryError("paged_attention could not allocate its score buffers (ENOMEM)")
+        return self.model.head(x, buffers["delta"], out_rows)
+
+
+def _at(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
