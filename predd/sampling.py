@@ -38,7 +38,9 @@ def mask_tensor(mask: list[int] | bytes | None, vocab: int) -> torch.Tensor | No
 
 
 def apply_mask(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    if allowed is None:
+    """logits [R, V] with the tokens `allowed` [V] does not allow at -inf; a call that
+    asked for no rows (`outputs: []`) has none to mask."""
+    if allowed is None or logits.shape[0] == 0:
         return logits
     return logits.masked_fill(~allowed, float("-inf"))
 

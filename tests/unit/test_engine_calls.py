@@ -198,3 +198,13 @@ def test_a_generate_the_device_could_never_finish_is_refused_at_admission():
     assert h.entries(kv)[0] == [1, 2, 3]
     assert h.engine.scheduler.pending() == 0 and h.engine.pool.held == 0
     h.clean()
+
+
+def test_a_masked_pred_that_asks_for_no_rows_gets_none():
+    """`outputs: []` with a `mask` (found by test_engine_props): nothing to mask, an
+    empty reply, not an internal error."""
+    h = Harness()
+    cap = h.ok(b"a", "kv_create")["cap"]
+    reply = h.ok(b"a", "pred", cap=cap, tokens=[0], outputs=[], mask=[0])
+    assert reply["logits"] == {"shape": [0, 0], "dtype": "float32"}
+    assert h.ok(b"a", "kv_stat", cap=cap)["tokens"] == 1
