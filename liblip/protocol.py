@@ -389,6 +389,8 @@ class InfoReply(Reply):
     linear_reason: str = ""    # why, and where quantized up to how many rows (measured)
     cuda_graphs: bool = False  # decode steps replayed as CUDA graphs (predd --cuda-graphs)
     cuda_graphs_reason: str = ""   # why (on or off)
+    layer_loop: bool = False   # a CPU step's layers in one C call (predd --layer-loop)
+    layer_loop_reason: str = ""    # why not, where it is off
 
 
 @dataclass(kw_only=True)

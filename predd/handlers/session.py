@@ -74,7 +74,9 @@ def info(e: Engine, s: Session, r: p.Info, extra: list[bytes], now: float) -> p.
         version=p.PROTOCOL_VERSION, max_message_bytes=e.max_message_bytes,
         host_pages=e.pool.capacity[1], disk_pages=e.pool.capacity[2],
         linear=e.runner.linear, linear_reason=e.runner.linear_reason,
-        cuda_graphs=e.runner.graphs is not None, cuda_graphs_reason=e.runner.graphs_reason)
+        cuda_graphs=e.runner.graphs is not None, cuda_graphs_reason=e.runner.graphs_reason,
+        layer_loop=e.runner.layer_loop is not None,
+        layer_loop_reason=e.runner.layer_loop_reason or "")
 
 
 def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> p.StatsReply:
