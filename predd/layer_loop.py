@@ -10,10 +10,10 @@ arguments in the same order (the same bits out), the step's buffers made once, t
 layers' weights' pointers taken once at start.
 
 It takes a step only where the Python loop would call exactly these kernels: float32,
-or bfloat16 with the bf16 block kernels, the `cpu` attention backend and its ops, one rank, every
-projection from its blocks at this step's rows (`QuantLinear`'s limit), every call on
-the attention kernels (up to `CpuAttention.KERNEL_ROWS` new tokens). Anything else (a
-long prefill, a projection past its limit) takes the Python loop, as before.
+or bfloat16 with the bf16 block kernels; the `cpu` attention backend and its ops; one
+rank; every projection from its blocks at this step's rows (`QuantLinear`'s limit);
+every call on the attention kernels (up to `CpuAttention.KERNEL_ROWS` new tokens).
+Anything else (a long prefill, a projection past its limit) takes the Python loop.
 `Runner.layer_loop_reason` says why it is off where it is.
 """
 from __future__ import annotations
@@ -56,6 +56,15 @@ class Step(ctypes.Structure):
         ("rest", i64), ("span_rows", i64), ("span_rest", i64)]
 
 
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # in Layer's order
+
+
+def _projections(layer) -> tuple:
+    """A decoder layer's projections, in `PROJECTIONS` order."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
+
+
 def _projection(m: QuantLinear) -> Projection:
     b = m.blocks
     return Projection(KINDS[b.kind], b.q.shape[1] * 32, b.rows(), b.q.ctypes.data,
@@ -74,8 +83,7 @@ def problem(model: LlamaModel, backend, dtype: torch.dtype, tp: bool) -> str | N
     if dtype == torch.bfloat16 and not backend.kernel.bf16_blocks:
         return "the CPU has no bf16 dot products for the block kernels"
     for i, layer in enumerate(model.model.layers):
-        for name, m in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                        ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+        for name, m in zip(PROJECTIONS, _projections(layer)):
             if not isinstance(m, QuantLinear) or m.blocks.kind not in KINDS:
                 return (f"layer {i}'s {name} is not computed from Q4_1 or Q8_0 blocks "
                         "(--linear quantized)")
@@ -90,20 +98,18 @@ class LayerLoop:
         self.kernels = backend.kernel
         cfg = model.cfg
         layers = model.model.layers
-        self.quant = [m for layer in layers for m in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)]
+        self.quant = [m for layer in layers for m in _projections(layer)]
         self.layers = (Layer * len(layers))(*(
             Layer(layer.input_layernorm.weight.data_ptr(),
                   layer.post_attention_layernorm.weight.data_ptr(),
-                  _projection(layer.self_attn.qkv_proj), _projection(layer.self_attn.o_proj),
-                  _projection(layer.mlp.gate_up_proj), _projection(layer.mlp.down_proj), None)
+                  *(_projection(m) for m in _projections(layer)), None)
             for layer in layers))
         self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                       cfg.intermediate_size)
         self.eps = cfg.rms_norm_eps
         self.dtype = layers[0].input_layernorm.weight.dtype
-        self.run_layers = getattr(self.kernels._lib, f"run_layers_{cpu_kernels.SUFFIX[self.dtype]}")
+        suffix = cpu_kernels.SUFFIX[self.dtype]
+        self.run_layers = getattr(self.kernels._lib, f"run_layers_{suffix}")
 
     def takes(self, tables: PageTables) -> bool:
         """Whether the Python loop would call exactly the kernels `run` calls."""

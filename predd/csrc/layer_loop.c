@@ -1,5 +1,5 @@
-/* A step's decoder layers in one call, float32 or bfloat16, for a step that predd/layer_loop.py
- * found every piece of on these kernels: each projection from its blocks
+/* A step's decoder layers in one call, float32 or bfloat16, for a step that
+ * predd/layer_loop.py found every piece of on these kernels: each projection from its blocks
  * (quant_linear.c), the norms, RoPE and SwiGLU (layer_ops.c), the new K/V stored and
  * attention over the pages (paged_attention.c, attention_tiles.c). The same functions,
  * with the same arguments in the same order, as the Python loop of predd/model.py
