@@ -190,7 +190,8 @@ class CpuAttention(TorchAttention):
         return store
 
     def prepare(self, tables: PageTables) -> Callable:
-        mine, others = self.split(tables)
+        mine = [i for i in range(len(tables)) if tables.q_len[i] <= self.KERNEL_ROWS]
+        others = sorted(set(range(len(tables))) - set(mine))
         if not mine:
             return self._attend(tables, lambda layer, q, out: None, others)
         n, row_token, row_pages, row_visible = self.rows(tables, mine)
@@ -198,11 +199,6 @@ class CpuAttention(TorchAttention):
                                             int(row_visible.max()), call_rows=n)
         paged = self.cache.kv
         return self._attend(tables, lambda layer, q, out: kernel(q, out, paged[layer]), others)
-
-    def split(self, tables: PageTables) -> tuple[list[int], list[int]]:
-        """(the calls the kernels take: up to `KERNEL_ROWS` new tokens, the others)."""
-        mine = [i for i in range(len(tables)) if tables.q_len[i] <= self.KERNEL_ROWS]
-        return mine, sorted(set(range(len(tables))) - set(mine))
 
     @staticmethod
     def rows(tables: PageTables, calls: list[int]

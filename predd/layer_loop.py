@@ -51,7 +51,7 @@ class Step(ctypes.Structure):
         *((name, ptr) for name in ("x", "delta", "h", "qkv", "attn", "gate_up", "act",
                                    "cos", "sin", "store_rows", "indices", "row_token",
                                    "row_pages", "row_visible")),
-        ("rows", i64), ("max_visible", i64), ("call_row", ptr), ("call_rows", ptr),
+        ("max_visible", i64), ("call_row", ptr), ("call_rows", ptr),
         ("calls", i64), ("rest_token", ptr), ("rest_pages", ptr), ("rest_visible", ptr),
         ("rest", i64), ("span_rows", i64), ("span_rest", i64)]
 
@@ -99,11 +99,12 @@ class LayerLoop:
         cfg = model.cfg
         layers = model.model.layers
         self.quant = [m for layer in layers for m in _projections(layer)]
+        pool = cache.kv          # [layers, ...]: one tensor, made once with the cache
         self.layers = (Layer * len(layers))(*(
             Layer(layer.input_layernorm.weight.data_ptr(),
                   layer.post_attention_layernorm.weight.data_ptr(),
-                  *(_projection(m) for m in _projections(layer)), None)
-            for layer in layers))
+                  *(_projection(m) for m in _projections(layer)), pool[i].data_ptr())
+            for i, layer in enumerate(layers)))
         self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                       cfg.intermediate_size)
         self.eps = cfg.rms_norm_eps
@@ -125,11 +126,6 @@ class LayerLoop:
         done) where `takes` says no."""
         if not self.takes(tables):
             return None
-        pool = self.cache.kv                         # [layers, ...], as it is now
-        if not pool.is_contiguous():
-            return None
-        for i in range(len(self.layers)):
-            self.layers[i].kv = pool.data_ptr() + i * pool.stride(0) * pool.element_size()
         heads, kv_heads, head_dim, hidden, inter = self.shape
         calls = list(range(len(tables)))
         n, row_token, row_pages, row_visible = CpuAttention.rows(tables, calls)
@@ -147,10 +143,10 @@ class LayerLoop:
                                                             "gate_up", "act")),
                     cos.data_ptr(), sin.data_ptr(), store_rows.ctypes.data,
                     tables.indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
-                    row_visible.ctypes.data, len(row_token), int(row_visible.max()),
+                    row_visible.ctypes.data, int(row_visible.max()),
                     _at(call_row), _at(call_rows), 0 if call_rows is None else len(call_rows),
                     *(_at(a) for a in rest), 0 if rest[0] is None else len(rest[0]),
-                    self.kernels.row_span(len(row_token), kv_heads),
+                    self.kernels.row_span(T, kv_heads),
                     self.kernels.row_span(0 if rest[0] is None else len(rest[0]), kv_heads))
         if self.run_layers(self.layers, len(self.layers), ctypes.byref(step)) != 0:
             raise MemoryError("paged_attention could not allocate its score buffers (ENOMEM)")

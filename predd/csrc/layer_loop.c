@@ -54,8 +54,8 @@ struct layer {
 /* A step's rows and where each op writes: x, delta, h [T, C]; qkv [T, (H + 2 KV) D];
  * attn [T, H D]; gate_up [T, 2 I]; act [T, I]. Attention as bind_attention plans it
  * (predd/cpu_kernels.py): the tiles (bf16) for `calls` calls (none: 0) and the row
- * kernel for the `rest` rows beside them, or for all `rows` rows where the tiles do not
- * run. */
+ * kernel for the `rest` rows beside them, or for all T rows (every call is on these
+ * kernels) where the tiles do not run. */
 struct step {
     int64_t T, C, heads, kv_heads, head_dim, inter, page_size;
     float eps, scale;
@@ -64,7 +64,7 @@ struct step {
     const int64_t *store_rows;
     const int32_t *indices;
     const int64_t *row_token, *row_pages, *row_visible;
-    int64_t rows, max_visible;
+    int64_t max_visible;
     const int64_t *call_row, *call_rows;
     int64_t calls;
     const int64_t *rest_token, *rest_pages, *rest_visible;
@@ -98,7 +98,7 @@ static int attend_##t(const struct step *s, const void *kv) \
             s->max_visible, s->scale, s->span_rest) : 0; \
     return paged_attention_##t(s->qkv, width, s->attn, kv, s->page_size, s->kv_heads, \
                                s->heads, s->head_dim, s->indices, s->row_token, \
-                               s->row_pages, s->row_visible, s->rows, s->max_visible, \
+                               s->row_pages, s->row_visible, s->T, s->max_visible, \
                                s->scale, s->span_rows); \
 } \
 \
