@@ -391,6 +391,8 @@ class InfoReply(Reply):
     cuda_graphs_reason: str = ""   # why (on or off)
     layer_loop: bool = False   # a CPU step's layers in one C call (predd --layer-loop)
     layer_loop_reason: str = ""    # why not, where it is off
+    cascade: bool = False      # calls' shared prefixes attended together (predd --cascade)
+    cascade_reason: str = ""   # why not, where it is off
 
 
 @dataclass(kw_only=True)

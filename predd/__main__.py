@@ -54,6 +54,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layer-loop", default="on", choices=("on", "off"),
                     help="on (default): run a step's layers in one C call where every "
                          "piece of it runs on predd's CPU kernels (docs/architecture.md)")
+    ap.add_argument("--cascade", default="on", choices=("on", "off"),
+                    help="on (default): calls whose page tables begin with the same pages "
+                         "(forks of one cache) attend to them together, on AMX tiles, "
+                         "where the CPU has them (docs/architecture.md)")
     ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                                      threads=threads, linear=args.linear,
                                      quant_rows=args.quant_rows,
                                      cuda_graphs=args.cuda_graphs, max_batch=args.max_batch,
-                                     layer_loop=args.layer_loop == "on"),
+                                     layer_loop=args.layer_loop == "on",
+                                     cascade=args.cascade == "on"),
                         progress=log, tp=tp)
         if tp:
             tp_mod.ready()

@@ -196,7 +196,8 @@ class CpuAttention(TorchAttention):
             return self._attend(tables, lambda layer, q, out: None, others)
         n, row_token, row_pages, row_visible = self.rows(tables, mine)
         kernel = self.kernel.bind_attention(tables.indices, row_token, row_pages, row_visible,
-                                            int(row_visible.max()), call_rows=n)
+                                            int(row_visible.max()), call_rows=n,
+                                            page_size=self.cache.page_size)
         paged = self.cache.kv
         return self._attend(tables, lambda layer, q, out: kernel(q, out, paged[layer]), others)
 

@@ -34,6 +34,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -55,6 +57,34 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}    # the kernels' dtypes
 # (scripts/bench_attention.py): 2 rows 0.75 ms on tiles against 0.65 on the row kernel,
 # 4 rows 0.93 against 1.13, 41 rows 5.1 against 10.3
 TILE_ROWS = 4
+# rows of the row kernel whose tables begin with the same SHARED_PAGES pages or more (forks
+# of one cached document, B2), SHARED_ROWS of them or more, attend to those pages together
+# on AMX tiles first (`SharedPrefixes`; cascade attention): 8 calls over 450 entries of
+# which 416 shared, bf16, 2 Sapphire Rapids cores (scripts/bench_step.py --shared 416)
+SHARED_ROWS = 6
+SHARED_PAGES = 16
+
+
+@dataclass
+class SharedPrefixes:
+    """Groups of the row kernel's rows whose page tables begin with the same pages
+    (`Kernels.shared_prefixes`): group g is rows index[row[g] : row[g] + rows[g]], their
+    first pages[g] pages the same and seen whole by each; `start`, per row, the entries
+    those pages hold (0 for a row in no group). `prior` holds, per row and query head,
+    the prefix's part of the softmax (shared_prefix_tiles_bf16) for the row kernel to
+    finish. All int64 and contiguous."""
+    index: np.ndarray
+    row: np.ndarray
+    rows: np.ndarray
+    pages: np.ndarray
+    start: np.ndarray
+    prior: np.ndarray | None = None      # [rows, heads, head_dim + 2] float32, made by `buffer`
+
+    def buffer(self, heads: int, head_dim: int) -> np.ndarray:
+        shape = (len(self.start), heads, head_dim + 2)
+        if self.prior is None or self.prior.shape != shape:
+            self.prior = np.empty(shape, dtype=np.float32)
+        return self.prior
 
 
 class KernelUnavailable(Exception):
@@ -136,7 +166,8 @@ class Kernels:
         except OSError as exc:
             raise KernelUnavailable(f"cannot load {path.name}: {exc}") from None
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-        attention = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i64]
+        attention = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i64,
+                     ptr, ptr]
         typed = {   # one function per dtype in SUFFIX: name_f32, name_bf16
             "paged_attention": (ctypes.c_int, attention),
             "add_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i64, f32]),
@@ -153,6 +184,9 @@ class Kernels:
             "linear_bf16_tiles": (ctypes.c_int, [ctypes.c_int]),
             "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),
             "paged_attention_tiles_bf16": (ctypes.c_int, attention[:12] + [ptr, ptr, i64, i64, f32]),
+            "shared_prefix_tiles_bf16": (ctypes.c_int, [ptr, i64, ptr, i64, i64, i64, i64, ptr,
+                                                         ptr, ptr, ptr, ptr, ptr, ptr, i64, f32,
+                                                         ptr]),
             "store_entries": (None, [ptr, ptr, i64, ptr, ptr, i64, i64, i64]),
             "run_layers_f32": (ctypes.c_int, [ptr, i64, ptr]),
             "run_layers_bf16": (ctypes.c_int, [ptr, i64, ptr]),
@@ -165,6 +199,7 @@ class Kernels:
         self._lib = lib
         # the block kernels take bfloat16 rows where the CPU has bf16 dot products
         self.bf16_blocks = bool(lib.linear_bf16_native())
+        self.shared_prefix = True     # `shared_prefixes` plans groups (predd --cascade)
 
     @property
     def bf16_tiles(self) -> bool:
@@ -189,19 +224,22 @@ class Kernels:
 
     def bind_attention(self, indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
                        row_visible: np.ndarray, max_visible: int,
-                       call_rows: np.ndarray | None = None
+                       call_rows: np.ndarray | None = None, page_size: int = 0
                        ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
         """`attend` with one step's rows fixed (their pointers taken once), for every
         layer: `run(q, out, paged)`. `call_rows`: how many rows each call has, in row
         order (each call's rows consecutive tokens); a call of `TILE_ROWS` or more then
         takes the AMX tile kernel (predd/csrc/attention_tiles.c) where it runs: bf16,
-        pages of 16, head_dim a multiple of 64."""
-        vector = self._bind_rows(indices, row_token, row_pages, row_visible, max_visible)
+        pages of 16, head_dim a multiple of 64. `page_size` (the pool's): the other rows'
+        shared prefixes (`shared_prefixes`) go on the tiles first."""
+        vector = self._bind_rows(indices, row_token, row_pages, row_visible, max_visible,
+                                 page_size)
         split = self.tile_calls(call_rows, row_token, row_pages, row_visible)
         if split is None:
             return vector
         call_row, chunk_rows, rest = split
-        others = self._bind_rows(indices, *rest, max_visible) if len(rest[0]) else None
+        others = (self._bind_rows(indices, *rest, max_visible, page_size) if len(rest[0])
+                  else None)
         tables = (indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
                   row_visible.ctypes.data, call_row.ctypes.data, chunk_rows.ctypes.data,
                   len(chunk_rows), max_visible)
@@ -242,6 +280,55 @@ class Kernels:
                 np.ascontiguousarray(call_rows[big]),
                 tuple(np.ascontiguousarray(a[rest]) for a in (row_token, row_pages, row_visible)))
 
+    def shared_prefixes(self, indices: np.ndarray, row_pages: np.ndarray,
+                        row_visible: np.ndarray, page_size: int) -> SharedPrefixes | None:
+        """The groups of these rows (the row kernel's) that attend to a shared prefix
+        first: rows whose page tables begin with the same pages, `SHARED_PAGES` whole
+        pages or more before each one's last entry, `SHARED_ROWS` rows or more (the
+        rows are grouped by their first page; a group's prefix is what all its rows
+        share). None: no such group, or the tiles do not run here."""
+        if not (self.shared_prefix and page_size and self.bf16_tiles) or len(row_pages) < 2:
+            return None
+        whole = (row_visible - 1) // page_size        # pages before each row's last entry
+        rows = np.flatnonzero(whole >= SHARED_PAGES)
+        first = indices[row_pages[rows]]
+        order = np.argsort(first, kind="stable")
+        groups: list[tuple[np.ndarray, int]] = []
+        for members in np.split(rows[order], np.flatnonzero(np.diff(first[order])) + 1):
+            if len(members) < SHARED_ROWS:
+                continue
+            most = int(whole[members].min())
+            table = indices[row_pages[members][:, None] + np.arange(most)]
+            same = (table == table[0]).all(axis=0)
+            pages = most if same.all() else int(np.argmin(same))
+            if pages >= SHARED_PAGES:
+                groups.append((members, pages))
+        if not groups:
+            return None
+        counts = np.array([len(m) for m, _ in groups], dtype=np.int64)
+        start = np.zeros(len(row_pages), dtype=np.int64)
+        for members, pages in groups:
+            start[members] = pages * page_size
+        return SharedPrefixes(np.concatenate([m for m, _ in groups]).astype(np.int64),
+                              np.cumsum(counts) - counts, counts,
+                              np.array([p for _, p in groups], dtype=np.int64), start)
+
+    def attend_shared(self, shared: SharedPrefixes, q: int, q_stride: int, paged: int,
+                      page_size: int, kv_heads: int, heads: int, head_dim: int,
+                      indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray
+                      ) -> tuple[int | None, int | None]:
+        """shared_prefix_tiles_bf16 for `shared`'s groups (q and paged: addresses of
+        bf16 data): the row kernel's last two arguments, (start, prior), None and None
+        where the tiles did not run."""
+        prior = shared.buffer(heads, head_dim)
+        if self._lib.shared_prefix_tiles_bf16(
+                q, q_stride, paged, page_size, kv_heads, heads, head_dim, indices.ctypes.data,
+                row_token.ctypes.data, row_pages.ctypes.data, shared.index.ctypes.data,
+                shared.row.ctypes.data, shared.rows.ctypes.data, shared.pages.ctypes.data,
+                len(shared.rows), head_dim ** -0.5, prior.ctypes.data) != 0:
+            return None, None
+        return shared.start.ctypes.data, prior.ctypes.data
+
     @staticmethod
     def row_span(rows: int, kv_heads: int) -> int:
         """The row kernel's kv heads a task: all of them (each entry read once) when
@@ -249,10 +336,12 @@ class Kernels:
         return kv_heads if rows >= 2 * torch.get_num_threads() else 1
 
     def _bind_rows(self, indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
-                   row_visible: np.ndarray, max_visible: int
+                   row_visible: np.ndarray, max_visible: int, page_size: int = 0
                    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
-        """bind_attention by paged_attention.c alone: a task per row."""
+        """bind_attention by paged_attention.c (a task per row), after their shared
+        prefixes on tiles where there are any."""
         rows = len(row_token)
+        shared = self.shared_prefixes(indices, row_pages, row_visible, page_size)
         tables = (indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
                   row_visible.ctypes.data, rows, max_visible)
 
@@ -264,14 +353,19 @@ class Kernels:
                 raise ValueError("paged_attention takes float32 or bfloat16 rows of "
                                  "contiguous heads, out and pool of the same dtype")
             span = self.row_span(rows, kv_heads)
+            start = prior = None
+            if shared is not None and q.dtype == torch.bfloat16:
+                start, prior = self.attend_shared(
+                    shared, q.data_ptr(), q.stride(0), paged.data_ptr(), page_size, kv_heads,
+                    q.shape[1], head_dim, indices, row_token, row_pages)
             status = self._op("paged_attention", q.dtype)(
                 q.data_ptr(), q.stride(0), out.data_ptr(), paged.data_ptr(), page_size,
-                kv_heads, q.shape[1], head_dim, *tables, head_dim ** -0.5, span)
+                kv_heads, q.shape[1], head_dim, *tables, head_dim ** -0.5, span, start, prior)
             if status != 0:
                 raise MemoryError("paged_attention could not allocate its score buffers "
                                   "(ENOMEM)")
 
-        run.keeps = (indices, row_token, row_pages, row_visible)   # behind the pointers
+        run.keeps = (indices, row_token, row_pages, row_visible, shared)   # behind the pointers
         return run
 
     def bind_store(self, rows: np.ndarray, page_size: int

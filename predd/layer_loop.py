@@ -44,6 +44,21 @@ class Layer(ctypes.Structure):
                 ("o", Projection), ("gate_up", Projection), ("down", Projection), ("kv", ptr)]
 
 
+class Prefixes(ctypes.Structure):
+    """cpu_kernels.SharedPrefixes of a set of rows (groups 0: none)"""
+    _fields_ = [("index", ptr), ("row", ptr), ("rows", ptr), ("pages", ptr), ("groups", i64),
+                ("start", ptr), ("prior", ptr)]
+
+    @classmethod
+    def of(cls, shared: cpu_kernels.SharedPrefixes | None, heads: int,
+           head_dim: int) -> Prefixes:
+        if shared is None:
+            return cls()
+        return cls(shared.index.ctypes.data, shared.row.ctypes.data, shared.rows.ctypes.data,
+                   shared.pages.ctypes.data, len(shared.rows), shared.start.ctypes.data,
+                   shared.buffer(heads, head_dim).ctypes.data)
+
+
 class Step(ctypes.Structure):
     _fields_ = [(name, i64) for name in ("T", "C", "heads", "kv_heads", "head_dim", "inter",
                                          "page_size")] + [
@@ -53,7 +68,8 @@ class Step(ctypes.Structure):
                                    "row_pages", "row_visible")),
         ("max_visible", i64), ("call_row", ptr), ("call_rows", ptr),
         ("calls", i64), ("rest_token", ptr), ("rest_pages", ptr), ("rest_visible", ptr),
-        ("rest", i64), ("span_rows", i64), ("span_rest", i64)]
+        ("rest", i64), ("span_rows", i64), ("span_rest", i64), ("shared_rows", Prefixes),
+        ("shared_rest", Prefixes)]
 
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # in Layer's order
@@ -131,6 +147,10 @@ class LayerLoop:
         n, row_token, row_pages, row_visible = CpuAttention.rows(tables, calls)
         split = self.kernels.tile_calls(n, row_token, row_pages, row_visible)
         call_row, call_rows, rest = split if split else (None, None, (None, None, None))
+        page_size = self.cache.page_size
+        shared = [self.kernels.shared_prefixes(tables.indices, pages, visible, page_size)
+                  if pages is not None else None
+                  for pages, visible in ((row_pages, row_visible), rest[1:])]
         store_rows = np.ascontiguousarray(self.cache.rows(tables.new_slots()), dtype=np.int64)
         x, (cos, sin) = self.model.embed(tokens, positions)
         T = x.shape[0]
@@ -147,7 +167,8 @@ class LayerLoop:
                     _at(call_row), _at(call_rows), 0 if call_rows is None else len(call_rows),
                     *(_at(a) for a in rest), 0 if rest[0] is None else len(rest[0]),
                     self.kernels.row_span(T, kv_heads),
-                    self.kernels.row_span(0 if rest[0] is None else len(rest[0]), kv_heads))
+                    self.kernels.row_span(0 if rest[0] is None else len(rest[0]), kv_heads),
+                    *(Prefixes.of(s, heads, head_dim) for s in shared))
         if self.run_layers(self.layers, len(self.layers), ctypes.byref(step)) != 0:
             raise MemoryError("paged_attention could not allocate its score buffers (ENOMEM)")
         return self.model.head(x, buffers["delta"], out_rows)

@@ -41,6 +41,7 @@ class RunnerConfig:
     cuda_graphs: str = "auto"       # a cuda_graphs.CHOICES name
     max_batch: int = 64             # the most calls a step carries (the largest graph)
     layer_loop: bool = True         # a step's layers in one C call where it can (CPU)
+    cascade: bool = True            # forks' shared pages attended once, on tiles (CPU)
 
 
 LINEAR_CHOICES = ("auto", "plain", "packed", "quantized")
@@ -103,6 +104,9 @@ class Runner:
                                   if config.layer_loop else "off (asked for)")
         self.layer_loop = (layer_loop.LayerLoop(self.model, pool, self.backend)
                            if self.layer_loop_reason is None else None)
+        self.cascade_reason = self._cascade_problem(config.cascade)
+        if self.backend.name == "cpu":    # (the kernels also check dtype and tiles a step)
+            self.backend.kernel.shared_prefix = config.cascade
         self.cache = pool
         if tp and tp.rank == 0:
             self.cache = tp_mod.ShardedCache(
@@ -161,12 +165,26 @@ class Runner:
             return ""
         return f"; CUDA graphs {'on' if self.graphs else 'off'}: {self.graphs_reason}"
 
+    def _cascade_problem(self, asked: bool) -> str | None:
+        """Why calls' shared prefixes are not attended together on tiles
+        (predd.cpu_kernels.SharedPrefixes), or None where they are."""
+        if not asked:
+            return "off (asked for)"
+        if self.backend.name != "cpu":
+            return f"the attention backend is {self.backend.name}, not cpu"
+        if self.dtype != torch.bfloat16:
+            return f"it runs on AMX tiles in bfloat16, the model is {str(self.dtype)[6:]}"
+        if not self.backend.kernel.bf16_tiles:
+            return "the CPU has no AMX tiles (or the OS did not grant them)"
+        return None
+
     def _layer_loop_note(self) -> str:
         """Whether steps run their layers in one C call, for the start-up line (CPU)."""
         if self.device.type != "cpu":
             return ""
-        return ("; layers in one C call" if self.layer_loop
-                else f"; layers from Python: {self.layer_loop_reason}")
+        return (("; layers in one C call" if self.layer_loop
+                 else f"; layers from Python: {self.layer_loop_reason}")
+                + ("; shared prefixes on tiles" if self.cascade_reason is None else ""))
 
     def _record(self, config: RunnerConfig, pool: PagedKVCache,
                 progress: Callable[[str], None]) -> cuda_graphs.DecodeGraphs | None:

@@ -7,7 +7,7 @@ server, no scheduler: what the model and the attention backend cost.
                                  [--attention auto|torch|cpu|flashinfer]
                                  [--linear auto|packed|...] [--device cuda --dtype float16]
                                  [--model PATH] [--cuda-graphs auto|on|off]
-                                 [--shared N] [--layer-loop on|off]
+                                 [--shared N] [--layer-loop on|off] [--cascade on|off]
 """
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def main() -> int:
     ap.add_argument("--cuda-graphs", default="auto", help="a predd --cuda-graphs choice")
     ap.add_argument("--layer-loop", default="on", choices=("on", "off"),
                     help="a predd --layer-loop choice")
+    ap.add_argument("--cascade", default="on", choices=("on", "off"),
+                    help="a predd --cascade choice")
     ap.add_argument("--shared", type=int, default=0,
                     help="the first N entries (whole pages) are one set of pages in every "
                          "call's table: forks of one cached document (B2)")
@@ -51,7 +53,8 @@ def main() -> int:
                                  threads=args.threads, attention=args.attention,
                                  linear=args.linear, cuda_graphs=args.cuda_graphs,
                                  max_batch=max(args.calls, 64),
-                                 layer_loop=args.layer_loop == "on"),
+                                 layer_loop=args.layer_loop == "on",
+                                 cascade=args.cascade == "on"),
                     progress=lambda msg: print(msg, file=sys.stderr)
                     if "ready" in msg or "CUDA graphs" in msg else None)
     order = np.random.default_rng(0).permutation(args.calls * per).astype(np.int32)

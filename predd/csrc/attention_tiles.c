@@ -40,21 +40,49 @@
     const int64_t *row_visible, const int64_t *call_row, const int64_t *call_rows,        \
     int64_t calls, int64_t max_visible, float scale
 
+/* shared_prefix_tiles_bf16's: the first group_pages[g] pages of group g's rows (rows
+ * group_index[group_row[g] ...], group_rows[g] of them, of row_token / row_pages) are
+ * the same pages, and each row sees all of them. */
+#define SHARED_ARGS const void *q, int64_t q_stride, const void *kv, int64_t page_size,    \
+    int64_t kv_heads, int64_t heads, int64_t head_dim, const int32_t *indices,             \
+    const int64_t *row_token, const int64_t *row_pages, const int64_t *group_index,       \
+    const int64_t *group_row, const int64_t *group_rows, const int64_t *group_pages,      \
+    int64_t groups, float scale, float *prior
+
 #if defined(AMX)
 #define PAGE 16
 #define ENTRY_STEP 32      /* entries per tile product of the weighted sum: two pages */
 
-/* bt[i * 16 + e] = the i-th pair of dims (2i, 2i + 1 from `at`) of entry e, e < n; 0 for
- * e >= n. k: the page's first entry at this kv head, `stride` uint32 to the next. */
+/* bt[i * 16 + e] = the i-th pair of dims (2i, 2i + 1 from `k`) of entry e, e < n; 0 for
+ * e >= n. k: the page's first entry at this kv head, `stride` uint32 to the next. The
+ * 16 x 16 pairs transposed in registers (four rounds of shuffles): gathers, one per
+ * pair, cost ~3x as much on the Sapphire Rapids this was measured on. */
 static inline void k_pairs(uint32_t *bt, const uint32_t *k, int64_t stride, int64_t n)
 {
-    const __m512i at = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32((int)stride));
-    const __mmask16 valid = (__mmask16)((1u << n) - 1);
-    for (int i = 0; i < 16; i++)
-        _mm512_store_si512(bt + i * 16, _mm512_mask_i32gather_epi32(
-            _mm512_setzero_si512(), valid, at, k + i, 4));
+    __m512i r[16], t[16];
+    for (int e = 0; e < 16; e++)
+        r[e] = _mm512_maskz_loadu_epi32(e < n ? 0xFFFF : 0, k + e * stride);
+    for (int e = 0; e < 16; e += 2) {       /* per 128 bits: entries e, e + 1 paired */
+        t[e] = _mm512_unpacklo_epi32(r[e], r[e + 1]);
+        t[e + 1] = _mm512_unpackhi_epi32(r[e], r[e + 1]);
+    }
+    for (int e = 0; e < 16; e += 4) {       /* ... and four entries: u[e + c] is pair c */
+        r[e] = _mm512_unpacklo_epi64(t[e], t[e + 2]);
+        r[e + 1] = _mm512_unpackhi_epi64(t[e], t[e + 2]);
+        r[e + 2] = _mm512_unpacklo_epi64(t[e + 1], t[e + 3]);
+        r[e + 3] = _mm512_unpackhi_epi64(t[e + 1], t[e + 3]);
+    }
+    /* r[4g + c], 128-bit lane L: pair 4L + c of entries 4g .. 4g + 3 */
+    for (int c = 0; c < 4; c++) {
+        const __m512i a0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);   /* 4L: L = 0, 2 */
+        const __m512i a1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);   /* L = 1, 3 */
+        const __m512i b0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+        const __m512i b1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+        _mm512_store_si512(bt + c * 16, _mm512_shuffle_i32x4(a0, b0, 0x88));
+        _mm512_store_si512(bt + (8 + c) * 16, _mm512_shuffle_i32x4(a0, b0, 0xDD));
+        _mm512_store_si512(bt + (4 + c) * 16, _mm512_shuffle_i32x4(a1, b1, 0x88));
+        _mm512_store_si512(bt + (12 + c) * 16, _mm512_shuffle_i32x4(a1, b1, 0xDD));
+    }
 }
 
 /* vb[b * 256 + i * 16 + j] (uint32) = dims d0 + 16b + j of entries 2i and 2i + 1 of the
@@ -86,73 +114,86 @@ struct scratch {
     uint16_t *hi, *mid, *lo;   /* [16][width] the probabilities' three bf16 parts */
     uint16_t *qa;      /* [16][D] the block's query vectors */
     float *o;          /* [16][64] weighted sums of one half of D */
-    uint32_t *bt;      /* [16][16] a page's K in pairs of dims */
+    uint32_t *kt;      /* [width / 16][D / 32][16][16] each page's K in pairs of dims */
     uint32_t *vb;      /* [4][16][16] 32 entries' V in pairs of entries */
     const uint16_t **entry;  /* [32] */
 };
 
-static void block_task(TILE_ARGS, int64_t c, int64_t h, int64_t b, int64_t width,
-                       const struct scratch *w)
-{
-    const int64_t G = heads / kv_heads, D = head_dim, R = call_rows[c], r0 = call_row[c];
-    const int64_t entry = kv_heads * D, page = 2 * PAGE * entry;   /* in values */
-    const int64_t m0 = 16 * b, count = R * G - m0 < 16 ? R * G - m0 : 16;
-    const uint16_t *pool = kv;
-    const int32_t *pages = indices + row_pages[r0];
+/* One task's work: up to 16 query vectors (w->qa, zero past `count`) of kv head h, all
+ * reading one page table, vector i seeing its first visible[i] entries (the last vector
+ * the most). Where each vector's result goes, dst[i]: `raw` 0, its D outputs (bf16, the
+ * weighted sum over its probabilities' total, rounded once); `raw` 1, D + 2 float32: the
+ * weighted sum of V by e^(score - best), then best and the total of those weights (a
+ * prefix's part of a softmax, for paged_attention.c to finish: shared_prefix_tiles_bf16). */
+struct block {
+    int64_t count, h;
     int64_t visible[16];
-    /* the block's q, its vectors m = row * G + head of this kv head */
-    for (int64_t i = 0; i < 16; i++) {
-        if (i < count) {
-            const int64_t m = m0 + i, r = r0 + m / G;
-            visible[i] = row_visible[r];
-            memcpy(w->qa + i * D, (const uint16_t *)q + row_token[r] * q_stride
-                   + (h * G + m % G) * D, (size_t)D * 2);
-        } else {
-            visible[i] = 0;
-            memset(w->qa + i * D, 0, (size_t)D * 2);
-        }
-    }
-    const int64_t L = visible[count - 1];          /* the block's last row sees most */
-    /* scores: a page of 16 entries at a time, 16 x 16 in tile 0 */
+    const int32_t *pages;
+    void *dst[16];
+};
+
+static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, float scale,
+                         int64_t width, const struct block *b, const int raw,
+                         const struct scratch *w)
+{
+    const int64_t D = head_dim, h = b->h, count = b->count;
+    const int64_t entry = kv_heads * D, page = 2 * PAGE * entry;   /* in values */
+    const uint16_t *pool = kv;
+    const int32_t *pages = b->pages;
+    const int64_t L = b->visible[count - 1];       /* the block's last vector sees most */
+    /* scores, a page of 16 entries at a time, 16 x 16 in tile 0: every page's K in
+     * pairs first, so that the tile unit then streams (a tile load right after the
+     * stores it reads waits for them) */
+    const int64_t halves = D / 32;
     for (int64_t j0 = 0; j0 < L; j0 += PAGE) {
         const int64_t n = L - j0 < PAGE ? L - j0 : PAGE;
         const uint16_t *k = pool + pages[j0 / PAGE] * page + h * D;
+        for (int64_t d = 0; d < halves; d++)
+            k_pairs(w->kt + (j0 / PAGE * halves + d) * 256, (const uint32_t *)(k + 32 * d),
+                    entry / 2, n);
+    }
+    for (int64_t j0 = 0; j0 < L; j0 += PAGE) {
         _tile_zero(0);
-        for (int64_t d = 0; d < D; d += 32) {
-            k_pairs(w->bt, (const uint32_t *)(k + d), entry / 2, n);
-            _tile_loadd(4, w->qa + d, D * 2);
-            _tile_loadd(6, w->bt, 64);
+        for (int64_t d = 0; d < halves; d++) {
+            _tile_loadd(4, w->qa + 32 * d, D * 2);
+            _tile_loadd(6, w->kt + (j0 / PAGE * halves + d) * 256, 64);
             _tile_dpbf16ps(0, 4, 6);
         }
         _tile_stored(0, w->s + j0, width * 4);
     }
-    /* softmax of each vector over what its row sees; the rest of the width is 0 */
-    float total[16];
+    /* softmax of each vector over what it sees, 16 entries at a time; the rest of the
+     * width is 0. The probabilities split as hi + mid + lo in bf16 (the top 8 bits of
+     * each as the CPU rounds to nearest even, then the rest's, then the rest's) */
+    float best[16], total[16];
     for (int64_t i = 0; i < 16; i++) {
         float *row = w->s + i * width;
         uint16_t *hi = w->hi + i * width, *mid = w->mid + i * width, *lo = w->lo + i * width;
-        const int64_t V = visible[i];
-        float best = -INFINITY, sum = 0.0f;
-        #pragma omp simd reduction(max:best)
-        for (int64_t j = 0; j < V; j++) {
-            row[j] *= scale;
-            best = row[j] > best ? row[j] : best;
+        const int64_t V = i < count ? b->visible[i] : 0;
+        __m512 most = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < V; j += 16) {
+            const __mmask16 in = V - j >= 16 ? 0xFFFF : (__mmask16)((1u << (V - j)) - 1);
+            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, row + j),
+                                           _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(row + j, in, x);
+            most = _mm512_mask_max_ps(most, in, most, x);
         }
-        #pragma omp simd reduction(+:sum)
-        for (int64_t j = 0; j < V; j++) {
-            row[j] = exp_approx(row[j] - best);
-            sum += row[j];
+        const float m = _mm512_reduce_max_ps(most);
+        for (int64_t j = 0; j < width; j += 16) {
+            const __mmask16 in = j >= V ? 0 : V - j >= 16 ? 0xFFFF
+                                 : (__mmask16)((1u << (V - j)) - 1);
+            const __m512 x = _mm512_maskz_mov_ps(in, exp_approx16(_mm512_sub_ps(
+                _mm512_maskz_loadu_ps(in, row + j), _mm512_set1_ps(m))));
+            sum = _mm512_add_ps(sum, x);
+            const __m256bh h = _mm512_cvtneps_pbh(x);
+            const __m512 r = _mm512_sub_ps(x, _mm512_cvtpbh_ps(h));
+            const __m256bh md = _mm512_cvtneps_pbh(r);
+            const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(r, _mm512_cvtpbh_ps(md)));
+            _mm256_store_si256((__m256i *)(hi + j), (__m256i)h);
+            _mm256_store_si256((__m256i *)(mid + j), (__m256i)md);
+            _mm256_store_si256((__m256i *)(lo + j), (__m256i)l);
         }
-        total[i] = sum;
-        for (int64_t j = 0; j < V; j++) {
-            hi[j] = bf16_narrow(row[j]);
-            const float rest = row[j] - bf16_widen(hi[j]);
-            mid[j] = bf16_narrow(rest);
-            lo[j] = bf16_narrow(rest - bf16_widen(mid[j]));
-        }
-        memset(hi + V, 0, (size_t)(width - V) * 2);
-        memset(mid + V, 0, (size_t)(width - V) * 2);
-        memset(lo + V, 0, (size_t)(width - V) * 2);
+        best[i] = m;
+        total[i] = _mm512_reduce_add_ps(sum);
     }
     /* the weighted sum of V, 64 dims at a time in tiles 0..3, 32 entries a product */
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -178,31 +219,39 @@ static void block_task(TILE_ARGS, int64_t c, int64_t h, int64_t b, int64_t width
         _tile_stored(2, w->o + 32, 256);
         _tile_stored(3, w->o + 48, 256);
         for (int64_t i = 0; i < count; i++) {
-            const int64_t m = m0 + i, r = r0 + m / G;
-            uint16_t *dst = (uint16_t *)out + (row_token[r] * heads + h * G + m % G) * D + d0;
+            if (raw) {
+                memcpy((float *)b->dst[i] + d0, w->o + i * 64, sizeof(float) * 64);
+                continue;
+            }
+            uint16_t *dst = (uint16_t *)b->dst[i] + d0;
             const float inv = 1.0f / total[i];
             for (int64_t d = 0; d < 64; d++)
                 dst[d] = bf16_narrow(w->o[i * 64 + d] * inv);
         }
     }
+    if (raw)
+        for (int64_t i = 0; i < count; i++) {
+            ((float *)b->dst[i])[D] = best[i];
+            ((float *)b->dst[i])[D + 1] = total[i];
+        }
 }
 
-int paged_attention_tiles_bf16(TILE_ARGS)
+/* What a driver's tasks are: `tasks` of them; `fill` sets task t's block (and its
+ * query vectors in w->qa). */
+struct job {
+    int64_t tasks, width, kv_heads, head_dim;
+    const void *kv;
+    float scale;
+    int raw;
+    void (*fill)(const void *args, int64_t t, struct block *b, uint16_t *qa);
+    const void *args;
+};
+
+/* Runs a job's tasks on the threads, each with its scratch and tiles. -1 where memory
+ * is short (nothing done for sure). */
+static int run_job(const struct job *j)
 {
-    if (page_size != PAGE || head_dim % 64 != 0 || heads % kv_heads != 0 || !amx_ready())
-        return -1;
-    const int64_t G = heads / kv_heads, D = head_dim;
-    const int64_t width = (max_visible + ENTRY_STEP - 1) / ENTRY_STEP * ENTRY_STEP;
-    /* tasks: (call, kv head, block of 16 vectors), counted per call */
-    int64_t tasks = 0;
-    int64_t *first = malloc(sizeof(int64_t) * (calls + 1));
-    if (!first)
-        return -1;
-    for (int64_t c = 0; c < calls; c++) {
-        first[c] = tasks;
-        tasks += kv_heads * ((call_rows[c] * G + 15) / 16);
-    }
-    first[calls] = tasks;
+    const int64_t D = j->head_dim, width = j->width;
     int failed = 0;
     #pragma omp parallel
     {
@@ -213,10 +262,10 @@ int paged_attention_tiles_bf16(TILE_ARGS)
         w.lo = aligned_alloc(64, 2 * 16 * width);
         w.qa = aligned_alloc(64, 2 * 16 * D);
         w.o = aligned_alloc(64, sizeof(float) * 16 * 64);
-        w.bt = aligned_alloc(64, 4 * 256);
+        w.kt = aligned_alloc(64, (size_t)(width / PAGE) * (D / 32) * 4 * 256);
         w.vb = aligned_alloc(64, 4 * 4 * 256);
         w.entry = malloc(sizeof(*w.entry) * ENTRY_STEP);
-        const int ok = w.s && w.hi && w.mid && w.lo && w.qa && w.o && w.bt && w.vb && w.entry;
+        const int ok = w.s && w.hi && w.mid && w.lo && w.qa && w.o && w.kt && w.vb && w.entry;
         if (!ok) {
             #pragma omp atomic write
             failed = 1;
@@ -225,22 +274,161 @@ int paged_attention_tiles_bf16(TILE_ARGS)
         if (!failed) {
             amx_configure();
             #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < tasks; t++) {
-                int64_t c = 0;
-                while (first[c + 1] <= t)
-                    c++;
-                const int64_t blocks = (call_rows[c] * G + 15) / 16, k = t - first[c];
-                block_task(q, q_stride, out, kv, page_size, kv_heads, heads, head_dim,
-                           indices, row_token, row_pages, row_visible, call_row, call_rows,
-                           calls, max_visible, scale, c, k / blocks, k % blocks, width, &w);
+            for (int64_t t = 0; t < j->tasks; t++) {
+                struct block b;
+                j->fill(j->args, t, &b, w.qa);
+                attend_block(j->kv, j->kv_heads, D, j->scale, width, &b, j->raw, &w);
             }
             _tile_release();
         }
-        free(w.s); free(w.hi); free(w.mid); free(w.lo); free(w.qa); free(w.o); free(w.bt); free(w.vb);
+        free(w.s); free(w.hi); free(w.mid); free(w.lo); free(w.qa); free(w.o); free(w.kt); free(w.vb);
         free(w.entry);
     }
-    free(first);
     return failed ? -1 : 0;
+}
+
+/* Task t of a set of groups, each `blocks[g]` blocks for each kv head: first[g] is its
+ * first task. Sets *g, *h (kv head) and *b (block). */
+static inline void task_of(const int64_t *first, const int64_t *blocks, int64_t t,
+                           int64_t *g, int64_t *h, int64_t *b)
+{
+    int64_t c = 0;
+    while (first[c + 1] <= t)
+        c++;
+    *g = c;
+    *h = (t - first[c]) / blocks[c];
+    *b = (t - first[c]) % blocks[c];
+}
+
+/* a block's query vectors m0 .. m0 + count - 1 of rows x query heads (m = row * G + the
+ * head of kv head h): q_of(m) is each one's D values; zero past count */
+static inline void fill_q(uint16_t *qa, int64_t count, int64_t D, const uint16_t *const *q_of)
+{
+    for (int64_t i = 0; i < 16; i++) {
+        if (i < count)
+            memcpy(qa + i * D, q_of[i], (size_t)D * 2);
+        else
+            memset(qa + i * D, 0, (size_t)D * 2);
+    }
+}
+
+struct chunks {
+    const uint16_t *q, *out;
+    int64_t q_stride, heads, G, D;
+    const int32_t *indices;
+    const int64_t *row_token, *row_pages, *row_visible, *call_row, *call_rows;
+    const int64_t *first, *blocks;
+};
+
+static void fill_chunk(const void *args, int64_t t, struct block *blk, uint16_t *qa)
+{
+    const struct chunks *a = args;
+    int64_t c, h, b;
+    task_of(a->first, a->blocks, t, &c, &h, &b);
+    const int64_t G = a->G, D = a->D, r0 = a->call_row[c], m0 = 16 * b;
+    const int64_t count = a->call_rows[c] * G - m0 < 16 ? a->call_rows[c] * G - m0 : 16;
+    const uint16_t *q_of[16];
+    blk->count = count;
+    blk->h = h;
+    blk->pages = a->indices + a->row_pages[r0];
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t m = m0 + i, r = r0 + m / G, head = h * G + m % G;
+        blk->visible[i] = a->row_visible[r];
+        q_of[i] = a->q + a->row_token[r] * a->q_stride + head * D;
+        blk->dst[i] = (void *)(a->out + (a->row_token[r] * a->heads + head) * D);
+    }
+    fill_q(qa, count, D, q_of);
+}
+
+/* the tasks of `n` groups of `rows[g]` rows each: kv_heads x blocks of 16 vectors a
+ * group (first[n + 1], blocks[n]); 0, or -1 where memory is short */
+static int count_tasks(int64_t n, const int64_t *rows, int64_t kv_heads, int64_t G,
+                       int64_t **first, int64_t **blocks)
+{
+    *first = malloc(sizeof(int64_t) * (n + 1));
+    *blocks = malloc(sizeof(int64_t) * (n ? n : 1));
+    if (!*first || !*blocks) {
+        free(*first);
+        free(*blocks);
+        return -1;
+    }
+    int64_t tasks = 0;
+    for (int64_t g = 0; g < n; g++) {
+        (*blocks)[g] = (rows[g] * G + 15) / 16;
+        (*first)[g] = tasks;
+        tasks += kv_heads * (*blocks)[g];
+    }
+    (*first)[n] = tasks;
+    return 0;
+}
+
+int paged_attention_tiles_bf16(TILE_ARGS)
+{
+    if (page_size != PAGE || head_dim % 64 != 0 || heads % kv_heads != 0 || !amx_ready())
+        return -1;
+    const int64_t G = heads / kv_heads;
+    int64_t *first, *blocks;
+    if (count_tasks(calls, call_rows, kv_heads, G, &first, &blocks) != 0)
+        return -1;
+    const struct chunks a = {q, out, q_stride, heads, G, head_dim, indices, row_token,
+                             row_pages, row_visible, call_row, call_rows, first, blocks};
+    const struct job j = {first[calls], (max_visible + ENTRY_STEP - 1) / ENTRY_STEP * ENTRY_STEP,
+                          kv_heads, head_dim, kv, scale, 0, fill_chunk, &a};
+    const int status = run_job(&j);
+    free(first);
+    free(blocks);
+    return status;
+}
+
+struct prefixes {
+    const uint16_t *q;
+    float *prior;
+    int64_t q_stride, heads, G, D;
+    const int32_t *indices;
+    const int64_t *row_token, *row_pages, *group_index, *group_row, *group_rows, *group_pages;
+    const int64_t *first, *blocks;
+};
+
+static void fill_prefix(const void *args, int64_t t, struct block *blk, uint16_t *qa)
+{
+    const struct prefixes *a = args;
+    int64_t g, h, b;
+    task_of(a->first, a->blocks, t, &g, &h, &b);
+    const int64_t G = a->G, D = a->D, m0 = 16 * b;
+    const int64_t *rows = a->group_index + a->group_row[g];
+    const int64_t count = a->group_rows[g] * G - m0 < 16 ? a->group_rows[g] * G - m0 : 16;
+    const uint16_t *q_of[16];
+    blk->count = count;
+    blk->h = h;
+    blk->pages = a->indices + a->row_pages[rows[0]];
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t m = m0 + i, r = rows[m / G], head = h * G + m % G;
+        blk->visible[i] = a->group_pages[g] * PAGE;
+        q_of[i] = a->q + a->row_token[r] * a->q_stride + head * D;
+        blk->dst[i] = a->prior + (r * a->heads + head) * (D + 2);
+    }
+    fill_q(qa, count, D, q_of);
+}
+
+int shared_prefix_tiles_bf16(SHARED_ARGS)
+{
+    if (page_size != PAGE || head_dim % 64 != 0 || heads % kv_heads != 0 || !amx_ready())
+        return -1;
+    const int64_t G = heads / kv_heads;
+    int64_t *first, *blocks, most = 0;
+    if (count_tasks(groups, group_rows, kv_heads, G, &first, &blocks) != 0)
+        return -1;
+    for (int64_t g = 0; g < groups; g++)
+        most = group_pages[g] > most ? group_pages[g] : most;
+    const struct prefixes a = {q, prior, q_stride, heads, G, head_dim, indices, row_token,
+                               row_pages, group_index, group_row, group_rows, group_pages,
+                               first, blocks};
+    const struct job j = {first[groups], (most * PAGE + ENTRY_STEP - 1) / ENTRY_STEP * ENTRY_STEP,
+                          kv_heads, head_dim, kv, scale, 1, fill_prefix, &a};
+    const int status = run_job(&j);
+    free(first);
+    free(blocks);
+    return status;
 }
 #else
 int paged_attention_tiles_bf16(TILE_ARGS)
@@ -249,6 +437,15 @@ int paged_attention_tiles_bf16(TILE_ARGS)
     (void)heads; (void)head_dim; (void)indices; (void)row_token; (void)row_pages;
     (void)row_visible; (void)call_row; (void)call_rows; (void)calls; (void)max_visible;
     (void)scale;
+    return -1;
+}
+
+int shared_prefix_tiles_bf16(SHARED_ARGS)
+{
+    (void)q; (void)q_stride; (void)kv; (void)page_size; (void)kv_heads; (void)heads;
+    (void)head_dim; (void)indices; (void)row_token; (void)row_pages; (void)group_index;
+    (void)group_row; (void)group_rows; (void)group_pages; (void)groups; (void)scale;
+    (void)prior;
     return -1;
 }
 #endif

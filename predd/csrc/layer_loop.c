@@ -24,7 +24,8 @@ int paged_attention_##t(const void *q, int64_t q_stride, void *out, const void *
                         int64_t page_size, int64_t kv_heads, int64_t heads, int64_t head_dim, \
                         const int32_t *indices, const int64_t *row_token, \
                         const int64_t *row_pages, const int64_t *row_visible, int64_t rows, \
-                        int64_t max_visible, float scale, int64_t span);
+                        int64_t max_visible, float scale, int64_t span, \
+                        const int64_t *row_start, const float *prior);
 OPS(float, f32)
 OPS(uint16_t, bf16)
 void store_entries(void *kv, const int64_t *rows, int64_t n, const void *k, const void *v,
@@ -36,6 +37,22 @@ int paged_attention_tiles_bf16(const void *q, int64_t q_stride, void *out, const
                                const int64_t *row_visible, const int64_t *call_row,
                                const int64_t *call_rows, int64_t calls, int64_t max_visible,
                                float scale);
+int shared_prefix_tiles_bf16(const void *q, int64_t q_stride, const void *kv, int64_t page_size,
+                             int64_t kv_heads, int64_t heads, int64_t head_dim,
+                             const int32_t *indices, const int64_t *row_token,
+                             const int64_t *row_pages, const int64_t *group_index,
+                             const int64_t *group_row, const int64_t *group_rows,
+                             const int64_t *group_pages, int64_t groups, float scale,
+                             float *prior);
+
+/* Shared prefixes (cpu_kernels.SharedPrefixes) of a set of rows of the row kernel:
+ * `groups` groups (none: 0), each row's start, the prior they fill. */
+struct prefixes {
+    const int64_t *index, *row, *rows, *pages;
+    int64_t groups;
+    const int64_t *start;
+    float *prior;
+};
 
 /* A projection's blocks (predd.loader.QuantBlocks): kind 4 Q4_1, 8 Q8_0; [n, k] */
 struct projection {
@@ -55,7 +72,8 @@ struct layer {
  * attn [T, H D]; gate_up [T, 2 I]; act [T, I]. Attention as bind_attention plans it
  * (predd/cpu_kernels.py): the tiles (bf16) for `calls` calls (none: 0) and the row
  * kernel for the `rest` rows beside them, or for all T rows (every call is on these
- * kernels) where the tiles do not run. */
+ * kernels) where the tiles do not run; each set of rows with its shared prefixes, on
+ * tiles first where they run. */
 struct step {
     int64_t T, C, heads, kv_heads, head_dim, inter, page_size;
     float eps, scale;
@@ -70,6 +88,7 @@ struct step {
     const int64_t *rest_token, *rest_pages, *rest_visible;
     int64_t rest;
     int64_t span_rows, span_rest;    /* the row kernel's kv heads a task, for each set */
+    struct prefixes shared_rows, shared_rest;
 };
 
 /* The layer loop once per dtype: E the element type, t its suffix. Layers 0 .. n - 1 of
@@ -85,6 +104,21 @@ static void project_##t(const struct projection *p, const E *x, int64_t rows, E 
         linear_q8_0_##t(x, rows, p->k, (const int8_t *)p->q, p->d, p->n, p->bias, y); \
 } \
 \
+static int rows_##t(const struct step *s, const void *kv, const int64_t *token, \
+                    const int64_t *pages, const int64_t *visible, int64_t n, int64_t span, \
+                    const struct prefixes *p) \
+{ \
+    const int64_t width = (s->heads + 2 * s->kv_heads) * s->head_dim; \
+    const int shared = TILES && p->groups && shared_prefix_tiles_bf16( \
+        s->qkv, width, kv, s->page_size, s->kv_heads, s->heads, s->head_dim, s->indices, \
+        token, pages, p->index, p->row, p->rows, p->pages, p->groups, s->scale, \
+        p->prior) == 0; \
+    return paged_attention_##t(s->qkv, width, s->attn, kv, s->page_size, s->kv_heads, \
+                               s->heads, s->head_dim, s->indices, token, pages, visible, n, \
+                               s->max_visible, s->scale, span, shared ? p->start : 0, \
+                               p->prior); \
+} \
+\
 static int attend_##t(const struct step *s, const void *kv) \
 { \
     const int64_t width = (s->heads + 2 * s->kv_heads) * s->head_dim; \
@@ -92,14 +126,10 @@ static int attend_##t(const struct step *s, const void *kv) \
             s->qkv, width, s->attn, kv, s->page_size, s->kv_heads, s->heads, s->head_dim, \
             s->indices, s->row_token, s->row_pages, s->row_visible, s->call_row, \
             s->call_rows, s->calls, s->max_visible, s->scale) == 0) \
-        return s->rest ? paged_attention_##t( \
-            s->qkv, width, s->attn, kv, s->page_size, s->kv_heads, s->heads, s->head_dim, \
-            s->indices, s->rest_token, s->rest_pages, s->rest_visible, s->rest, \
-            s->max_visible, s->scale, s->span_rest) : 0; \
-    return paged_attention_##t(s->qkv, width, s->attn, kv, s->page_size, s->kv_heads, \
-                               s->heads, s->head_dim, s->indices, s->row_token, \
-                               s->row_pages, s->row_visible, s->T, s->max_visible, \
-                               s->scale, s->span_rows); \
+        return s->rest ? rows_##t(s, kv, s->rest_token, s->rest_pages, s->rest_visible, \
+                                  s->rest, s->span_rest, &s->shared_rest) : 0; \
+    return rows_##t(s, kv, s->row_token, s->row_pages, s->row_visible, s->T, s->span_rows, \
+                    &s->shared_rows); \
 } \
 \
 int run_layers_##t(const struct layer *layers, int64_t n, const struct step *s) \

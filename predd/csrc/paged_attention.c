@@ -240,9 +240,10 @@ static inline void prefetch_entries(const void *at, int64_t count, int64_t strid
 #define ARGS const void *q, int64_t q_stride, void *out, const void *kv, int64_t page_size, \
     int64_t kv_heads, int64_t heads, int64_t head_dim, const int32_t *indices,           \
     const int64_t *row_token, const int64_t *row_pages, const int64_t *row_visible,      \
-    int64_t rows, int64_t max_visible, float scale, int64_t span
+    int64_t rows, int64_t max_visible, float scale, int64_t span, const int64_t *row_start, \
+    const float *prior
 #define PASS q, q_stride, out, kv, page_size, kv_heads, heads, head_dim, indices, row_token, \
-    row_pages, row_visible, rows, max_visible, scale, span
+    row_pages, row_visible, rows, max_visible, scale, span, row_start, prior
 
 /* One task: query row r's heads of kv heads h0 .. h0 + span - 1 (scores, acc, qf: the
  * thread's scratch). `bf16` is a literal at each call (see paged_attention). */
@@ -258,6 +259,9 @@ static inline __attribute__((always_inline)) void attend_task(
     const int64_t r = task / groups, h0 = (task % groups) * span;
     const int64_t L = row_visible[r];
     const int32_t *pages = indices + row_pages[r];
+    /* a shared prefix's part, done (shared_prefix_tiles_bf16): entries from `start` on */
+    const int64_t start = row_start ? row_start[r] : 0;
+    const float *pr = start ? prior + (r * heads + h0 * G) * (D + 2) : NULL;
     const void *qt = AT(q, row_token[r] * q_stride + h0 * G * D);
     const float *qh = qt;
     if (bf16) {
@@ -265,11 +269,11 @@ static inline __attribute__((always_inline)) void attend_task(
             qf[i] = load1(qt, i, 1);
         qh = qf;
     }
-    float best[S], total[S];
+    float best[S], total[S], carry[S];
     for (int64_t s = 0; s < S; s++)
-        best[s] = -INFINITY;
+        best[s] = pr ? pr[s * (D + 2) + D] : -INFINITY;
     /* scores, a page at a time, the task's heads of each entry together */
-    for (int64_t j0 = 0; j0 < L; j0 += page_size) {
+    for (int64_t j0 = start; j0 < L; j0 += page_size) {
         const int64_t k = pages[j0 / page_size] * page + h0 * D;
         const int64_t n = L - j0 < page_size ? L - j0 : page_size;
         if (j0 + page_size < L)
@@ -300,16 +304,24 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t s = 0; s < S; s++) {
         float *row = scores + s * L, m = best[s], sum = 0.0f;
         #pragma omp simd reduction(+:sum)
-        for (int64_t j = 0; j < L; j++) {
+        for (int64_t j = start; j < L; j++) {
             row[j] = exp_approx(row[j] - m);
             sum += row[j];
         }
-        total[s] = sum;
+        /* the prefix's sums count by e^(its best - best) */
+        carry[s] = pr ? exp_approx(pr[s * (D + 2) + D] - m) : 0.0f;
+        total[s] = pr ? sum + pr[s * (D + 2) + D + 1] * carry[s] : sum;
     }
     /* the weighted sum of V, a page at a time, each output vector held while
      * the page's entries add into it */
-    memset(acc, 0, sizeof(float) * S * D);
-    for (int64_t j0 = 0; j0 < L; j0 += page_size) {
+    if (pr) {
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t d = 0; d < D; d++)
+                acc[s * D + d] = pr[s * (D + 2) + d] * carry[s];
+    } else {
+        memset(acc, 0, sizeof(float) * S * D);
+    }
+    for (int64_t j0 = start; j0 < L; j0 += page_size) {
         const int64_t v = pages[j0 / page_size] * page + page_size * entry + h0 * D;
         const int64_t n = L - j0 < page_size ? L - j0 : page_size;
         if (j0 + page_size < L)
@@ -331,7 +343,11 @@ static inline __attribute__((always_inline)) void attend_task(
  * contiguous; kv: this layer's pool; indices: page ids of every call, table after
  * table; per row: row_token (its token in q and out), row_pages (where its call's
  * table starts), row_visible (entries it attends to, >= 1); span: kv heads per task, a
- * divisor of kv_heads. The parallel region is one for both dtypes (OpenMP outlines it
+ * divisor of kv_heads. row_start (NULL: none): per row, the entries (whole pages, fewer
+ * than row_visible; 0: none) already attended to, whose part of the softmax is in prior
+ * [rows][heads][head_dim + 2] float32: per query head the sum of V weighted by
+ * e^(score - best), best, and the weights' total (shared_prefix_tiles_bf16,
+ * attention_tiles.c); the rest is added to it as online softmax does. The parallel region is one for both dtypes (OpenMP outlines it
  * before inlining, so `bf16` is a variable in it): each task branches once to the
  * body inlined for its dtype. */
 static inline __attribute__((always_inline)) int paged_attention(const int bf16, ARGS)

@@ -76,7 +76,8 @@ def info(e: Engine, s: Session, r: p.Info, extra: list[bytes], now: float) -> p.
         linear=e.runner.linear, linear_reason=e.runner.linear_reason,
         cuda_graphs=e.runner.graphs is not None, cuda_graphs_reason=e.runner.graphs_reason,
         layer_loop=e.runner.layer_loop is not None,
-        layer_loop_reason=e.runner.layer_loop_reason or "")
+        layer_loop_reason=e.runner.layer_loop_reason or "",
+        cascade=e.runner.cascade_reason is None, cascade_reason=e.runner.cascade_reason or "")
 
 
 def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> p.StatsReply:

@@ -69,6 +69,39 @@ def test_the_loop_in_c_gives_the_python_loops_bits(gguf_path, dtype):
     assert not torch.equal(fast_pool, torch.zeros_like(fast_pool))
 
 
+def test_forks_shared_pages_give_the_python_loops_bits(gguf_path):
+    """Forks of one document (the first 17 pages of their tables the same) attend to
+    them together on tiles (predd --cascade, on by default), in the C loop as in the
+    Python loop: the same bits."""
+    kernels = cpu_kernels.kernels()
+    if not kernels.bf16_tiles:
+        pytest.skip("no AMX tiles here: no shared prefixes on tiles")
+    runner = _runner(gguf_path, "bfloat16")
+    assert runner.cascade_reason is None and kernels.shared_prefix
+    torch.manual_seed(1)
+    runner.cache.kv.copy_(torch.randn(runner.cache.kv.shape).to(runner.cache.kv.dtype))
+    rng = np.random.default_rng(1)
+    doc = np.arange(17, dtype=np.int32)
+    chunks = [Chunk(rng.integers(0, 49152, 1).astype(np.int32),
+                    np.array([17 * PAGE + i], dtype=np.int32),
+                    np.append(doc, 17 + i).astype(np.int32), 17 * PAGE + i + 1, np.arange(1))
+              for i in range(7)]
+    chunks.append(Chunk(rng.integers(0, 49152, 6).astype(np.int32),      # a chunk: tiles
+                        np.arange(17 * PAGE, 17 * PAGE + 6, dtype=np.int32),
+                        np.append(doc, 30).astype(np.int32), 17 * PAGE + 6, np.arange(6)))
+    tables = PageTables.build(PAGE, [c.pages for c in chunks], [c.kv_len for c in chunks],
+                              [len(c.tokens) for c in chunks])
+    assert runner.layer_loop.takes(tables)
+    fast, fast_pool, slow, slow_pool = _both(runner, chunks)
+    assert all(torch.equal(f, s) for f, s in zip(fast, slow))
+    assert torch.equal(fast_pool, slow_pool)
+    off = _runner(gguf_path, "bfloat16", cascade=False)
+    try:
+        assert off.cascade_reason == "off (asked for)" and not kernels.shared_prefix
+    finally:
+        kernels.shared_prefix = True
+
+
 def test_steps_it_does_not_take_run_the_python_loop(gguf_path):
     runner = _runner(gguf_path, "float32")
     for shapes in ([(65, 0)],                       # a chunk past the kernels' 64 rows: SDPA

@@ -53,6 +53,7 @@ class FakeRunner:
         self.linear_reason = "fake"
         self.graphs, self.graphs_reason = None, "fake"
         self.layer_loop, self.layer_loop_reason = None, "fake"
+        self.cascade_reason = "fake"
         self.fail = lambda chunk: False       # raise in the pass (after scribbling NaN)
         self.nan = lambda chunk: False        # NaN logits, no exception
         self.batches: list[int] = []          # chunks per execute call

@@ -146,6 +146,66 @@ def test_chunks_attend_by_tiles_as_the_float32_reference_rounded_once(kv_heads, 
     assert used == [6] and ((rows - want).abs() <= ulp + 1e-6).all()
 
 
+@pytest.mark.skipif(not TILES, reason="no AMX tiles here (or predd's kernels do not build)")
+def test_forks_attend_to_their_shared_pages_together_as_the_reference_rounded_once(
+        monkeypatch):
+    """Decode rows whose tables begin with the same pages (forks of a cached document)
+    attend to those pages on tiles first (SharedPrefixes), grouped by their first page,
+    the prefix being what all of a group share; fewer than SHARED_ROWS rows, or chunks on
+    tiles, are not grouped. Outputs held to the bf16 bound of the tests above."""
+    ps, kv_heads, heads, head_dim = 16, 3, 9, 64
+    rng = np.random.default_rng(5)
+    free = [int(x) for x in rng.permutation(128)]
+    take = lambda n: [free.pop() for _ in range(n)]      # noqa: E731
+    d1, d2, d3 = take(20), take(16), take(21)
+    tables, kv_lens, q_lens = [], [], []
+    for k in range(7):                       # 7 forks of d1, 1..16 entries of their own
+        tables.append(d1 + take(1)); kv_lens.append(320 + 1 + 2 * k); q_lens.append(1)
+    tables.append(d1[:18] + take(3)); kv_lens.append(18 * 16 + 40); q_lens.append(1)
+    for _ in range(6):                       # 6 forks of d2, each one entry past it
+        tables.append(d2 + take(1)); kv_lens.append(257); q_lens.append(1)
+    for _ in range(2):                       # 2 forks of d3: too few to group
+        tables.append(d3 + take(1)); kv_lens.append(340); q_lens.append(1)
+    tables.append(d1 + take(1)); kv_lens.append(325); q_lens.append(5)   # a chunk: tiles
+    tables.append(take(3)); kv_lens.append(40); q_lens.append(1)
+    cfg = SimpleNamespace(name="t", num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim)
+    ours = PagedKVCache(cfg, 128, ps, torch.bfloat16, torch.device("cpu"))
+    torch.manual_seed(5)
+    ours.kv.normal_()
+    ref = PagedKVCache(cfg, 128, ps, torch.float32, torch.device("cpu"))
+    ref.kv.copy_(ours.kv.float())
+    step = PageTables.build(ps, [np.array(t) for t in tables], kv_lens, q_lens)
+    qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim).to(torch.bfloat16)
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    kernels = cpu_kernels.kernels()
+    calls = list(range(len(tables)))
+    n, row_token, row_pages, row_visible = CpuAttention.rows(step, calls)
+    rest = kernels.tile_calls(n, row_token, row_pages, row_visible)[2]
+    plan = kernels.shared_prefixes(step.indices, rest[1], rest[2], ps)
+    # the row kernel's rows: calls 0-15 and 17 (the chunk, call 16, is on tiles)
+    assert plan.index.tolist() == list(range(8)) + list(range(8, 14))
+    assert (plan.row.tolist(), plan.rows.tolist(), plan.pages.tolist()) == (
+        [0, 8], [8, 6], [18, 16])
+    assert plan.start.tolist() == [18 * 16] * 8 + [16 * 16] * 6 + [0, 0, 0]
+    shared, used = kernels._lib.shared_prefix_tiles_bf16, []
+    monkeypatch.setattr(kernels._lib, "shared_prefix_tiles_bf16",
+                        lambda *a: used.append(a[14]) or shared(*a))
+    got = CpuAttention(ours).prepare(step)(0, q, k, v).float()
+    assert used == [2]                       # both groups, in one call a layer
+    want = TorchAttention(ref).prepare(step)(0, q.float(), k.float(), v.float())
+    ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2 ** -30))) - 7)
+    err = (got - want).abs()
+    assert (err <= ulp + 1e-6).all(), float((err / (ulp + 1e-6)).max())
+    assert (got == want.to(torch.bfloat16).float()).float().mean() > 0.95
+    kernels.shared_prefix = False            # off (predd --cascade off): no groups
+    try:
+        assert kernels.shared_prefixes(step.indices, rest[1], rest[2], ps) is None
+        alone = CpuAttention(ours).prepare(step)(0, q, k, v).float()
+    finally:
+        kernels.shared_prefix = True
+    assert used == [2] and ((alone - want).abs() <= ulp + 1e-6).all()
+
+
 def test_cpu_backend_sends_calls_of_up_to_kernel_rows_to_the_kernel(monkeypatch):
     """The kernel sees decode rows and the rows of short chunks, after a past or fresh,
     each with the entries it may see (causal within its chunk); a chunk of more than
@@ -155,7 +215,7 @@ def test_cpu_backend_sends_calls_of_up_to_kernel_rows_to_the_kernel(monkeypatch)
     backend = CpuAttention(ours)
     seen = []
     monkeypatch.setattr(backend.kernel, "bind_attention", lambda indices, token, pages,
-                        visible, most, call_rows: seen.append((
+                        visible, most, call_rows, page_size: seen.append((
                             token.tolist(), pages.tolist(), visible.tolist(), most,
                             call_rows.tolist())) or (lambda *a: None))
     backend.prepare(tables)(0, q, k, v)

@@ -41,6 +41,7 @@ class FakeRunner:
         self.linear_reason = "fake"
         self.graphs, self.graphs_reason = None, "fake"
         self.layer_loop, self.layer_loop_reason = None, "fake"
+        self.cascade_reason = "fake"
 
     def execute(self, chunks):
         return [torch.zeros(len(c.outputs), VOCAB) for c in chunks]
