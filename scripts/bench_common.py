@@ -85,6 +85,13 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
 
 
+def changed(before: dict, after: dict, key: str, per: float = 1.0) -> str:
+    """What the map `key` of `stats` (logits_rows, time_ms) gained between two reads,
+    each entry divided by `per` (to 0.1)."""
+    a, b = after.get(key, {}), before.get(key, {})
+    return " ".join(f"{k} {round((a[k] - b.get(k, 0)) / per, 1):g}" for k in a) or "-"
+
+
 # ------------------------------------------------------------------ daemons
 
 def start_predd(*args: str, timeout: float = 600.0):

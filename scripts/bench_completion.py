@@ -35,7 +35,7 @@ from typing import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench_vllm  # noqa: E402  (scripts/, beside this file)
-from bench_common import DTYPE_CHOICES, best_of, log, machine, start_predd  # noqa: E402
+from bench_common import DTYPE_CHOICES, best_of, changed, log, machine, start_predd  # noqa: E402
 from bench_common import result as emit  # noqa: E402
 
 WORDS = ("the a cache page token model program fork kernel batch prompt system user "
@@ -186,13 +186,6 @@ def vllm_http(url: str, n_new: int) -> Workload:
 
 
 # ------------------------------------------------------------------ the systems
-
-def changed(before: dict, after: dict, key: str, per: float = 1.0) -> str:
-    """What the map `key` of `stats` (logits_rows, time_ms) gained between two reads,
-    each entry divided by `per` (to 0.1)."""
-    a, b = after.get(key, {}), before.get(key, {})
-    return " ".join(f"{k} {round((a[k] - b.get(k, 0)) / per, 1):g}" for k in a) or "-"
-
 
 def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
     """(as, N, mode) -> (best seconds, ids)."""

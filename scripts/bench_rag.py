@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "mount_examples"))
 import bench_vllm  # noqa: E402
-from bench_common import (Mount, log, machine, percentile, quick_defaults,  # noqa: E402
+from bench_common import (Mount, changed, log, machine, percentile, quick_defaults,  # noqa: E402
                           result, serving_flags, start_predd)
 from rag_workload import (Request, Run, Workload, closed_loop,  # noqa: E402
                           make_workload, workload_flags)
@@ -210,7 +210,10 @@ class SymphonyRig:
             closed_loop(warm, self.args.clients, submit)
             before = self.stats()
             run = closed_loop(timed, self.args.clients, submit)
-            engine = {k: v - before[k] for k, v in self.stats().items()}
+            after = self.stats()
+            engine = {k: v - before[k] for k, v in after.items() if k != "time_ms"}
+            engine["time_ms"] = {k: v - before["time_ms"].get(k, 0)
+                                 for k, v in after["time_ms"].items()}
         finally:
             report = lip_proc.close()
             shutil.rmtree(cache_dir, ignore_errors=True)
@@ -222,7 +225,8 @@ class SymphonyRig:
             f"{sum(r['swapped_in'] for r in run.replies)} tokens; predd {engine['steps']} "
             f"steps, mean batch {engine['calls'] / max(engine['steps'], 1):.1f}, step "
             f"{engine['step_ms'] / max(engine['steps'], 1):.0f} ms, launch wait "
-            f"{engine['launch_wait_ms']:.0f} ms, {engine['tokens_computed']} tokens computed; "
+            f"{engine['launch_wait_ms']:.0f} ms, {engine['tokens_computed']} tokens computed, "
+            f"ms a step: {changed({}, engine, 'time_ms', max(engine['steps'], 1))}; "
             f"policy { {k: v for k, v in report.items() if k != 'uses'} }")
         return run, report
 
@@ -235,7 +239,7 @@ class SymphonyRig:
         finally:
             lip.client().close()
         return {k: s[k] for k in ("steps", "calls", "step_ms", "launch_wait_ms",
-                                  "tokens_computed")}
+                                  "tokens_computed", "time_ms")}
 
     def close(self) -> None:
         if hasattr(self, "mount"):
