@@ -2,10 +2,12 @@
 `context` entries each and one chunk of `chunk` new tokens after `past` entries, on
 SmolLM2-135M's shape (9 query heads, 3 kv heads, head_dim 64, pages of 16, bfloat16),
 30 layers; best of --reps, with the chunk on AMX tiles (where they run) and with every
-row on the row kernel (predd/csrc/paged_attention.c, attention_tiles.c).
+row on the row kernel (predd/csrc/paged_attention.c, attention_tiles.c). With --shared N
+the decodes' first N entries (whole pages) are the same pages, forks of one document
+(B2), and a third figure has them attended together on tiles (predd --cascade).
 
     python scripts/bench_attention.py [--decodes 7] [--chunk 41] [--past 400]
-        [--context 440] [--reps 20] [--threads 2]
+        [--context 440] [--shared 0] [--reps 20] [--threads 2]
 """
 from __future__ import annotations
 
@@ -24,12 +26,19 @@ from predd import cpu_kernels  # noqa: E402
 PAGE, KV_HEADS, HEADS, HEAD_DIM, LAYERS = 16, 3, 9, 64, 30
 
 
-def step(kernels: cpu_kernels.Kernels, calls: list[tuple[int, int]], reps: int) -> float:
+def step(kernels: cpu_kernels.Kernels, calls: list[tuple[int, int]], reps: int,
+         shared: int = 0, cascade: bool = False) -> float:
     """Best ms for LAYERS layers of `calls` (new tokens, entries before them), each call's
-    pages scattered over the pool."""
+    pages scattered over the pool; the decodes' first `shared` pages the same ones, read
+    together on tiles with `cascade`."""
     tables = [-(-(past + n) // PAGE) for n, past in calls]
     pool = torch.randn(sum(tables) + 8, 2, PAGE, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
     order = np.random.default_rng(0).permutation(len(pool))[:sum(tables)].astype(np.int32)
+    first = 0
+    for (n, _), count in zip(calls, tables):
+        if n == 1 and first:
+            order[first:first + shared] = order[:shared]
+        first += count
     rows = sum(n for n, _ in calls)
     q = torch.randn(rows, HEADS, HEAD_DIM).to(torch.bfloat16)
     out = torch.empty_like(q)
@@ -43,7 +52,8 @@ def step(kernels: cpu_kernels.Kernels, calls: list[tuple[int, int]], reps: int) 
         start += count
     run = kernels.bind_attention(order, np.array(token, np.int64), np.array(pages, np.int64),
                                  np.array(visible, np.int64), max(visible),
-                                 call_rows=np.array([n for n, _ in calls], np.int64))
+                                 call_rows=np.array([n for n, _ in calls], np.int64),
+                                 page_size=PAGE if cascade else 0)
     best = float("inf")
     for _ in range(reps):
         began = time.perf_counter()
@@ -59,6 +69,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=41)
     ap.add_argument("--past", type=int, default=400)
     ap.add_argument("--context", type=int, default=440)
+    ap.add_argument("--shared", type=int, default=0,
+                    help="the decodes' first N entries (whole pages) are the same pages")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -69,15 +81,23 @@ def main() -> None:
     kernels = cpu_kernels.kernels()
     calls = [(1, args.context - 1)] * args.decodes + ([(args.chunk, args.past)]
                                                       if args.chunk else [])
-    shape = f"{args.decodes} decodes over {args.context}, a chunk of {args.chunk} after {args.past}"
+    shared = min(args.shared, args.context - 1) // PAGE
+    shape = (f"{args.decodes} decodes over {args.context} (the first {shared * PAGE} shared), "
+             f"a chunk of {args.chunk} after {args.past}")
     if kernels.bf16_tiles:
-        print(f"{shape}: {step(kernels, calls, args.reps):.2f} ms, the chunk on AMX tiles "
-              f"(calls of {cpu_kernels.TILE_ROWS} rows or more)")
+        if shared:
+            ms = step(kernels, calls, args.reps, shared, cascade=True)
+            print(f"{shape}: {ms:.2f} ms, the chunk and the shared pages on AMX tiles (groups "
+                  f"of {cpu_kernels.SHARED_ROWS} rows and {cpu_kernels.SHARED_PAGES} pages or "
+                  "more)")
+        print(f"{shape}: {step(kernels, calls, args.reps, shared):.2f} ms, the chunk on AMX "
+              f"tiles (calls of {cpu_kernels.TILE_ROWS} rows or more)")
     else:
         print("bench_attention: no AMX tiles here: the row kernel only")
     kernels.use_bf16_tiles(False)
     try:
-        print(f"{shape}: {step(kernels, calls, args.reps):.2f} ms, every row on the row kernel")
+        print(f"{shape}: {step(kernels, calls, args.reps, shared):.2f} ms, every row on the "
+              "row kernel")
     finally:
         kernels.use_bf16_tiles(True)
 

@@ -8,14 +8,20 @@
  * head, row-major) and that kv head. Per page: the page's K, transposed into pairs of
  * dims (the tile unit's layout for the right operand), times the block's q: 16 x 16
  * scores. Softmax per query vector over the entries its row sees (causal within the
- * chunk) in float32, as paged_attention.c does (the same exp_approx, the same max
- * shift). The weighted sum of V: the probabilities as three bfloat16 parts, p = hi +
+ * chunk) in float32, as paged_attention.c does (exp_approx's polynomial, on 16 lanes;
+ * the same max shift). The weighted sum of V: the probabilities as three bfloat16 parts, p = hi +
  * mid + lo (each the rounded rest of the one before: together float32's 24 bits of p,
  * where one bf16 keeps 8, and two left errors of 1e-6 where an output cancels to near
  * 0), each times V laid out in pairs of entries, into float32 tiles. So each output is the
  * float32 computation rounded to bf16 once, as paged_attention.c's (the tests hold both
  * to the same bound). Entries past the call's last are never read: their probabilities
  * are 0 and their V is taken as 0 (a NaN there would poison 0 x NaN).
+ *
+ * The same blocks serve cascade attention (shared_prefix_tiles_bf16): decode rows of
+ * several calls whose page tables begin with the same pages (forks of one cached
+ * document) are one block's query vectors over those pages, every one seeing all of
+ * them; each vector's part of the softmax (the sum of V by e^(score - best), best, the
+ * total) goes to paged_attention.c, which adds each row's own entries to it.
  *
  * Built with the other kernels (predd/cpu_kernels.py); AMX tiles from quant_tiles.c
  * (amx.h). Returns -1 without computing anything where the tiles are not there or not

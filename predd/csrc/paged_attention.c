@@ -347,9 +347,9 @@ static inline __attribute__((always_inline)) void attend_task(
  * than row_visible; 0: none) already attended to, whose part of the softmax is in prior
  * [rows][heads][head_dim + 2] float32: per query head the sum of V weighted by
  * e^(score - best), best, and the weights' total (shared_prefix_tiles_bf16,
- * attention_tiles.c); the rest is added to it as online softmax does. The parallel region is one for both dtypes (OpenMP outlines it
- * before inlining, so `bf16` is a variable in it): each task branches once to the
- * body inlined for its dtype. */
+ * attention_tiles.c); the rest is added to it as online softmax does. The parallel
+ * region is one for both dtypes (OpenMP outlines it before inlining, so `bf16` is a
+ * variable in it): each task branches once to the body inlined for its dtype. */
 static inline __attribute__((always_inline)) int paged_attention(const int bf16, ARGS)
 {
     const int64_t S = span * (heads / kv_heads), tasks = rows * (kv_heads / span);
