@@ -50,6 +50,10 @@ LIBRARY = "predd-cpu"
 # will not turn a float compare-and-select (exp_approx's clamp) into a vector blend on
 # AVX2, leaving the softmax's and SwiGLU's exponential loops scalar there.
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+# $SYMPHONY_KERNELS_MARCH names another -march (x86-64-v3: AVX2 and FMA, no AVX-512;
+# x86-64-v2: neither): the library as an older CPU would build it, so that its paths for
+# that CPU can be tested here (tests/integration/test_kernels_march.py)
+MARCH_ENV = "SYMPHONY_KERNELS_MARCH"
 PROBE_TOLERANCE = 1e-4      # float32, another summation order
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}    # the kernels' dtypes
 # a call of this many new tokens or more attends by AMX tiles where they run (bind_attention):
@@ -105,8 +109,16 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def _flags() -> tuple[str, ...]:
+    march = os.environ.get(MARCH_ENV) or "native"
+    if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise KernelUnavailable(f"${MARCH_ENV}={march!r} is not an -march name")
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+
+
 def _build(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS,
            name: str = LIBRARY) -> Path:
+    flags = _flags()
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise KernelUnavailable(f"no C compiler ({compiler}) on PATH")
@@ -116,7 +128,7 @@ def _build(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEAD
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"{compiler} --version failed: {exc}") from None
     texts = [p.read_text() for p in (*sources, *headers)]
-    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, platform.machine(),
+    key = hashlib.sha256("\0".join([*texts, *flags, version, platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     last_error = ""
     for where in (cache_dir(), Path(tempfile.gettempdir()) / f"symphony-kernels-{os.geteuid()}"):
@@ -134,7 +146,7 @@ def _build(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEAD
             last_error = f"cannot write {where}: {exc.strerror}"
             continue
         try:
-            done = subprocess.run([compiler, *FLAGS, "-o", partial, *map(str, sources)],
+            done = subprocess.run([compiler, *flags, "-o", partial, *map(str, sources)],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise KernelUnavailable(f"{compiler} failed on {LIBRARY}: "

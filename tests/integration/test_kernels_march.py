@@ -1,0 +1,48 @@
+"""predd's CPU kernels as an older x86 CPU builds them ($SYMPHONY_KERNELS_MARCH): the
+kernel tests and the layer-loop tests pass on the AVX2 paths (x86-64-v3: the float32 C
+layer loop, the float32 block kernels, attention 8 lanes wide) and on the plain C paths
+(x86-64-v2), not only on this machine's own build. Each build goes to a cache of its own
+and runs the tests in a process of its own."""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from predd import cpu_kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ["tests/unit/test_cpu_kernels.py", "tests/integration/test_layer_loop.py"]
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or shutil.which(os.environ.get("CC", "cc"))
+    is None, reason="x86-64 -march levels need an x86 machine and its C compiler")
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
+def test_the_kernels_built_for_an_older_cpu_pass_the_kernel_tests(march, tmp_path):
+    env = {**os.environ, cpu_kernels.MARCH_ENV: march, "SYMPHONY_CACHE": str(tmp_path)}
+    probe = subprocess.run(
+        [sys.executable, "-c", "from predd import cpu_kernels as c; k = c.kernels(); "
+         "print(c.problem(), k.bf16_blocks, k.bf16_tiles)"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # it builds and agrees with torch; no bf16 dot products or tiles below AVX-512
+    assert probe.stdout.split() == ["None", "False", "False"], probe.stderr[-2000:]
+    assert [p.name.startswith("predd-cpu-") for p in (tmp_path / "kernels").glob("*.so")] \
+        == [True]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          *TESTS], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout.splitlines()[-1], run.stdout[-2000:]
+
+
+def test_a_march_that_is_not_a_name_is_refused(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "native -o /tmp/x")
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="is not an -march name"):
+        cpu_kernels._flags()
