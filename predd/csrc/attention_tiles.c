@@ -60,35 +60,10 @@
 #define ENTRY_STEP 32      /* entries per tile product of the weighted sum: two pages */
 
 /* bt[i * 16 + e] = the i-th pair of dims (2i, 2i + 1 from `k`) of entry e, e < n; 0 for
- * e >= n. k: the page's first entry at this kv head, `stride` uint32 to the next. The
- * 16 x 16 pairs transposed in registers (four rounds of shuffles): gathers, one per
- * pair, cost ~3x as much on the Sapphire Rapids this was measured on. */
+ * e >= n. k: the page's first entry at this kv head, `stride` uint32 to the next. */
 static inline void k_pairs(uint32_t *bt, const uint32_t *k, int64_t stride, int64_t n)
 {
-    __m512i r[16], t[16];
-    for (int e = 0; e < 16; e++)
-        r[e] = _mm512_maskz_loadu_epi32(e < n ? 0xFFFF : 0, k + e * stride);
-    for (int e = 0; e < 16; e += 2) {       /* per 128 bits: entries e, e + 1 paired */
-        t[e] = _mm512_unpacklo_epi32(r[e], r[e + 1]);
-        t[e + 1] = _mm512_unpackhi_epi32(r[e], r[e + 1]);
-    }
-    for (int e = 0; e < 16; e += 4) {       /* ... and four entries: u[e + c] is pair c */
-        r[e] = _mm512_unpacklo_epi64(t[e], t[e + 2]);
-        r[e + 1] = _mm512_unpackhi_epi64(t[e], t[e + 2]);
-        r[e + 2] = _mm512_unpacklo_epi64(t[e + 1], t[e + 3]);
-        r[e + 3] = _mm512_unpackhi_epi64(t[e + 1], t[e + 3]);
-    }
-    /* r[4g + c], 128-bit lane L: pair 4L + c of entries 4g .. 4g + 3 */
-    for (int c = 0; c < 4; c++) {
-        const __m512i a0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);   /* 4L: L = 0, 2 */
-        const __m512i a1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);   /* L = 1, 3 */
-        const __m512i b0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
-        const __m512i b1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
-        _mm512_store_si512(bt + c * 16, _mm512_shuffle_i32x4(a0, b0, 0x88));
-        _mm512_store_si512(bt + (8 + c) * 16, _mm512_shuffle_i32x4(a0, b0, 0xDD));
-        _mm512_store_si512(bt + (4 + c) * 16, _mm512_shuffle_i32x4(a1, b1, 0x88));
-        _mm512_store_si512(bt + (12 + c) * 16, _mm512_shuffle_i32x4(a1, b1, 0xDD));
-    }
+    amx_transpose16(bt, k, stride, n);
 }
 
 /* vb[b * 256 + i * 16 + j] (uint32) = dims d0 + 16b + j of entries 2i and 2i + 1 of the

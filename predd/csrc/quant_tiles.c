@@ -136,24 +136,19 @@ static int linear_amx(const int kind, const uint16_t *x, int64_t M, int64_t K,
     uint32_t *xt = aligned_alloc(64, (size_t)most * blocks * 256 * 4);  /* a pass's groups */
     if (!xt)
         return -1;
-    const __m512i rows = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
-                                          1, 0);
     for (int64_t r0 = 0; r0 < M; r0 += 16 * AMX_GROUPS) {
         const int64_t left = M - r0 < 16 * AMX_GROUPS ? M - r0 : 16 * AMX_GROUPS;
         const int groups = (int)((left + 15) / 16);
         const int64_t last = left - 16 * (groups - 1);
-        for (int g = 0; g < groups; g++) {         /* xt row i of block b: pair i of each row */
-            const __mmask16 valid = (__mmask16)((1u << (g == groups - 1 ? last : 16)) - 1);
-            const int *pairs = (const int *)(x + (r0 + 16 * g) * K);
-            const __m512i row_at = _mm512_mullo_epi32(rows, _mm512_set1_epi32((int)(K / 2)));
-            for (int64_t b = 0; b < blocks; b++)
-                for (int64_t i = 0; i < 16; i++)
-                    _mm512_store_si512(xt + (g * blocks + b) * 256 + i * 16,
-                                       _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid,
-                                           row_at, pairs + b * 16 + i, 4));
-        }
         #pragma omp parallel
         {
+            /* xt row i of group g's block b: pair i of each of the group's rows */
+            #pragma omp for schedule(static)
+            for (int64_t gb = 0; gb < groups * blocks; gb++) {
+                const int64_t g = gb / blocks, b = gb % blocks;
+                amx_transpose16(xt + gb * 256, (const uint32_t *)(x + (r0 + 16 * g) * K) + b * 16,
+                                K / 2, g == groups - 1 ? last : 16);
+            }
             amx_configure();
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; t++)
