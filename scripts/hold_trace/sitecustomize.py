@@ -2,8 +2,8 @@
 programs come back"), loaded by putting this folder on PYTHONPATH: with HOLD_TRACE=FILE,
 every predd started with that environment appends to FILE at exit the percentiles of the
 return times of calls that came within a hold, its holds, its step times and its
-expected objects per step; HOLD_STEPS=N sets predd.returns.RETURN_STEPS. Other
-processes only get a path hook.
+expected objects per step; HOLD_STEPS=N sets predd.returns.RETURN_STEPS and
+HOLD_QUANTILE=Q its RETURN_QUANTILE. Other processes only get a path hook.
 
     PYTHONPATH=$PWD:$PWD/scripts/hold_trace HOLD_TRACE=/tmp/hold.txt \
         python3 scripts/bench_completion.py --programs 64 --modes pred_sample ...
@@ -19,6 +19,8 @@ if os.environ.get("HOLD_TRACE"):
     def patch(m):
         if os.environ.get("HOLD_STEPS"):
             m.RETURN_STEPS = float(os.environ["HOLD_STEPS"])
+        if os.environ.get("HOLD_QUANTILE"):
+            m.RETURN_QUANTILE = float(os.environ["HOLD_QUANTILE"])
         R = m.ReturnTimes
         samples, holds, steps, expected = [], [], [], []
         came, plan = R.came, R.plan
@@ -44,7 +46,8 @@ if os.environ.get("HOLD_TRACE"):
                 return " ".join(f"p{q}={xs[min(len(xs) - 1, int(q / 100 * len(xs)))] * 1e3:.2f}"
                                 for q in (10, 50, 90, 99))
             with open(os.environ["HOLD_TRACE"], "a") as f:
-                f.write(f"RETURN_STEPS={m.RETURN_STEPS} steps={len(steps)}\n"
+                f.write(f"RETURN_STEPS={m.RETURN_STEPS} RETURN_QUANTILE={m.RETURN_QUANTILE} "
+                        f"steps={len(steps)}\n"
                         f"  returns ms ({len(samples)}): {pct(samples)}\n"
                         f"  holds ms: {pct(holds)}\n  step ms: {pct(steps)}\n"
                         f"  expected: {pct([e / 1e3 for e in expected])} (x1000)\n")
