@@ -244,11 +244,13 @@ class Kernels:
         takes the AMX tile kernel (predd/csrc/attention_tiles.c) where it runs: bf16,
         pages of 16, head_dim a multiple of 64. `page_size` (the pool's): the other rows'
         shared prefixes (`shared_prefixes`) go on the tiles first."""
-        vector = self._bind_rows(indices, row_token, row_pages, row_visible, max_visible,
-                                 page_size)
         split = self.tile_calls(call_rows, row_token, row_pages, row_visible)
         if split is None:
-            return vector
+            return self._bind_rows(indices, row_token, row_pages, row_visible, max_visible,
+                                   page_size)
+        # where the chunks' tiles fail at run time, every row takes the row kernel, with
+        # no shared prefixes (those tiles would fail too)
+        vector = self._bind_rows(indices, row_token, row_pages, row_visible, max_visible)
         call_row, chunk_rows, rest = split
         others = (self._bind_rows(indices, *rest, max_visible, page_size) if len(rest[0])
                   else None)

@@ -148,9 +148,11 @@ class LayerLoop:
         split = self.kernels.tile_calls(n, row_token, row_pages, row_visible)
         call_row, call_rows, rest = split if split else (None, None, (None, None, None))
         page_size = self.cache.page_size
-        shared = [self.kernels.shared_prefixes(tables.indices, pages, visible, page_size)
-                  if pages is not None else None
-                  for pages, visible in ((row_pages, row_visible), rest[1:])]
+        # the shared prefixes of the row kernel's rows: all rows', or the rest's beside
+        # the chunks on tiles (where those fail, so would the prefixes' tiles)
+        plan = self.kernels.shared_prefixes
+        shared = ((plan(tables.indices, row_pages, row_visible, page_size), None) if split is None
+                  else (None, plan(tables.indices, *rest[1:], page_size)))
         store_rows = np.ascontiguousarray(self.cache.rows(tables.new_slots()), dtype=np.int64)
         x, (cos, sin) = self.model.embed(tokens, positions)
         T = x.shape[0]
