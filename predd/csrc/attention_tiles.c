@@ -9,11 +9,11 @@
  * dims (the tile unit's layout for the right operand), times the block's q: 16 x 16
  * scores. Softmax per query vector over the entries its row sees (causal within the
  * chunk) in float32, as paged_attention.c does (exp_approx's polynomial, on 16 lanes;
- * the same max shift). The weighted sum of V: the probabilities as three bfloat16 parts, p = hi +
- * mid + lo (each the rounded rest of the one before: together float32's 24 bits of p,
- * where one bf16 keeps 8, and two left errors of 1e-6 where an output cancels to near
- * 0), each times V laid out in pairs of entries, into float32 tiles. So each output is the
- * float32 computation rounded to bf16 once, as paged_attention.c's (the tests hold both
+ * the same max shift). The weighted sum of V: the probabilities as three bfloat16
+ * parts, p = hi + mid + lo (each the rounded rest of the one before: together
+ * float32's 24 bits of p, where one bf16 keeps 8, and two left errors of 1e-6 where an
+ * output cancels to near 0), each times V laid out in pairs of entries, into float32
+ * tiles. So each output is the float32 computation rounded to bf16 once, as paged_attention.c's (the tests hold both
  * to the same bound). Entries past the call's last are never read: their probabilities
  * are 0 and their V is taken as 0 (a NaN there would poison 0 x NaN).
  *
@@ -95,7 +95,7 @@ struct scratch {
     uint16_t *hi, *mid, *lo;   /* [16][width] the probabilities' three bf16 parts */
     uint16_t *qa;      /* [16][D] the block's query vectors */
     float *o;          /* [16][64] weighted sums of one half of D */
-    uint32_t *kt;      /* [width / 16][D / 32][16][16] each page's K in pairs of dims */
+    uint32_t *bt;      /* [16][16] a page's K in pairs of dims */
     uint32_t *vb;      /* [4][16][16] 32 entries' V in pairs of entries */
     const uint16_t **entry;  /* [32] */
 };
@@ -122,22 +122,15 @@ static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, flo
     const uint16_t *pool = kv;
     const int32_t *pages = b->pages;
     const int64_t L = b->visible[count - 1];       /* the block's last vector sees most */
-    /* scores, a page of 16 entries at a time, 16 x 16 in tile 0: every page's K in
-     * pairs first, so that the tile unit then streams (a tile load right after the
-     * stores it reads waits for them) */
-    const int64_t halves = D / 32;
+    /* scores: a page of 16 entries at a time, 16 x 16 in tile 0 */
     for (int64_t j0 = 0; j0 < L; j0 += PAGE) {
         const int64_t n = L - j0 < PAGE ? L - j0 : PAGE;
         const uint16_t *k = pool + pages[j0 / PAGE] * page + h * D;
-        for (int64_t d = 0; d < halves; d++)
-            k_pairs(w->kt + (j0 / PAGE * halves + d) * 256, (const uint32_t *)(k + 32 * d),
-                    entry / 2, n);
-    }
-    for (int64_t j0 = 0; j0 < L; j0 += PAGE) {
         _tile_zero(0);
-        for (int64_t d = 0; d < halves; d++) {
-            _tile_loadd(4, w->qa + 32 * d, D * 2);
-            _tile_loadd(6, w->kt + (j0 / PAGE * halves + d) * 256, 64);
+        for (int64_t d = 0; d < D; d += 32) {
+            k_pairs(w->bt, (const uint32_t *)(k + d), entry / 2, n);
+            _tile_loadd(4, w->qa + d, D * 2);
+            _tile_loadd(6, w->bt, 64);
             _tile_dpbf16ps(0, 4, 6);
         }
         _tile_stored(0, w->s + j0, width * 4);
@@ -217,10 +210,10 @@ static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, flo
         }
 }
 
-/* What a driver's tasks are: `tasks` of them; `fill` sets task t's block (and its
- * query vectors in w->qa). */
+/* What a driver's tasks are: `tasks` of them, seeing at most `most` entries; `fill` sets
+ * task t's block (and its query vectors in w->qa). */
 struct job {
-    int64_t tasks, width, kv_heads, head_dim;
+    int64_t tasks, most, kv_heads, head_dim;
     const void *kv;
     float scale;
     int raw;
@@ -232,7 +225,8 @@ struct job {
  * is short (nothing done for sure). */
 static int run_job(const struct job *j)
 {
-    const int64_t D = j->head_dim, width = j->width;
+    const int64_t D = j->head_dim;
+    const int64_t width = (j->most + ENTRY_STEP - 1) / ENTRY_STEP * ENTRY_STEP;
     int failed = 0;
     #pragma omp parallel
     {
@@ -243,10 +237,10 @@ static int run_job(const struct job *j)
         w.lo = aligned_alloc(64, 2 * 16 * width);
         w.qa = aligned_alloc(64, 2 * 16 * D);
         w.o = aligned_alloc(64, sizeof(float) * 16 * 64);
-        w.kt = aligned_alloc(64, (size_t)(width / PAGE) * (D / 32) * 4 * 256);
+        w.bt = aligned_alloc(64, 4 * 256);
         w.vb = aligned_alloc(64, 4 * 4 * 256);
         w.entry = malloc(sizeof(*w.entry) * ENTRY_STEP);
-        const int ok = w.s && w.hi && w.mid && w.lo && w.qa && w.o && w.kt && w.vb && w.entry;
+        const int ok = w.s && w.hi && w.mid && w.lo && w.qa && w.o && w.bt && w.vb && w.entry;
         if (!ok) {
             #pragma omp atomic write
             failed = 1;
@@ -262,7 +256,7 @@ static int run_job(const struct job *j)
             }
             _tile_release();
         }
-        free(w.s); free(w.hi); free(w.mid); free(w.lo); free(w.qa); free(w.o); free(w.kt); free(w.vb);
+        free(w.s); free(w.hi); free(w.mid); free(w.lo); free(w.qa); free(w.o); free(w.bt); free(w.vb);
         free(w.entry);
     }
     return failed ? -1 : 0;
@@ -294,7 +288,8 @@ static inline void fill_q(uint16_t *qa, int64_t count, int64_t D, const uint16_t
 }
 
 struct chunks {
-    const uint16_t *q, *out;
+    const uint16_t *q;
+    uint16_t *out;
     int64_t q_stride, heads, G, D;
     const int32_t *indices;
     const int64_t *row_token, *row_pages, *row_visible, *call_row, *call_rows;
@@ -316,7 +311,7 @@ static void fill_chunk(const void *args, int64_t t, struct block *blk, uint16_t 
         const int64_t m = m0 + i, r = r0 + m / G, head = h * G + m % G;
         blk->visible[i] = a->row_visible[r];
         q_of[i] = a->q + a->row_token[r] * a->q_stride + head * D;
-        blk->dst[i] = (void *)(a->out + (a->row_token[r] * a->heads + head) * D);
+        blk->dst[i] = a->out + (a->row_token[r] * a->heads + head) * D;
     }
     fill_q(qa, count, D, q_of);
 }
@@ -353,8 +348,8 @@ int paged_attention_tiles_bf16(TILE_ARGS)
         return -1;
     const struct chunks a = {q, out, q_stride, heads, G, head_dim, indices, row_token,
                              row_pages, row_visible, call_row, call_rows, first, blocks};
-    const struct job j = {first[calls], (max_visible + ENTRY_STEP - 1) / ENTRY_STEP * ENTRY_STEP,
-                          kv_heads, head_dim, kv, scale, 0, fill_chunk, &a};
+    const struct job j = {first[calls], max_visible, kv_heads, head_dim, kv, scale, 0,
+                          fill_chunk, &a};
     const int status = run_job(&j);
     free(first);
     free(blocks);
@@ -404,8 +399,8 @@ int shared_prefix_tiles_bf16(SHARED_ARGS)
     const struct prefixes a = {q, prior, q_stride, heads, G, head_dim, indices, row_token,
                                row_pages, group_index, group_row, group_rows, group_pages,
                                first, blocks};
-    const struct job j = {first[groups], (most * PAGE + ENTRY_STEP - 1) / ENTRY_STEP * ENTRY_STEP,
-                          kv_heads, head_dim, kv, scale, 1, fill_prefix, &a};
+    const struct job j = {first[groups], most * PAGE, kv_heads, head_dim, kv, scale, 1,
+                          fill_prefix, &a};
     const int status = run_job(&j);
     free(first);
     free(blocks);
