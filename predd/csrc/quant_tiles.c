@@ -51,8 +51,7 @@ int amx_ready(void)
     return !tiles_off && amx_permitted();
 }
 
-/* here tiles 0..5 are the sums of group g (weight rows x rows of x), 6 the weight, 7
- * x's group. The configuration is a constant in memory, not built on the stack: GCC
+/* The configuration is a constant in memory, not built on the stack: GCC
  * does not count ldtilecfg as reading its operand, and, once this function was no
  * longer inlined, dropped the stores that built it (the tile unit then faults on the
  * garbage in its reserved bytes). */
@@ -72,16 +71,58 @@ void amx_configure(void)
     case 2: op(2); break; case 3: op(3); break; case 4: op(4); break; default: op(5); }
 #define AMX_ZERO(t) _tile_zero(t)
 #define AMX_DOT(t) _tile_dpbf16ps(t, 6, 7)
-#define AMX_STORE(t) _tile_stored(t, c, 64)
+#define AMX_STORE(t) _tile_stored(t, (float *)c, 64)
+
+/* Block b of weight rows n0 .. n0 + count - 1 unpacked to bf16 into a (16 x 32, a tile;
+ * rows past count are left as they are), asking for the next tile's same block. */
+static inline void amx_unpack(const int kind, const uint8_t *q, const float *d,
+                              const float *m, int64_t n0, int64_t count, int64_t blocks,
+                              int64_t b, uint16_t *a)
+{
+    const int64_t bytes = kind == 4 ? 16 : BLOCK;
+    for (int64_t t = 0; t < count; t++) {
+        const int64_t at = (n0 + t) * blocks + b;
+        /* the next tile's same block: its rows are read as this tile's are */
+        __builtin_prefetch(q + (at + 16 * blocks) * bytes);
+        if (b % 16 == 0) {
+            __builtin_prefetch(d + at + 16 * blocks);
+            if (m)
+                __builtin_prefetch(m + at + 16 * blocks);
+        }
+        const __m512bh w = kind == 4 ? q4_1_bf16(q + at * 16, d[at], m[at])
+                                     : q8_0_bf16((const int8_t *)q + at * BLOCK, d[at]);
+        _mm512_store_si512(a + t * BLOCK, (__m512i)w);
+    }
+}
+
+/* rows x rows of y, columns n0 .. n0 + count - 1, from a tile of sums c (c[t * 16 + j]:
+ * weight row t, x row j), plus the tile `more` where not NULL, plus bias; rounded to bf16 */
+static inline void amx_write(const float *c, const float *more, int64_t rows,
+                             const float *bias, int64_t n0, int64_t count, uint16_t *y,
+                             int64_t N)
+{
+    const __mmask16 keep = (__mmask16)((1u << count) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96,
+                                            80, 64, 48, 32, 16, 0);
+    for (int64_t j = 0; j < rows; j++) {
+        __m512 sums = _mm512_add_ps(_mm512_i32gather_ps(column, c + j, 4), bv);
+        if (more)
+            sums = _mm512_add_ps(sums, _mm512_i32gather_ps(column, more + j, 4));
+        _mm256_mask_storeu_epi16(y + j * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(sums));
+    }
+}
 
 /* y rows of `groups` groups of 16 (the last `last` rows long), weight rows n0 .. n0 +
  * count - 1; xt: x transposed in pairs, group g's block b at xt + (g * blocks + b) * 256
- * (16 pair-rows of 16 rows of x, as uint32) */
-static void amx_tile(const int kind, const uint32_t *xt, int groups, int64_t last, int64_t K,
-                     const uint8_t *q, const float *d, const float *m, int64_t n0,
-                     int64_t count, const float *bias, uint16_t *y, int64_t N)
+ * (16 pair-rows of 16 rows of x, as uint32). For 5 or 6 groups: tiles 0..5 are the sums
+ * of group g (weight rows x rows of x), 6 the weight, 7 x's group. */
+static inline __attribute__((always_inline)) void amx_tile(
+    const int kind, const uint32_t *xt, int groups, int64_t last, int64_t K,
+    const uint8_t *q, const float *d, const float *m, int64_t n0, int64_t count,
+    const float *bias, uint16_t *y, int64_t N)
 {
-    const int64_t blocks = K / BLOCK, bytes = kind == 4 ? 16 : BLOCK;
+    const int64_t blocks = K / BLOCK;
     __attribute__((aligned(64))) uint16_t a[16 * BLOCK];
     __attribute__((aligned(64))) float c[16 * 16];
     for (int g = 0; g < groups; g++)
@@ -89,37 +130,116 @@ static void amx_tile(const int kind, const uint32_t *xt, int groups, int64_t las
     if (count < 16)
         memset(a, 0, sizeof a);
     for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t t = 0; t < count; t++) {
-            const int64_t at = (n0 + t) * blocks + b;
-            /* the next tile's same block: its rows are read as this tile's are */
-            __builtin_prefetch(q + (at + 16 * blocks) * bytes);
-            if (b % 16 == 0) {
-                __builtin_prefetch(d + at + 16 * blocks);
-                if (m)
-                    __builtin_prefetch(m + at + 16 * blocks);
-            }
-            const __m512bh w = kind == 4 ? q4_1_bf16(q + at * 16, d[at], m[at])
-                                         : q8_0_bf16((const int8_t *)q + at * BLOCK, d[at]);
-            _mm512_store_si512(a + t * BLOCK, (__m512i)w);
-        }
+        amx_unpack(kind, q, d, m, n0, count, blocks, b, a);
         _tile_loadd(6, a, 64);
         for (int g = 0; g < groups; g++) {
             _tile_loadd(7, xt + (g * blocks + b) * 256, 64);
             AMX_EACH(g, AMX_DOT)
         }
     }
-    const __mmask16 keep = (__mmask16)((1u << count) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-    const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96,
-                                            80, 64, 48, 32, 16, 0);
     for (int g = 0; g < groups; g++) {
-        AMX_EACH(g, AMX_STORE)                  /* c[t * 16 + j]: weight row t, x row j */
-        for (int64_t j = 0; j < (g == groups - 1 ? last : 16); j++) {
-            const __m512 sums = _mm512_add_ps(_mm512_i32gather_ps(column, c + j, 4), bv);
-            _mm256_mask_storeu_epi16(y + (16 * g + j) * N + n0, keep,
-                                     (__m256i)_mm512_cvtneps_pbh(sums));
-        }
+        AMX_EACH(g, AMX_STORE)
+        amx_write(c, NULL, g == groups - 1 ? last : 16, bias, n0, count, y + 16 * g * N, N);
     }
+}
+
+/* one block's products for one to four groups, the weight in tile W: one group's blocks
+ * alternate between sums 0 (x in 6) and sums 1 (x in 7); more groups' sums are tiles
+ * 0 .. 3, their x alternating between 6 and 7 */
+#define AMX_FEW_BLOCK(W) do {                                                           \
+        _tile_loadd(W, a[b & 1], 64);                                                   \
+        if (groups == 1) {                                                              \
+            if (b & 1) {                                                                \
+                _tile_loadd(7, xt + b * 256, 64);                                       \
+                _tile_dpbf16ps(1, W, 7);                                                \
+            } else {                                                                    \
+                _tile_loadd(6, xt + b * 256, 64);                                       \
+                _tile_dpbf16ps(0, W, 6);                                                \
+            }                                                                           \
+            break;                                                                      \
+        }                                                                               \
+        _tile_loadd(6, xt + b * 256, 64);                                               \
+        _tile_dpbf16ps(0, W, 6);                                                        \
+        _tile_loadd(7, xt + (blocks + b) * 256, 64);                                    \
+        _tile_dpbf16ps(1, W, 7);                                                        \
+        if (groups > 2) {                                                               \
+            _tile_loadd(6, xt + (2 * blocks + b) * 256, 64);                            \
+            _tile_dpbf16ps(2, W, 6);                                                    \
+        }                                                                               \
+        if (groups > 3) {                                                               \
+            _tile_loadd(7, xt + (3 * blocks + b) * 256, 64);                            \
+            _tile_dpbf16ps(3, W, 7);                                                    \
+        }                                                                               \
+    } while (0)
+
+/* amx_tile for one to four groups (up to 64 rows of x: decode steps): the tile unit
+ * does not rename its registers, so with one weight, one x and one sums tile each
+ * product waited for the one before it (its latency is several times its throughput)
+ * and each load for the product still reading that tile. Here the weight's blocks
+ * alternate between two tiles (4, 5), each unpacked a block ahead of its products, x
+ * between two (6, 7), and one group's blocks between two sums tiles, added at the end. */
+static inline __attribute__((always_inline)) void amx_tile_few(
+    const int kind, const uint32_t *xt, int groups, int64_t last, int64_t K,
+    const uint8_t *q, const float *d, const float *m, int64_t n0, int64_t count,
+    const float *bias, uint16_t *y, int64_t N)
+{
+    const int64_t blocks = K / BLOCK;
+    __attribute__((aligned(64))) uint16_t a[2][16 * BLOCK];
+    __attribute__((aligned(64))) float c[2][16 * 16];
+    for (int g = 0; g < (groups == 1 ? 2 : groups); g++)
+        AMX_EACH(g, AMX_ZERO)
+    if (count < 16)
+        memset(a, 0, sizeof a);
+    amx_unpack(kind, q, d, m, n0, count, blocks, 0, a[0]);
+    for (int64_t b = 0; b < blocks; b++) {
+        if (b + 1 < blocks)
+            amx_unpack(kind, q, d, m, n0, count, blocks, b + 1, a[(b + 1) & 1]);
+        if (b & 1)
+            AMX_FEW_BLOCK(5);
+        else
+            AMX_FEW_BLOCK(4);
+    }
+    if (groups == 1) {
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        amx_write(c[0], c[1], last, bias, n0, count, y, N);
+        return;
+    }
+    for (int g = 0; g < groups; g++) {
+        AMX_EACH(g, AMX_STORE)
+        amx_write(c[0], NULL, g == groups - 1 ? last : 16, bias, n0, count, y + 16 * g * N, N);
+    }
+}
+
+/* a weight tile's products by the kernel for its kind and number of groups, both
+ * constants there, so that the compiler drops the branches on them. With the pipelined
+ * kernel above, all 30 of SmolLM2-135M's gate/up weights (Q4_1; random blocks, one
+ * call, best of 100, 2 Sapphire Rapids vCPUs) at 8 / 16 / 28 / 48 / 64 rows went
+ * 2.25 / 2.5 / 3.1 / 3.9 / 4.65 -> 1.9 / 2.1 / 2.4 / 3.1-3.3 / 3.9 ms; its Q8_0 head
+ * at 16 / 28 / 64 rows 1.37 / 1.75 / 2.55 -> 1.17 / 1.48 / 2.3 (8 rows ~1.1 both). */
+static void amx_tile_any(const int kind, const uint32_t *xt, int groups, int64_t last,
+                         int64_t K, const uint8_t *q, const float *d, const float *m,
+                         int64_t n0, int64_t count, const float *bias, uint16_t *y, int64_t N)
+{
+#define AMX_KIND(run, g) do {                                                           \
+        if (kind == 4)                                                                  \
+            run(4, xt, g, last, K, q, d, m, n0, count, bias, y, N);                     \
+        else                                                                            \
+            run(8, xt, g, last, K, q, d, m, n0, count, bias, y, N);                     \
+    } while (0)
+    if (groups == 1)
+        AMX_KIND(amx_tile_few, 1);
+    else if (groups == 2)
+        AMX_KIND(amx_tile_few, 2);
+    else if (groups == 3)
+        AMX_KIND(amx_tile_few, 3);
+    else if (groups == 4)
+        AMX_KIND(amx_tile_few, 4);
+    else if (groups == 5)
+        AMX_KIND(amx_tile, 5);
+    else
+        AMX_KIND(amx_tile, 6);
+#undef AMX_KIND
 }
 
 /* y = x w^T (+ bias) in bfloat16 by AMX tiles, 96 rows of x per pass; 0, or -1 where
@@ -152,8 +272,9 @@ static int linear_amx(const int kind, const uint16_t *x, int64_t M, int64_t K,
             amx_configure();
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; t++)
-                amx_tile(kind, xt, groups, last, K, q, d, m, t * 16,
-                         N - t * 16 < 16 ? N - t * 16 : 16, bias, y + r0 * N, N);
+                amx_tile_any(
+                    kind, xt, groups, last, K, q, d, m, t * 16,
+                    N - t * 16 < 16 ? N - t * 16 : 16, bias, y + r0 * N, N);
             _tile_release();
         }
     }
