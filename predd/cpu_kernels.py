@@ -468,11 +468,15 @@ class Kernels:
              ) -> Callable[[torch.Tensor], torch.Tensor]:
         """`quant_linear` with `blocks` and `bias` (float32) fixed: their pointers are
         taken once (the closure keeps them alive), so a projection's call costs one
-        ctypes call. `dtype` is the rows' and the result's: float32, or bfloat16 where
-        `bf16_blocks` (the weights rounded to bf16 as a bf16 model holds them, bf16
-        products summed in float32, the result rounded once)."""
+        ctypes call (blocks in the other layout than the kernel's are converted once).
+        `dtype` is the rows' and the result's: float32, or bfloat16 where `bf16_blocks`
+        (the weights rounded to bf16 as a bf16 model holds them, bf16 products summed in
+        float32, the result rounded once)."""
         _contiguous(bias)
-        n, k = blocks.q.shape[0], blocks.q.shape[1] * 32
+        n, k = blocks.rows(), blocks.columns()
+        # the bfloat16 kernels read the blocks in tiles of rows (predd/csrc/quant_blocks.h),
+        # the float32 ones by rows: converted here where they come the other way
+        blocks = blocks.in_tiles() if dtype == torch.bfloat16 else blocks.in_rows()
         if dtype == torch.bfloat16 and not self.bf16_blocks:
             raise ValueError("the block kernels take bfloat16 rows only where the CPU has "
                              "bf16 dot products (avx512_bf16)")

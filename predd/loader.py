@@ -211,23 +211,60 @@ def _load_gguf(
     return config, _finish(weights, config.tie_word_embeddings)
 
 
+TILE_ROWS = 16     # weight rows a tile of QuantBlocks.in_tiles (predd/csrc/quant_blocks.h)
+
+
 @dataclass(frozen=True)
 class QuantBlocks:
     """One weight as its GGUF blocks of 32, rows in Hugging Face order: `kind` "Q4_1"
     (w = d q + m, q 4-bit: `q` [rows, K/32, 16] bytes, byte j holding weight j low and
     j + 16 high) or "Q8_0" (w = d q: `q` [rows, K/32, 32] int8, `m` None); `d`, `m`
-    [rows, K/32] float32. Exactly the weights `load_weights` dequantises."""
+    [rows, K/32] float32. Exactly the weights `load_weights` dequantises.
+
+    `in_tiles()` is the same blocks as the bfloat16 kernels read them (`tiled`): rows in
+    tiles of TILE_ROWS, a tile's blocks column by column (q [tiles, K/32, 16, bytes],
+    d and m [tiles, K/32, 16]), the last tile padded with zero rows; `n` the rows."""
     kind: str
     q: np.ndarray
     d: np.ndarray
     m: np.ndarray | None
+    tiled: bool = False
+    n: int = 0
 
     def rows(self) -> int:
-        return self.q.shape[0]
+        return self.n if self.tiled else self.q.shape[0]
+
+    def columns(self) -> int:
+        """K, the weight's input width (q's second axis is its blocks either way)."""
+        return self.q.shape[1] * 32
+
+    def in_tiles(self) -> QuantBlocks:
+        if self.tiled:
+            return self
+        n, pad = self.rows(), -self.rows() % TILE_ROWS
+
+        def tiles(a: np.ndarray) -> np.ndarray:       # [n, blocks, ...] -> tiles
+            a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+            a = a.reshape(-1, TILE_ROWS, *a.shape[1:])
+            return np.ascontiguousarray(np.swapaxes(a, 1, 2))
+        return QuantBlocks(self.kind, tiles(self.q), tiles(self.d),
+                           None if self.m is None else tiles(self.m), True, n)
+
+    def in_rows(self) -> QuantBlocks:
+        if not self.tiled:
+            return self
+
+        def rows(a: np.ndarray) -> np.ndarray:        # tiles -> [n, blocks, ...]
+            a = np.swapaxes(a, 1, 2)
+            return np.ascontiguousarray(a.reshape(-1, *a.shape[2:])[:self.n])
+        return QuantBlocks(self.kind, rows(self.q), rows(self.d),
+                           None if self.m is None else rows(self.m))
 
     def dequantised(self) -> np.ndarray:
         """The [rows, K] float32 weight, as gguf's dequantisation computes it (the
         reference the kernels of predd/csrc/quant_linear.c reproduce to the bit)."""
+        if self.tiled:
+            return self.in_rows().dequantised()
         if self.kind == "Q4_1":
             q = np.concatenate([self.q & 0x0F, self.q >> 4], axis=-1).astype(np.float32)
             w = self.d[..., None] * q + self.m[..., None]

@@ -23,6 +23,7 @@ float32: 1 row 11.0 vs 21.5 ms, 8 rows 19.1 vs 33.4, 16 rows 37.4 vs 47.3, 24 ro
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -57,17 +58,31 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 class QuantLinear(nn.Module):
     """`inner` (a PackedLinear or nn.Linear) with its weight's blocks too."""
 
-    def __init__(self, inner: nn.Module, blocks: QuantBlocks, kernels) -> None:
+    def __init__(self, inner: nn.Module, blocks: QuantBlocks, kernels,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.inner = inner
-        self.blocks = blocks
+        # in the layout the kernel for the model's `dtype` reads (bfloat16 ones: tiles of
+        # rows, predd/csrc/quant_blocks.h), so that one copy is held; predd/layer_loop.py
+        # takes its pointers
+        self.blocks = (blocks.in_tiles() if dtype == torch.bfloat16 and kernels.bf16_blocks
+                       else blocks.in_rows())
         self.out_features = blocks.rows()
         bias = getattr(inner, "bias", None)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.run = kernels.bind(blocks, self.bias)
-        self.run_bf16 = (kernels.bind(blocks, self.bias, torch.bfloat16)
-                         if kernels.bf16_blocks else None)
+        self.kernels = kernels
         self.limit: int | None = None       # set by calibrate(); else default_limit()
+
+    # each kernel bound on its first call (for rows of the other dtype than the model's,
+    # with the blocks converted then)
+    @functools.cached_property
+    def run(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self.kernels.bind(self.blocks, self.bias)
+
+    @functools.cached_property
+    def run_bf16(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return (self.kernels.bind(self.blocks, self.bias, torch.bfloat16)
+                if self.kernels.bf16_blocks else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         limit = self.limit if self.limit is not None else self.default_limit(x.dtype)
@@ -106,9 +121,10 @@ def blocks_for(name: str, blocks: dict[str, QuantBlocks], tied: bool) -> QuantBl
     return blocks.get(f"{name}.weight")
 
 
-def attach(model: nn.Module, blocks: dict[str, QuantBlocks], kernels, tied: bool) -> int:
-    """Wraps every projection of `model` whose weight is in `blocks` (with the shape
-    the projection has) in a QuantLinear; the count."""
+def attach(model: nn.Module, blocks: dict[str, QuantBlocks], kernels, tied: bool,
+           dtype: torch.dtype = torch.float32) -> int:
+    """Wraps every projection of `model` (of `dtype`) whose weight is in `blocks` (with
+    the shape the projection has) in a QuantLinear; the count."""
     count = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -117,9 +133,9 @@ def attach(model: nn.Module, blocks: dict[str, QuantBlocks], kernels, tied: bool
                 continue
             found = blocks_for(name, blocks, tied)
             if found is None or found.rows() != child.out_features \
-                    or found.q.shape[1] * 32 != child.in_features:
+                    or found.columns() != child.in_features:
                 continue
-            setattr(parent, child_name, QuantLinear(child, found, kernels))
+            setattr(parent, child_name, QuantLinear(child, found, kernels, dtype))
             count += 1
     return count
 
@@ -145,7 +161,7 @@ def calibrate(model: nn.Module, dtype: torch.dtype, reps: int = 3
     if not layers:
         return {}, "no projection has blocks"
     gen = torch.Generator().manual_seed(0)
-    widths = {m.blocks.q.shape[1] * 32 for _, m in layers}
+    widths = {m.blocks.columns() for _, m in layers}
     clock = time.perf_counter
 
     def measure(rows: int) -> dict[str, tuple[float, float]]:
@@ -155,7 +171,7 @@ def calibrate(model: nn.Module, dtype: torch.dtype, reps: int = 3
             for _ in range(reps):
                 spent = dict.fromkeys(best, 0.0)
                 for group, m in layers:
-                    x = xs[m.blocks.q.shape[1] * 32]
+                    x = xs[m.blocks.columns()]
                     t0 = clock()
                     m.inner(x) if path else m.from_blocks(x)
                     spent[group] += clock() - t0

@@ -216,7 +216,7 @@ class Runner:
             return f"CPU kernels unavailable: {problem}", 0
         blocks = quantized_blocks(self.config.model_path, self.model_config)
         count = quant_linear.attach(self.model, blocks, cpu_kernels.kernels(),
-                                    self.model_config.tie_word_embeddings)
+                                    self.model_config.tie_word_embeddings, self.dtype)
         if not count:
             return "the checkpoint has no Q4_1 or Q8_0 projections", 0
         return None, count

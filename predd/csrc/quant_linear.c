@@ -9,9 +9,10 @@
  * accumulate x . w in float32. Rows of x are taken eight at a time; output rows are
  * split over torch's OpenMP threads.
  *
- * Layout (predd/quant_linear.py): q [N, K / 32, 16] bytes for Q4_1 (byte j holds weight
- * j in its low nibble and j + 16 in its high one), [N, K / 32, 32] int8 for Q8_0; d and
- * m [N, K / 32] float32. x [M, K] and y [M, N] contiguous; K a multiple of 32.
+ * Layout (predd.loader.QuantBlocks): q [N, K / 32, 16] bytes for Q4_1 (byte j holds
+ * weight j in its low nibble and j + 16 in its high one), [N, K / 32, 32] int8 for Q8_0;
+ * d and m [N, K / 32] float32 (the bfloat16 kernels: the same blocks in tiles of 16 rows,
+ * quant_blocks.h). x [M, K] and y [M, N] contiguous; K a multiple of 32.
  */
 #pragma GCC optimize("fp-contract=off")   /* w = d q + m rounded as numpy rounds it */
 
@@ -164,7 +165,8 @@ void linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *q,
  * rounded to bfloat16 (to nearest even: the values a bfloat16 model's packed weight
  * holds), and x . w summed by bf16 pair products into float32 lanes, one instruction
  * per row and block; y = the sum (+ bias) rounded to bfloat16 once, as torch's bf16
- * GEMM rounds. x [M, K] and y [M, N] bfloat16, bias float32. */
+ * GEMM rounds. x [M, K] and y [M, N] bfloat16, bias float32; the blocks in tiles of 16
+ * weight rows (quant_blocks.h), not the layout above. */
 #if defined(__AVX512BF16__)
 #define ROWS_BF16 16                         /* rows of x per pass: 16 sums in registers */
 
@@ -183,17 +185,19 @@ static inline __attribute__((always_inline)) void rows_times_weight_tile_bf16(
     __m512 lanes[ROWS_BF16][TILE];
     for (int64_t t = 0; t < TILE; t++) {
         const int64_t n = n0 + t;
+        /* a sixteenth of the next tile's blocks (quant_blocks.h) a row */
+        for (int64_t b = t * blocks / TILE; b < (t + 1) * blocks / TILE; b++)
+            prefetch_tile_blocks(kind, q, d, m, tile_block(n0 + TILE, b, blocks));
         if (t >= count) {
             for (int r = 0; r < R; r++)
                 lanes[r][t] = _mm512_setzero_ps();
             continue;
         }
-        prefetch_weight_row(kind, q, d, m, n + PREFETCH_ROWS, blocks);
         __m512 acc[ROWS_BF16];
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
-            const int64_t at = n * blocks + b;
+            const int64_t at = tile_block(n, b, blocks);
             const __m512bh w = kind == 4 ? q4_1_bf16(q + at * 16, d[at], m[at])
                                          : q8_0_bf16((const int8_t *)q + at * BLOCK, d[at]);
             for (int r = 0; r < R; r++)

@@ -73,22 +73,21 @@ void amx_configure(void)
 #define AMX_DOT(t) _tile_dpbf16ps(t, 6, 7)
 #define AMX_STORE(t) _tile_stored(t, (float *)c, 64)
 
-/* Block b of weight rows n0 .. n0 + count - 1 unpacked to bf16 into a (16 x 32, a tile;
- * rows past count are left as they are), asking for the next tile's same block. */
+/* tiled blocks asked for this many ahead of the ones unpacked: 16 of a tile's blocks of
+ * 16 rows (4 KB of Q4_1) */
+#define AHEAD (16 * 16)
+
+/* Block b of weight rows n0 .. n0 + count - 1 (n0 a multiple of 16; the blocks in tiles,
+ * quant_blocks.h) unpacked to bf16 into a (16 x 32, a tile; rows past count are left as
+ * they are), asking for the blocks AHEAD. */
 static inline void amx_unpack(const int kind, const uint8_t *q, const float *d,
                               const float *m, int64_t n0, int64_t count, int64_t blocks,
                               int64_t b, uint16_t *a)
 {
-    const int64_t bytes = kind == 4 ? 16 : BLOCK;
+    const int64_t first = tile_block(n0, b, blocks);
+    prefetch_tile_blocks(kind, q, d, m, first + AHEAD);
     for (int64_t t = 0; t < count; t++) {
-        const int64_t at = (n0 + t) * blocks + b;
-        /* the next tile's same block: its rows are read as this tile's are */
-        __builtin_prefetch(q + (at + 16 * blocks) * bytes);
-        if (b % 16 == 0) {
-            __builtin_prefetch(d + at + 16 * blocks);
-            if (m)
-                __builtin_prefetch(m + at + 16 * blocks);
-        }
+        const int64_t at = first + t;
         const __m512bh w = kind == 4 ? q4_1_bf16(q + at * 16, d[at], m[at])
                                      : q8_0_bf16((const int8_t *)q + at * BLOCK, d[at]);
         _mm512_store_si512(a + t * BLOCK, (__m512i)w);

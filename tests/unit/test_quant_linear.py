@@ -127,6 +127,47 @@ def _check_bf16_block_kernel(kind, rows, out, bias, cols=128):
     assert (got == want.to(torch.bfloat16)).double().mean() > 0.95
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [5, 16, 70])        # one short tile, one whole, 4 + a tail
+def test_blocks_in_tiles_are_the_same_blocks_as_the_bf16_kernels_index_them(kind, rows):
+    """QuantBlocks.in_tiles: block b of weight row n at ((n // 16) * blocks + b) * 16 +
+    n % 16 (tile_block in predd/csrc/quant_blocks.h), the last tile padded with zero
+    rows; in_rows gives the blocks back, and both dequantise to the same weight."""
+    blocks, weight = random_blocks(kind, rows, 160)
+    tiles = blocks.in_tiles()
+    assert tiles.tiled and tiles.rows() == rows and tiles.columns() == 160
+    count = -(-rows // 16)
+    assert tiles.q.shape[:3] == (count, 5, 16) and tiles.d.shape == (count, 5, 16)
+    flat_q, flat_d = tiles.q.reshape(-1, tiles.q.shape[-1]), tiles.d.reshape(-1)
+    for n in range(rows):
+        for b in range(5):
+            at = ((n // 16) * 5 + b) * 16 + n % 16
+            assert (flat_q[at] == blocks.q[n, b]).all() and flat_d[at] == blocks.d[n, b]
+            if kind == "Q4_1":
+                assert tiles.m.reshape(-1)[at] == blocks.m[n, b]
+    padding = [((n // 16) * 5 + b) * 16 + n % 16 for n in range(rows, count * 16)
+               for b in range(5)]
+    assert not flat_q[padding].any() and not flat_d[padding].any()
+    again = tiles.in_rows()
+    assert not again.tiled and again.rows() == rows
+    assert (again.q == blocks.q).all() and (again.d == blocks.d).all()
+    assert (tiles.dequantised() == weight).all() and tiles.in_tiles() is tiles
+
+
+@BF16_DOTS
+def test_a_bfloat16_model_holds_its_blocks_in_tiles_and_a_float32_one_by_rows():
+    """One copy of the blocks, in the layout the model's kernels read; rows of the other
+    dtype still get the right product (their kernel converts the blocks)."""
+    blocks, weight = random_blocks("Q8_0", 20, 64)
+    for dtype, tiled in ((torch.bfloat16, True), (torch.float32, False)):
+        inner = nn.Linear(64, 20, bias=False).to(dtype)
+        layer = quant_linear.QuantLinear(inner, blocks, cpu_kernels.kernels(), dtype)
+        assert layer.blocks.tiled is tiled and layer.out_features == 20
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+        want = F.linear(x.double(), torch.from_numpy(weight).double())
+        assert torch.allclose(layer.from_blocks(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
 @BF16_DOTS
 def test_a_bfloat16_model_with_bf16_dots_takes_them_up_to_its_limit():
     blocks, weight = random_blocks("Q8_0", 6, 64)
