@@ -223,13 +223,17 @@ class QuantBlocks:
 
     `in_tiles()` is the same blocks as the bfloat16 kernels read them (`tiled`): rows in
     tiles of TILE_ROWS, a tile's blocks column by column (q [tiles, K/32, 16, bytes],
-    d and m [tiles, K/32, 16]), the last tile padded with zero rows; `n` the rows."""
+    d and m [tiles, K/32, 16]), the last tile padded with zero rows; `n` the rows
+    without the padding (the row layout's are q's first axis)."""
     kind: str
     q: np.ndarray
     d: np.ndarray
     m: np.ndarray | None
-    tiled: bool = False
     n: int = 0
+
+    @property
+    def tiled(self) -> bool:
+        return self.d.ndim == 3
 
     def rows(self) -> int:
         return self.n if self.tiled else self.q.shape[0]
@@ -248,7 +252,7 @@ class QuantBlocks:
             a = a.reshape(-1, TILE_ROWS, *a.shape[1:])
             return np.ascontiguousarray(np.swapaxes(a, 1, 2))
         return QuantBlocks(self.kind, tiles(self.q), tiles(self.d),
-                           None if self.m is None else tiles(self.m), True, n)
+                           None if self.m is None else tiles(self.m), n)
 
     def in_rows(self) -> QuantBlocks:
         if not self.tiled:

@@ -119,11 +119,12 @@ def _check_bf16_block_kernel(kind, rows, out, bias, cols=128):
     got = cpu_kernels.kernels().quant_linear(x, blocks, b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
     ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2 ** -30))) - 7)
-    # ... and the float32 sum's own rounding, which shows where the terms cancel (a
-    # result of 3.7e-6 where the terms' magnitudes summed to ~6)
+    # ... and one float32 rounding at the scale of the terms, which shows where they
+    # cancel (a result of 3.7e-6, off by 3.7e-8, where their magnitudes summed to ~6;
+    # elsewhere this is far below the bf16 bound)
     terms = F.linear(x.double().abs(), w16.double().abs(),
                      None if b is None else b.double().abs())
-    assert ((got.double() - want).abs() <= ulp + terms * 2.0 ** -20).all()
+    assert ((got.double() - want).abs() <= ulp + terms * 2.0 ** -24).all()
     assert (got == want.to(torch.bfloat16)).double().mean() > 0.95
 
 
