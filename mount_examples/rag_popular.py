@@ -14,6 +14,11 @@ The policy (predd only keeps pages; what to keep is decided here):
 * every request counts one use of its document: its popularity;
 * a document's cache is the file DIR/NAME.kv, prefilled on a miss and held open by
   this program; a request forks it (no document token is computed again);
+* a request's fork, once answered, is truncated back to the document and kept for the
+  document's next request (a spare): that request starts its question at once, without
+  waiting a round trip to predd for its fork (at most --spares of a document; a spare
+  holds the document's copied last page, counted below, and spares go before files
+  when room is short);
 * the documents' caches and the requests' own pages must fit the KV memory (predd's
   pool, all tiers): before a request takes pages, the coldest idle unpinned files
   (fewest uses, then least recently used) are `rm`ed, or the request waits for others
@@ -24,7 +29,7 @@ The policy (predd only keeps pages; what to keep is decided here):
 With --no-cache every request prefills its document into a fresh cache (the baseline).
 
     python mount_examples/rag_popular.py --docs DIR [--dir rag-popular] [--pin 0.5]
-        [--pool-pages N] [--no-cache] [--report FILE]
+        [--spares 8] [--pool-pages N] [--no-cache] [--report FILE]
 """
 from __future__ import annotations
 
@@ -77,12 +82,15 @@ class Cached:
     computed: int = 0                 # document tokens its prefill computed
     ready: threading.Event = field(default_factory=threading.Event)
     failed: str = ""
+    spares: list = field(default_factory=list)   # forks truncated back to the document
+    spare_pages: int = 0              # what each holds: the copied last page, if partial
 
 
 class DocCache:
     """The documents' files and the memory they and the requests hold, in pages.
 
-    `used` counts the files' pages, `reserved` the running requests' own pages
+    `used` counts the files' pages and their spare forks', `reserved` the running
+    requests' own pages
     (question, answer, a copied last page). Requests start in arrival order, each
     when its own pages and, on a miss, its document's fit `capacity`, all at once (a
     waiting request holds nothing, so waits end); the coldest idle unpinned files are removed to make room
@@ -90,8 +98,9 @@ class DocCache:
     before the request ends). All fields are guarded by `cond`."""
 
     def __init__(self, directory: str, capacity: int, device_pages: int, page: int,
-                 pin: float, tiers: bool) -> None:
+                 pin: float, tiers: bool, spares: int = 8) -> None:
         self.dir = directory
+        self.spares = spares
         self.capacity = capacity
         self.pin_pages = int(pin * min(device_pages, capacity))
         self.page = page
@@ -105,7 +114,8 @@ class DocCache:
         self.line: collections.deque = collections.deque()   # tickets of waiting requests
         self.cond = threading.Condition()
         self.counters = {"hits": 0, "misses": 0, "removed": 0, "enospc_retries": 0,
-                         "max_pages": 0, "pin_calls": 0, "room_waits": 0}
+                         "max_pages": 0, "pin_calls": 0, "room_waits": 0,
+                         "spare_forks": 0}
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, f"{name}.kv")
@@ -119,6 +129,10 @@ class DocCache:
         """Whether `need` more pages fit, after removing the coldest idle unpinned
         files (never `keep`) if that is what it takes."""
         while self.used + self.reserved + need > self.capacity:
+            spared = [c for c in self.files.values() if c.spares]
+            if spared:               # a spare is one fork to make again: it goes first
+                self._drop_spares(min(spared, key=lambda c: self._heat(c.name)))
+                continue
             idle = [c for c in self.files.values() if c.kv is not None and
                     c.readers == 0 and not c.pinned and c.name != keep]
             if not idle:
@@ -151,12 +165,18 @@ class DocCache:
     def _remove(self, c: Cached) -> None:
         """`rm` the file. Emptying it first gives its pages back now: the kernel sends
         the last close to kvfsd after close() returns, and it frees them after that."""
+        self._drop_spares(c)
         del self.files[c.name]
         self.counters["removed"] += 1
         lip.kv_truncate(c.kv, 0)
         os.unlink(self.path(c.name))
         lip.kv_close(c.kv)
         self.used -= c.pages
+
+    def _drop_spares(self, c: Cached) -> None:
+        while c.spares:
+            lip.kv_close(c.spares.pop())
+            self.used -= c.spare_pages
 
     def _repin(self) -> None:
         """Pin the hottest cached documents that fit in the pin budget; unpin the rest."""
@@ -207,7 +227,8 @@ class DocCache:
             c = self.files.get(name)
             mine = c is None
             if mine:
-                c = self.files[name] = Cached(name, doc_pages)
+                c = self.files[name] = Cached(name, doc_pages,
+                                              spare_pages=int(len(doc) % self.page > 0))
                 self.used += c.pages
             c.readers += 1
             self._high_water()
@@ -249,11 +270,33 @@ class DocCache:
         finally:
             c.ready.set()
 
-    def release(self, c: Cached, own: int) -> None:
+    def take_spare(self, c: Cached) -> lip.KV | None:
+        """A fork of the document left by an earlier request, if one is kept (its page
+        is the request's own from now on)."""
+        with self.cond:
+            if not c.spares:
+                return None
+            self.used -= c.spare_pages
+            self.counters["spare_forks"] += 1
+            return c.spares.pop()
+
+    def release(self, c: Cached, own: int, spare: lip.KV | None = None) -> None:
+        """The request is over: its pages are given back, and `spare` (its fork,
+        truncated back to the document) is kept for the next request if there is
+        room for it, else closed."""
         with self.cond:
             c.readers -= 1
             self.reserved -= own
+            keep = (spare is not None and self.files.get(c.name) is c
+                    and len(c.spares) < self.spares
+                    and self.used + self.reserved + c.spare_pages <= self.capacity)
+            if keep:
+                c.spares.append(spare)
+                self.used += c.spare_pages
+                self._high_water()
             self.cond.notify_all()
+        if spare is not None and not keep:
+            lip.kv_close(spare)
 
     def retry(self, call, undo):
         """call(); on ENOSPC (pages of a file just closed are freed when kvfsd sees
@@ -272,6 +315,7 @@ class DocCache:
     def close(self) -> None:
         with self.cond:
             for c in list(self.files.values()):
+                self._drop_spares(c)
                 if c.kv is not None:
                     lip.kv_close(c.kv)
 
@@ -293,7 +337,7 @@ class Server:
                                        + info.get("disk_pages", 0))
         root = args.dir if os.path.isabs(args.dir) else os.path.join(default_mount(), args.dir)
         self.cache = DocCache(root, capacity, info["pages_total"], self.page, args.pin,
-                              self.tiers)
+                              self.tiers, args.spares)
         self.no_cache = args.no_cache
         self.docs = load_docs(args.docs, {})
         self.doc_tokens: dict[str, list[int]] = {}
@@ -359,20 +403,22 @@ class Server:
             return self.uncached(doc, q, max_tokens, reply)
         own = pages(self.page - 1 + len(q) + max_tokens, self.page)
         c, hit = self.cache.acquire(name, doc, own)
+        kv = spare = None
         try:
-            kv = lip.kv_fork(c.kv)
-            try:
-                out = self.cache.retry(
-                    lambda: lip.generate(kv, q, max_tokens=max_tokens, ignore_eos=True),
-                    undo=lambda: lip.kv_truncate(kv, len(doc)))
-                reply({"tokens": list(out), "hit": hit, "doc_tokens": len(doc),
-                       "question_tokens": len(q), "doc_computed": 0 if hit else c.computed,
-                       "computed": out.cost.get("computed", 0),
-                       "swapped_in": out.cost.get("swapped_in", 0)})
-            finally:
-                lip.kv_close(kv)
+            kv = self.cache.take_spare(c) or lip.kv_fork(c.kv)
+            out = self.cache.retry(
+                lambda: lip.generate(kv, q, max_tokens=max_tokens, ignore_eos=True),
+                undo=lambda: lip.kv_truncate(kv, len(doc)))
+            reply({"tokens": list(out), "hit": hit, "doc_tokens": len(doc),
+                   "question_tokens": len(q), "doc_computed": 0 if hit else c.computed,
+                   "computed": out.cost.get("computed", 0),
+                   "swapped_in": out.cost.get("swapped_in", 0)})
+            lip.kv_truncate(kv, len(doc))      # the document again: the next one's fork
+            kv, spare = None, kv
         finally:
-            self.cache.release(c, own)
+            if kv is not None:
+                lip.kv_close(kv)
+            self.cache.release(c, own, spare)
 
     def uncached(self, doc: list[int], q: list[int], max_tokens: int, reply) -> None:
         own = pages(len(doc) + len(q) + max_tokens, self.page)
@@ -411,6 +457,9 @@ def main() -> None:
     ap.add_argument("--pool-pages", type=int, default=0,
                     help="KV memory for documents and requests, in pages (default: "
                          "predd's, every tier)")
+    ap.add_argument("--spares", type=int, default=8,
+                    help="forks of a document kept for its next requests (0: a fork "
+                         "per request)")
     ap.add_argument("--pin", type=float, default=0.5,
                     help="pin the hottest documents that fit in this share of the device pool")
     ap.add_argument("--no-cache", action="store_true",

@@ -109,6 +109,10 @@ def test_keeps_the_popular_documents_and_removes_the_cold(kvfs, lip, tmp_path):
     assert report["pinned"] == ["alpha"]
     assert report["files"] == ["alpha", "beta"]
     assert report["max_pages"] <= pool
+    # the second request's fork was the first's, truncated back to the document (the
+    # third's miss closed it for room: beta's pages and a spare's copied page do not fit)
+    assert report["spare_forks"] == 1
+    assert replies[1]["tokens"] == replies[0]["tokens"] == replies[5]["tokens"]
     assert sorted(os.listdir(kvfs.path("rag"))) == ["alpha.kv", "beta.kv"]
     assert int(os.getxattr(kvfs.path("rag", "beta.kv"), "user.kv.tokens")) == tokens["beta"]
     # what is left in predd is the two files' caches, nothing of the requests
@@ -141,6 +145,8 @@ def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip
     assert (pretokenized["hit"], pretokenized["question_tokens"], pretokenized["tokens"]) == \
         (True, q, replies[0]["tokens"])
     assert (report["hits"], report["misses"], report["removed"]) == (5, 1, 0)
+    # 13 and 14 came one at a time: each took a fork an answered request left
+    assert 2 <= report["spare_forks"] <= 5
 
 
 @pytest.mark.slow
