@@ -88,6 +88,82 @@ static inline __attribute__((always_inline)) void silu_mul_row(
     }
 }
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+/* The bfloat16 rows 16 values at a time where the CPU has AVX512_BF16: the compiler's
+ * own vectorising of the row loops above takes 8 lanes and spends six instructions on
+ * each rounding to bf16 (three a value in add_rms_norm), where VCVTNEPS2BF16 is one.
+ * Same results as above: the same roundings in the same places (the sum of squares
+ * only in another order). A decode step's norms and SwiGLU (8 rows, 30 layers, 2
+ * Sapphire Rapids vCPUs) 0.68 -> ~0.2 ms. */
+static inline __mmask16 lanes_left(int64_t left)
+{
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+static inline __m512 widen16(const uint16_t *p, __mmask16 k)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+static inline __m512 widen16_bits(__m256i h)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* bf16_narrow on 16 lanes: VCVTNEPS2BF16 rounds to nearest even and quietens NaNs as
+ * bf16_narrow does, but reads float32 denormals as 0; a vector holding one (never in
+ * practice) takes bf16_narrow lane by lane */
+static inline __m256i narrow16(__m512 v)
+{
+    if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x20) != 0, 0)) {
+        float f[16];
+        uint16_t h[16];
+        _mm512_storeu_ps(f, v);
+        for (int i = 0; i < 16; i++)
+            h[i] = bf16_narrow(f[i]);
+        return _mm256_loadu_si256((const __m256i *)h);
+    }
+    return (__m256i)_mm512_cvtneps_pbh(v);
+}
+
+static void add_rms_norm_row_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight,
+                                  uint16_t *out, int64_t n, float eps)
+{
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes_left(n - i);
+        __m512 v = widen16(x + i, k);
+        if (delta) {
+            const __m256i r = narrow16(_mm512_add_ps(v, widen16(delta + i, k)));
+            _mm256_mask_storeu_epi16(x + i, k, r);
+            v = widen16_bits(r);
+        }
+        sum = _mm512_add_ps(sum, _mm512_mul_ps(v, v));
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes_left(n - i);
+        const __m512 v = widen16_bits(narrow16(_mm512_mul_ps(widen16(x + i, k), inv)));
+        _mm256_mask_storeu_epi16(out + i, k, narrow16(_mm512_mul_ps(v, widen16(weight + i, k))));
+    }
+}
+
+static void silu_mul_row_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out,
+                              int64_t n)
+{
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes_left(n - i);
+        const __m512 g = widen16(gate + i, k);
+        const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 v = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                       widen16(up + i, k));
+        _mm256_mask_storeu_epi16(out + i, k, narrow16(v));
+    }
+}
+#endif
+
 /* The exported ops: add_rms_norm on x, delta, out [rows, n]; rope on the first `heads`
  * heads of each row of x (row r at x + r * stride) with cos, sin [rows, d / 2];
  * silu_mul for gu [rows, 2n] -> out [rows, n]. Rows are split over the threads when
@@ -103,6 +179,13 @@ void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *
 void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight,
                        uint16_t *out, int64_t rows, int64_t n, float eps)
 {
+#if defined(__AVX512BF16__)
+    #pragma omp parallel for if (rows * n >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row_bf16(x + r * n, delta ? delta + r * n : 0, weight, out + r * n, n,
+                              eps);
+    return;
+#endif
     #pragma omp parallel for if (rows * n >= PARALLEL_FLOATS)
     for (int64_t r = 0; r < rows; r++)
         add_rms_norm_row(1, x, delta, weight, out, r * n, n, eps);
@@ -133,6 +216,12 @@ void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t n)
 
 void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t n)
 {
+#if defined(__AVX512BF16__)
+    #pragma omp parallel for if (rows * n >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row_bf16(gu + r * 2 * n, gu + r * 2 * n + n, out + r * n, n);
+    return;
+#endif
     #pragma omp parallel for if (rows * n >= PARALLEL_FLOATS)
     for (int64_t r = 0; r < rows; r++)
         silu_mul_row(1, gu, r * 2 * n, out, r * n, n);

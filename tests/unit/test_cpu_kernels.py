@@ -351,6 +351,30 @@ def test_cpu_ops_in_bfloat16(rows):
             assert (diff == 0).float().mean() > 0.5      # 66-76% here
 
 
+def test_bfloat16_ops_keep_denormals_as_torch_rounds_them():
+    """The AVX-512 rows round with VCVTNEPS2BF16, which reads a float32 denormal as 0:
+    a vector holding one is rounded value by value, so a residual sum that lands among
+    the denormals is still the one torch's bf16 add gives (not 0)."""
+    from predd.model import RMSNorm, TorchOps
+    bf = torch.bfloat16
+    ours, ref = cpu_kernels.CpuOps(cpu_kernels.kernels()), TorchOps()
+    norm = RMSNorm(576, 1e-5).to(bf)
+    with torch.inference_mode():
+        x = torch.full((3, 576), 3e-39).to(bf)
+        x[1] = torch.randn(576)
+        delta = torch.full((3, 576), 1e-39).to(bf)
+        x_ref, h_ref = ref.add_norm(x, delta, norm)
+        mine = x.clone()
+        _, h_got = ours.add_norm(mine, delta, norm)
+        assert x_ref[0, 0] != 0 and x_ref[0, 0].float().abs() < torch.finfo(torch.float32).tiny
+        assert torch.equal(mine, x_ref)
+        assert torch.equal(h_got[0], h_ref[0]) and torch.equal(h_got[2], h_ref[2])
+        gate_up = torch.full((1, 2 * 1536), 1e-38).to(bf)       # silu(g) * u ~ 5e-77: 0
+        gate_up[0, 1536:] = 1.0                               # ... and 5e-39: a denormal
+        want = ref.silu_mul(gate_up)
+        assert want[0, 0] != 0 and torch.equal(ours.silu_mul(gate_up), want)
+
+
 def test_model_with_cpu_ops_gives_torch_ops_logits():
     """A tiny seeded Llama: the same logits (within float32 reordering) whichever ops run."""
     from predd.attention import TorchAttention
