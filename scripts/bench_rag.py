@@ -295,9 +295,10 @@ class VllmRig:
 def measure(args, work: Workload, budget: Budget, systems: list[str],
             vllm_blocks: int | None, offload_gib: float | None) -> tuple[dict, dict]:
     """Every system up at once, then per alpha one run of each in turn: a shared
-    machine's load drifts, and interleaving spreads it over all of them. Idle, none
-    takes the CPU from the others (measured here: predd and kvfsd 0.04 s, vLLM's
-    server at most 1 s of CPU in 15 s). Returns ((system, alpha) -> (Run, report),
+    machine's load drifts, and interleaving spreads it over all of them. Idle, predd
+    and kvfsd take no CPU from vLLM (0.04 s in 15 s, measured), but vLLM's server
+    polls for seconds after its last request: it is stopped (SIGSTOP) while Symphony
+    runs. Returns ((system, alpha) -> (Run, report),
     alpha -> (Run, hit rate))."""
     ours: dict = {}
     vllm: dict = {}
@@ -319,8 +320,9 @@ def measure(args, work: Workload, budget: Budget, systems: list[str],
                     log(f"bench: vLLM baseline failed at alpha {alpha}: {e}; going on "
                         f"without it (log {base.server.log_path})")
                     base = None
-            for system in systems:
-                ours[(system, alpha)] = rig.run(system, alpha)
+            with base.server.paused() if base is not None else contextlib.nullcontext():
+                for system in systems:
+                    ours[(system, alpha)] = rig.run(system, alpha)
     return ours, vllm
 
 
