@@ -353,8 +353,9 @@ def test_cpu_ops_in_bfloat16(rows):
 
 def test_bfloat16_ops_keep_denormals_as_torch_rounds_them():
     """The AVX-512 rows round with VCVTNEPS2BF16, which reads a float32 denormal as 0:
-    a vector holding one is rounded value by value, so a residual sum that lands among
-    the denormals is still the one torch's bf16 add gives (not 0)."""
+    a vector holding one is rounded value by value, so a residual sum (or a rotated
+    value, or SwiGLU's product) that lands among the denormals is still the one torch's
+    bf16 ops give (not 0)."""
     from predd.model import RMSNorm, TorchOps
     bf = torch.bfloat16
     ours, ref = cpu_kernels.CpuOps(cpu_kernels.kernels()), TorchOps()
@@ -369,6 +370,11 @@ def test_bfloat16_ops_keep_denormals_as_torch_rounds_them():
         assert x_ref[0, 0] != 0 and x_ref[0, 0].float().abs() < torch.finfo(torch.float32).tiny
         assert torch.equal(mine, x_ref)
         assert torch.equal(h_got[0], h_ref[0]) and torch.equal(h_got[2], h_ref[2])
+        qkv = torch.full((1, 15, 64), 3e-39).to(bf)   # at position 0: turned by angle 0
+        freqs = torch.zeros(1, 32)
+        want = ref.rope(qkv, 12, ref.rotary(freqs, bf))
+        ours.rope(qkv, 12, ours.rotary(freqs, bf))
+        assert want[0, 0, 0] != 0 and torch.equal(qkv[:, :12], want)
         gate_up = torch.full((1, 2 * 1536), 1e-38).to(bf)       # silu(g) * u ~ 5e-77: 0
         gate_up[0, 1536:] = 1.0                               # ... and 5e-39: a denormal
         want = ref.silu_mul(gate_up)
