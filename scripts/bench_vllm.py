@@ -247,15 +247,23 @@ class Server:
         idle between requests it still polls for seconds after its last one (~70% of a
         core 2 s after a B2 run, ~40% 3.5 s after, measured), which on 2 cores took CPU
         from the system measured next."""
-        os.killpg(self.proc.pid, signal.SIGSTOP)
+        self._signal(signal.SIGSTOP)
         try:
             yield
         finally:
-            os.killpg(self.proc.pid, signal.SIGCONT)
+            self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
+        """`sig` to the server's process group, unless it is gone (its failure is then
+        reported where it is next used)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGCONT)     # a paused server cannot exit
+            self._signal(signal.SIGCONT)                 # a paused server cannot exit
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
