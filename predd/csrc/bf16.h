@@ -31,6 +31,33 @@ static inline float bf16_round(float f)
     return bf16_widen(bf16_narrow(f));
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* bf16_widen on 16 lanes */
+static inline __m512 bf16_widen16(__m256i h)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* bf16_narrow on 16 lanes: VCVTNEPS2BF16 rounds to nearest even and quietens NaNs as
+ * bf16_narrow does, but reads float32 denormals as 0; a vector holding one (never in
+ * practice) takes bf16_narrow lane by lane */
+static inline __m256i bf16_narrow16(__m512 v)
+{
+    if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x20) != 0, 0)) {
+        float f[16];
+        uint16_t h[16];
+        _mm512_storeu_ps(f, v);
+        for (int i = 0; i < 16; i++)
+            h[i] = bf16_narrow(f[i]);
+        return _mm256_loadu_si256((const __m256i *)h);
+    }
+    return (__m256i)_mm512_cvtneps_pbh(v);
+}
+#endif
+
 static inline float load1(const void *p, int64_t i, const int bf16)
 {
     return bf16 ? bf16_widen(((const uint16_t *)p)[i]) : ((const float *)p)[i];

@@ -89,7 +89,6 @@ static inline __attribute__((always_inline)) void silu_mul_row(
 }
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
 /* The bfloat16 rows 16 values at a time where the CPU has AVX512_BF16 (the norm, RoPE
  * on heads whose halves are whole vectors, SwiGLU): the compiler's own vectorising of
  * the row loops above takes 8 lanes and spends six instructions on each rounding to
@@ -106,29 +105,7 @@ static inline __mmask16 lanes_left(int64_t left)
 
 static inline __m512 widen16(const uint16_t *p, __mmask16 k)
 {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
-
-static inline __m512 widen16_bits(__m256i h)
-{
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* bf16_narrow on 16 lanes: VCVTNEPS2BF16 rounds to nearest even and quietens NaNs as
- * bf16_narrow does, but reads float32 denormals as 0; a vector holding one (never in
- * practice) takes bf16_narrow lane by lane */
-static inline __m256i narrow16(__m512 v)
-{
-    if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x20) != 0, 0)) {
-        float f[16];
-        uint16_t h[16];
-        _mm512_storeu_ps(f, v);
-        for (int i = 0; i < 16; i++)
-            h[i] = bf16_narrow(f[i]);
-        return _mm256_loadu_si256((const __m256i *)h);
-    }
-    return (__m256i)_mm512_cvtneps_pbh(v);
+    return bf16_widen16(_mm256_maskz_loadu_epi16(k, p));
 }
 
 static void add_rms_norm_row_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight,
@@ -139,17 +116,18 @@ static void add_rms_norm_row_bf16(uint16_t *x, const uint16_t *delta, const uint
         const __mmask16 k = lanes_left(n - i);
         __m512 v = widen16(x + i, k);
         if (delta) {
-            const __m256i r = narrow16(_mm512_add_ps(v, widen16(delta + i, k)));
+            const __m256i r = bf16_narrow16(_mm512_add_ps(v, widen16(delta + i, k)));
             _mm256_mask_storeu_epi16(x + i, k, r);
-            v = widen16_bits(r);
+            v = bf16_widen16(r);
         }
         sum = _mm512_add_ps(sum, _mm512_mul_ps(v, v));
     }
     const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)n + eps));
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = lanes_left(n - i);
-        const __m512 v = widen16_bits(narrow16(_mm512_mul_ps(widen16(x + i, k), inv)));
-        _mm256_mask_storeu_epi16(out + i, k, narrow16(_mm512_mul_ps(v, widen16(weight + i, k))));
+        const __m512 v = bf16_widen16(bf16_narrow16(_mm512_mul_ps(widen16(x + i, k), inv)));
+        _mm256_mask_storeu_epi16(out + i, k,
+                                 bf16_narrow16(_mm512_mul_ps(v, widen16(weight + i, k))));
     }
 }
 
@@ -163,9 +141,9 @@ static void rope_row_bf16(uint16_t *x, const float *c, const float *s, int64_t h
         for (int64_t h = 0; h < heads; h++) {
             uint16_t *pa = x + h * d + i, *pb = pa + half;
             const __m512 a = widen16(pa, 0xFFFF), b = widen16(pb, 0xFFFF);
-            _mm256_storeu_si256((__m256i *)pa, narrow16(
+            _mm256_storeu_si256((__m256i *)pa, bf16_narrow16(
                 _mm512_sub_ps(_mm512_mul_ps(a, cv), _mm512_mul_ps(b, sv))));
-            _mm256_storeu_si256((__m256i *)pb, narrow16(
+            _mm256_storeu_si256((__m256i *)pb, bf16_narrow16(
                 _mm512_add_ps(_mm512_mul_ps(b, cv), _mm512_mul_ps(a, sv))));
         }
     }
@@ -180,7 +158,7 @@ static void silu_mul_row_bf16(const uint16_t *gate, const uint16_t *up, uint16_t
         const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), g));
         const __m512 v = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
                                        widen16(up + i, k));
-        _mm256_mask_storeu_epi16(out + i, k, narrow16(v));
+        _mm256_mask_storeu_epi16(out + i, k, bf16_narrow16(v));
     }
 }
 #endif

@@ -103,8 +103,7 @@ static inline __m512 load16(const void *p, int64_t i, const int bf16)
 {
     if (!bf16)
         return _mm512_loadu_ps((const float *)p + i);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return bf16_widen16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
 }
 
 /* q . k over n values, n a multiple of 64: qraw in the pool's type, qf the same
