@@ -82,18 +82,22 @@ static inline void q8_0_block(const int8_t *q, float d, float *w)
 #if defined(__AVX512BF16__)
 /* The block's 16 possible weights d q + m (multiplied, then added, as above) rounded to
  * bf16 once, and its 32 weights looked up among them by their 4-bit q: fewer and
- * cheaper instructions than widening and converting all 32. */
+ * cheaper instructions than widening and converting all 32. The table holds the 16
+ * twice, as VPERMW reads 5 bits of each index, so the bytes need no masking: weights
+ * 0-15 are indexed by the whole byte (its low nibble; bit 4, from the high one, only
+ * picks the copy), 16-31 by the bytes shifted down 4 in their 16-bit pairs (the high
+ * nibble; bit 4 from the next byte). One Zen 5 core's 1-row projections 63 -> 54 us
+ * with quant_linear.c's other changes. */
 static inline __m512bh q4_1_bf16(const uint8_t *q, float d, float m)
 {
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 values = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d), iota),
                                         _mm512_set1_ps(m));
-    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
-    const __m512i index = _mm512_inserti64x4(           /* weights 0-15 low, 16-31 high */
-        _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F))),
-        _mm256_srli_epi16(bytes, 4), 1);
-    return (__m512bh)_mm512_permutexvar_epi16(index, table);
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
+    const __m256i nibbles = _mm256_srlv_epi16(both, _mm256_set_epi16(4, 4, 4, 4, 4, 4, 4, 4,
+                                                                     0, 0, 0, 0, 0, 0, 0, 0));
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles), table);
 }
 
 static inline __m512bh q8_0_bf16(const int8_t *q, float d)

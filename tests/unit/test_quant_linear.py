@@ -82,14 +82,18 @@ BF16_DOTS = pytest.mark.skipif(not cpu_kernels.kernels().bf16_blocks,
 
 @BF16_DOTS
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-# 1 row: dot products, 16 sums in registers; 2 or more: AMX tiles where the CPU has
-# them, 96 rows a pass in groups of 16 (a short group padded: 5, 17, 40, 50, 70; two
-# passes: 100), one to four groups by the pipelined kernel (5: 1, 16: 1, 17: 2, 40: 3,
-# 50: 4), five and six by the other (70, 100)
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 50, 70, 100])
+# AMX tiles (where the CPU has them): 1 row by dot products; 2 or more 96 rows a pass in
+# groups of 16 (a short group padded: 5, 17, 40, 50, 70; two passes: 100), one to four
+# groups by the pipelined kernel (5: 1, 16: 1, 17: 2, 40: 3, 50: 4), five and six by the
+# other (70, 100). Dot products: 32 rows a pass (33, 40, 50, 70, 100: a second pass, of
+# 1 row for 33); up to 6 rows each block multiplied as unpacked into 4 weight rows (1,
+# 5), 7-12 into 2 (7, 12); more from the tile's blocks unpacked, 6 rows of x by 4
+# weight rows (13, 16, 17, ...; a tail group of 1-5)
+@pytest.mark.parametrize("rows", [1, 5, 7, 12, 13, 16, 17, 33, 40, 50, 70, 100])
 # weight rows in tiles of 16: a tail of 6, none; blocks of 32 columns: an odd number
-# (the pipelined kernel alternates them between two tiles), an even one
-@pytest.mark.parametrize("out, cols", [(70, 160), (96, 128)])
+# (the pipelined kernel alternates them between two tiles), an even one, more than the
+# 32 the dot products unpack at a time (33: 32 and a tail of 1)
+@pytest.mark.parametrize("out, cols", [(70, 160), (96, 128), (21, 1056)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tiles", [True, False], ids=["amx", "dots"])
 def test_bf16_block_kernel_is_the_bf16_weight_times_bf16_rows_rounded_once(
