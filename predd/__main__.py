@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "piece of it runs on predd's CPU kernels (docs/architecture.md)")
     ap.add_argument("--cascade", default="on", choices=("on", "off"),
                     help="on (default): calls whose page tables begin with the same pages "
-                         "(forks of one cache) attend to them together, on AMX tiles, "
-                         "where the CPU has them (docs/architecture.md)")
+                         "(forks of one cache) attend to them together, on AMX tiles or by "
+                         "bf16 dot products, where the CPU has them (docs/architecture.md)")
     ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")

@@ -55,18 +55,41 @@ FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-
 MARCH_ENV = "SYMPHONY_KERNELS_MARCH"
 PROBE_TOLERANCE = 1e-4      # float32, another summation order
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}    # the kernels' dtypes
-# a call of this many new tokens or more attends by AMX tiles where they run (bind_attention):
-# SmolLM2's 9 query heads after 400 entries, 30 layers, 2 Sapphire Rapids cores
+# a call of this many new tokens or more attends in blocks of 16 query vectors
+# (predd/csrc/attention_tiles.c, `bind_attention`) where they run: on AMX tiles, SmolLM2's
+# 9 query heads after 400 entries, 30 layers, 2 Sapphire Rapids cores
 # (scripts/bench_attention.py): 2 rows 0.75 ms on tiles against 0.65 on the row kernel,
 # 4 rows 0.93 against 1.13, 41 rows 5.1 against 10.3
 TILE_ROWS = 4
 # rows of the row kernel whose tables begin with the same SHARED_PAGES pages or more (forks
 # of one cached document, B2), SHARED_ROWS of them or more, attend to those pages together
-# on AMX tiles first (`SharedPrefixes`; cascade attention). SmolLM2's shape, 30 layers, 2
+# in blocks first (`SharedPrefixes`; cascade attention). SmolLM2's shape, 30 layers, 2
 # Sapphire Rapids cores (scripts/bench_attention.py --shared): 8 rows over 26 shared pages
 # 2.30 -> 1.78 ms, 16 rows 4.48 -> 2.76; 4 rows even, 2 rows or 4 pages slower
 SHARED_ROWS = 6
 SHARED_PAGES = 16
+
+
+@dataclass(frozen=True)
+class BlockLimits:
+    """From how many rows of a call (`rows`), and how many rows over how many shared
+    pages (`shared_rows`, `shared_pages`), attention takes the blocks of 16 query vectors
+    rather than the row kernel: by the kind of blocks (`Kernels.attention_blocks`)."""
+    rows: int
+    shared_rows: int
+    shared_pages: int
+
+
+BLOCK_LIMITS = {
+    "tiles": BlockLimits(TILE_ROWS, SHARED_ROWS, SHARED_PAGES),
+    # without AMX, by VDPBF16PS dot products and float32 multiply-adds, the same shape on
+    # 2 Zen 5 cores (scripts/bench_attention.py), blocks against the row kernel: a chunk
+    # of 4 rows after 400 entries 0.53 against 0.61 ms, 8 rows 0.82 / 1.15, 41 rows (and 7
+    # decodes) 4.34 / 6.17; forks over 400 shared entries: 8 rows 1.23 / 1.14 (slower:
+    # the row kernel reads each entry once for a row's 3 query heads already), 16 rows
+    # 2.11 / 2.29, 32 rows 4.44 / 5.40
+    "dots": BlockLimits(4, 16, 16),
+}
 
 
 @dataclass
@@ -194,6 +217,7 @@ class Kernels:
             "linear_q8_0_bf16": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
             "linear_bf16_native": (ctypes.c_int, []),
             "linear_bf16_tiles": (ctypes.c_int, [ctypes.c_int]),
+            "attention_tiles_bf16": (ctypes.c_int, [ctypes.c_int]),
             "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),
             "paged_attention_tiles_bf16": (ctypes.c_int, attention[:12] + [ptr, ptr, i64, i64, f32]),
             "shared_prefix_tiles_bf16": (ctypes.c_int, [ptr, i64, ptr, i64, i64, i64, i64, ptr,
@@ -221,9 +245,22 @@ class Kernels:
 
     def use_bf16_tiles(self, use: bool) -> bool:
         """Turns the AMX tiles of the bf16 block kernels on or off for this process (off:
-        the dot-product kernel at every row count); whether they are used now."""
+        the dot-product kernel at every row count), and attention's blocks with them
+        (off: the row kernel for every row); whether the tiles are used now."""
         self._lib.linear_bf16_tiles(int(use))
+        self._lib.attention_tiles_bf16(int(use))
         return self.bf16_tiles
+
+    @property
+    def attention_blocks(self) -> str | None:
+        """How attention computes blocks of 16 query vectors (chunks, shared prefixes):
+        "tiles" (AMX), "dots" (AVX-512 bf16 dot products), or None (not here, or turned
+        off: the row kernel for every row)."""
+        return {2: "tiles", 1: "dots"}.get(self._lib.attention_tiles_bf16(-1))
+
+    @property
+    def block_limits(self) -> BlockLimits | None:
+        return BLOCK_LIMITS.get(self.attention_blocks or "")
 
     def attend(self, q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor,
                indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
@@ -283,10 +320,11 @@ class Kernels:
         takes (`TILE_ROWS` or more, where the tiles run): (their first rows, their row
         counts, (row_token, row_pages, row_visible) of the rows left to the row kernel);
         None where it takes none. Every array int64 and contiguous."""
-        if call_rows is None or not self.bf16_tiles:
+        limits = self.block_limits
+        if call_rows is None or limits is None:
             return None
         call_rows = np.ascontiguousarray(call_rows, dtype=np.int64)
-        big = call_rows >= TILE_ROWS
+        big = call_rows >= limits.rows
         if not big.any():
             return None
         rest = np.repeat(~big, call_rows)
@@ -301,21 +339,22 @@ class Kernels:
         pages or more before each one's last entry, `SHARED_ROWS` rows or more (the
         rows are grouped by their first page; a group's prefix is what all its rows
         share). None: no such group, or the tiles do not run here."""
-        if not (self.shared_prefix and page_size and self.bf16_tiles) or len(row_pages) < 2:
+        limits = self.block_limits
+        if not (self.shared_prefix and page_size and limits) or len(row_pages) < 2:
             return None
         whole = (row_visible - 1) // page_size        # pages before each row's last entry
-        rows = np.flatnonzero(whole >= SHARED_PAGES)
+        rows = np.flatnonzero(whole >= limits.shared_pages)
         first = indices[row_pages[rows]]
         order = np.argsort(first, kind="stable")
         groups: list[tuple[np.ndarray, int]] = []
         for members in np.split(rows[order], np.flatnonzero(np.diff(first[order])) + 1):
-            if len(members) < SHARED_ROWS:
+            if len(members) < limits.shared_rows:
                 continue
             most = int(whole[members].min())
             table = indices[row_pages[members][:, None] + np.arange(most)]
             same = (table == table[0]).all(axis=0)
             pages = most if same.all() else int(np.argmin(same))
-            if pages >= SHARED_PAGES:
+            if pages >= limits.shared_pages:
                 groups.append((members, pages))
         if not groups:
             return None

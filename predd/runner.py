@@ -41,7 +41,7 @@ class RunnerConfig:
     cuda_graphs: str = "auto"       # a cuda_graphs.CHOICES name
     max_batch: int = 64             # the most calls a step carries (the largest graph)
     layer_loop: bool = True         # a step's layers in one C call where it can (CPU)
-    cascade: bool = True            # forks' shared pages attended once, on tiles (CPU)
+    cascade: bool = True            # forks' shared pages attended once, in blocks (CPU)
 
 
 LINEAR_CHOICES = ("auto", "plain", "packed", "quantized")
@@ -166,16 +166,16 @@ class Runner:
         return f"; CUDA graphs {'on' if self.graphs else 'off'}: {self.graphs_reason}"
 
     def _cascade_problem(self, asked: bool) -> str | None:
-        """Why calls' shared prefixes are not attended together on tiles
+        """Why calls' shared prefixes are not attended together in blocks
         (predd.cpu_kernels.SharedPrefixes), or None where they are."""
         if not asked:
             return "off (asked for)"
         if self.backend.name != "cpu":
             return f"the attention backend is {self.backend.name}, not cpu"
         if self.dtype != torch.bfloat16:
-            return f"it runs on AMX tiles in bfloat16, the model is {str(self.dtype)[6:]}"
-        if not self.backend.kernel.bf16_tiles:
-            return "the CPU has no AMX tiles (or the OS did not grant them)"
+            return f"it runs in bfloat16, the model is {str(self.dtype)[6:]}"
+        if self.backend.kernel.attention_blocks is None:
+            return "the CPU has neither AMX tiles nor bf16 dot products"
         return None
 
     def _layer_loop_note(self) -> str:
@@ -184,7 +184,8 @@ class Runner:
             return ""
         return (("; layers in one C call" if self.layer_loop
                  else f"; layers from Python: {self.layer_loop_reason}")
-                + ("; shared prefixes on tiles" if self.cascade_reason is None else ""))
+                + (f"; shared prefixes in blocks ({self.backend.kernel.attention_blocks})"
+                   if self.cascade_reason is None else ""))
 
     def _record(self, config: RunnerConfig, pool: PagedKVCache,
                 progress: Callable[[str], None]) -> cuda_graphs.DecodeGraphs | None:

@@ -1,10 +1,11 @@
 """The cpu attention kernel alone, as a step calls it: `decodes` decode rows over
 `context` entries each and one chunk of `chunk` new tokens after `past` entries, on
 SmolLM2-135M's shape (9 query heads, 3 kv heads, head_dim 64, pages of 16, bfloat16),
-30 layers; best of --reps, with the chunk on AMX tiles (where they run) and with every
-row on the row kernel (predd/csrc/paged_attention.c, attention_tiles.c). With --shared N
+30 layers; best of --reps, with the chunk in blocks of 16 query vectors (on AMX tiles,
+or by bf16 dot products without them) and with every row on the row kernel
+(predd/csrc/paged_attention.c, attention_tiles.c). With --shared N
 the decodes' first N entries (whole pages) are the same pages, forks of one document
-(B2), and a third figure has them attended together on tiles (predd --cascade).
+(B2), and a third figure has them attended together in blocks (predd --cascade).
 
     python scripts/bench_attention.py [--decodes 7] [--chunk 41] [--past 400]
         [--context 440] [--shared 0] [--reps 20] [--threads 2]
@@ -30,7 +31,7 @@ def step(kernels: cpu_kernels.Kernels, calls: list[tuple[int, int]], reps: int,
          shared: int = 0, cascade: bool = False) -> float:
     """Best ms for LAYERS layers of `calls` (new tokens, entries before them), each call's
     pages scattered over the pool; the decodes' first `shared` pages the same ones, read
-    together on tiles with `cascade`."""
+    together in blocks with `cascade`."""
     tables = [-(-(past + n) // PAGE) for n, past in calls]
     pool = torch.randn(sum(tables) + 8, 2, PAGE, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
     order = np.random.default_rng(0).permutation(len(pool))[:sum(tables)].astype(np.int32)
@@ -84,16 +85,19 @@ def main() -> None:
     shared = min(args.shared, args.context - 1) // PAGE
     shape = (f"{args.decodes} decodes over {args.context} (the first {shared * PAGE} shared), "
              f"a chunk of {args.chunk} after {args.past}")
-    if kernels.bf16_tiles:
+    kind = kernels.attention_blocks
+    limits = kernels.block_limits
+    if kind:
+        how = "on AMX tiles" if kind == "tiles" else "in blocks by dot products (no AMX)"
         if shared:
             ms = step(kernels, calls, args.reps, shared, cascade=True)
-            print(f"{shape}: {ms:.2f} ms, the chunk and the shared pages on AMX tiles (groups "
-                  f"of {cpu_kernels.SHARED_ROWS} rows and {cpu_kernels.SHARED_PAGES} pages or "
-                  "more)")
-        print(f"{shape}: {step(kernels, calls, args.reps, shared):.2f} ms, the chunk on AMX "
-              f"tiles (calls of {cpu_kernels.TILE_ROWS} rows or more)")
+            print(f"{shape}: {ms:.2f} ms, the chunk and the shared pages {how} (groups of "
+                  f"{limits.shared_rows} rows and {limits.shared_pages} pages or more)")
+        print(f"{shape}: {step(kernels, calls, args.reps, shared):.2f} ms, the chunk {how} "
+              f"(calls of {limits.rows} rows or more)")
     else:
-        print("bench_attention: no AMX tiles here: the row kernel only")
+        print("bench_attention: no attention blocks here (bf16 dot products or AMX tiles): "
+              "the row kernel only")
     kernels.use_bf16_tiles(False)
     try:
         print(f"{shape}: {step(kernels, calls, args.reps, shared):.2f} ms, every row on the "

@@ -1,4 +1,5 @@
-/* Paged attention for chunks (calls of several new tokens) by AMX tiles, bfloat16 pool
+/* Paged attention for chunks (calls of several new tokens) in blocks of 16 query vectors,
+ * by AMX tiles (or bf16 dot products without them: below), bfloat16 pool
  * and rows, pages of 16 entries: paged_attention.c scores each query row against every
  * entry alone (dot products: ~0.24 ms a row over 440 entries for SmolLM2's 30 layers on
  * two Sapphire Rapids cores, so an agent's 41-token observation costs ~10 ms a step);
@@ -23,10 +24,20 @@
  * them; each vector's part of the softmax (the sum of V by e^(score - best), best, the
  * total) goes to paged_attention.c, which adds each row's own entries to it.
  *
+ * Without AMX (or with the tiles turned off) on a CPU with AVX-512 bf16 dot products
+ * the same blocks are computed by VDPBF16PS and float32 multiply-adds: a page's K
+ * transposed into pairs of dims as for the tiles, each pair loaded once for up to 16
+ * vectors (each with its pair of q broadcast); the probabilities stay float32 (no
+ * three-part split) and each vector's weighted sum of V is float32 multiply-adds in
+ * entry order, V widened as read. The row kernel reads each entry once for a row's
+ * query heads; the blocks read it once for 16 vectors, which pays from chunks of 4
+ * rows (predd.cpu_kernels.BLOCK_LIMITS has the measurements).
+ *
  * Built with the other kernels (predd/cpu_kernels.py); AMX tiles from quant_tiles.c
- * (amx.h). Returns -1 without computing anything where the tiles are not there or not
- * permitted, the shape is not one this handles (page_size 16, head_dim a multiple of
- * 64), or memory is short: the caller then takes paged_attention.c for these rows.
+ * (amx.h). Returns -1 without computing anything where neither tiles nor bf16 dot
+ * products are there (or attention_tiles_bf16(0) turned the blocks off), the shape is
+ * not one this handles (page_size 16, head_dim a multiple of 64), or memory is short:
+ * the caller then takes paged_attention.c for these rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,6 +47,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "exp_approx.h"
+#include "lanes.h"
 
 /* The arguments: as paged_attention.c's, with the calls instead of the rows: call c's
  * rows are rows call_row[c] .. call_row[c] + call_rows[c] - 1 of row_token / row_pages /
@@ -55,17 +67,20 @@
     const int64_t *group_row, const int64_t *group_rows, const int64_t *group_pages,      \
     int64_t groups, float scale, float *prior
 
-#if defined(AMX)
+#if defined(__AVX512BF16__)
 #define PAGE 16
 #define ENTRY_STEP 32      /* entries per tile product of the weighted sum: two pages */
+
+static int blocks_off;     /* attention_tiles_bf16(0): the row kernel only */
 
 /* bt[i * 16 + e] = the i-th pair of dims (2i, 2i + 1 from `k`) of entry e, e < n; 0 for
  * e >= n. k: the page's first entry at this kv head, `stride` uint32 to the next. */
 static inline void k_pairs(uint32_t *bt, const uint32_t *k, int64_t stride, int64_t n)
 {
-    amx_transpose16(bt, k, stride, n);
+    transpose16_u32(bt, k, stride, n);
 }
 
+#if defined(AMX)
 /* vb[b * 256 + i * 16 + j] (uint32) = dims d0 + 16b + j of entries 2i and 2i + 1 of the
  * 32 entries from `first` (bf16 pairs), b < blocks; entries at or past `valid` are 0.
  * entry(e): its V at this kv head. */
@@ -88,6 +103,7 @@ static inline void v_pairs(uint32_t *vb, const uint16_t *const *entry, int64_t v
         }
     }
 }
+#endif
 
 
 struct scratch {
@@ -95,7 +111,7 @@ struct scratch {
     uint16_t *hi, *mid, *lo;   /* [16][width] the probabilities' three bf16 parts */
     uint16_t *qa;      /* [16][D] the block's query vectors */
     float *o;          /* [16][64] weighted sums of one half of D */
-    uint32_t *bt;      /* [16][16] a page's K in pairs of dims */
+    uint32_t *bt;      /* [D / 2][16] a page's K in pairs of dims */
     uint32_t *vb;      /* [4][16][16] 32 entries' V in pairs of entries */
     const uint16_t **entry;  /* [32] */
 };
@@ -113,8 +129,60 @@ struct block {
     void *dst[16];
 };
 
+/* Without AMX, a page's scores by dot products: s[i * width + j0 + e] = q_i . k_e for
+ * vectors i0 .. i0 + R - 1 (R a literal) of the block (w->qa, zero past its count) and
+ * the page's entries (k_pairs in w->bt: D / 2 pairs of dims by 16 entries, 0 past the
+ * last): each pair of dims of the 16 entries loaded once for R VDPBF16PS, each with one
+ * of q's pairs broadcast */
+static inline __attribute__((always_inline)) void page_scores_dots(
+    const int R, int64_t D, int64_t i0, int64_t count, float *s, int64_t width,
+    const struct scratch *w)
+{
+    const uint32_t *qp = (const uint32_t *)(w->qa + i0 * D);
+    __m512 acc[16];
+    for (int i = 0; i < R; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p++) {
+        const __m512bh kp = (__m512bh)_mm512_load_si512(w->bt + p * 16);
+        for (int i = 0; i < R; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(
+                                          (int)qp[i * D / 2 + p]), kp);
+    }
+    for (int64_t i = 0; i < R && i0 + i < count; i++)
+        _mm512_storeu_ps(s + (i0 + i) * width, acc[i]);
+}
+
+/* Without AMX, o[i * 64 + c] = sum over the first L entries e of p_i[e] * V_e[d0 + c]
+ * for R (a literal, <= 6) vectors from i0: p in float32 (w->s), V widened as read, and
+ * each vector's 64 sums in four registers, float32 fused multiply-adds in entry order */
+static inline __attribute__((always_inline)) void weighted_sum_dots(
+    const int R, const uint16_t *pool, const int32_t *pages, int64_t page, int64_t entry,
+    int64_t h, int64_t D, int64_t d0, int64_t L, int64_t i0, int64_t width,
+    const struct scratch *w)
+{
+    __m512 acc[6][4];
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < 4; c++)
+            acc[i][c] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < L; e++) {
+        const uint16_t *v = pool + pages[e / PAGE] * page + PAGE * entry
+                            + (e % PAGE) * entry + h * D + d0;
+        __m512 x[4];
+        for (int c = 0; c < 4; c++)
+            x[c] = bf16_widen16(_mm256_loadu_si256((const __m256i *)(v + 16 * c)));
+        for (int i = 0; i < R; i++) {
+            const __m512 p = _mm512_set1_ps(w->s[(i0 + i) * width + e]);
+            for (int c = 0; c < 4; c++)
+                acc[i][c] = _mm512_fmadd_ps(p, x[c], acc[i][c]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < 4; c++)
+            _mm512_storeu_ps(w->o + (i0 + i) * 64 + 16 * c, acc[i][c]);
+}
+
 static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, float scale,
-                         int64_t width, const struct block *b, const int raw,
+                         int64_t width, const struct block *b, const int raw, const int tiles,
                          const struct scratch *w)
 {
     const int64_t D = head_dim, h = b->h, count = b->count;
@@ -126,6 +194,18 @@ static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, flo
     for (int64_t j0 = 0; j0 < L; j0 += PAGE) {
         const int64_t n = L - j0 < PAGE ? L - j0 : PAGE;
         const uint16_t *k = pool + pages[j0 / PAGE] * page + h * D;
+        if (!tiles) {
+            for (int64_t d = 0; d < D; d += 32)
+                k_pairs(w->bt + d / 2 * 16, (const uint32_t *)(k + d), entry / 2, n);
+            if (count > 8)
+                page_scores_dots(16, D, 0, count, w->s + j0, width, w);
+            else if (count > 4)
+                page_scores_dots(8, D, 0, count, w->s + j0, width, w);
+            else
+                page_scores_dots(4, D, 0, count, w->s + j0, width, w);
+            continue;
+        }
+#if defined(AMX)
         _tile_zero(0);
         for (int64_t d = 0; d < D; d += 32) {
             k_pairs(w->bt, (const uint32_t *)(k + d), entry / 2, n);
@@ -134,12 +214,14 @@ static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, flo
             _tile_dpbf16ps(0, 4, 6);
         }
         _tile_stored(0, w->s + j0, width * 4);
+#endif
     }
     /* softmax of each vector over what it sees, 16 entries at a time; the rest of the
-     * width is 0. The probabilities split as hi + mid + lo in bf16 (the top 8 bits of
-     * each as the CPU rounds to nearest even, then the rest's, then the rest's) */
+     * width is 0. For the tiles the probabilities split as hi + mid + lo in bf16 (the
+     * top 8 bits of each as the CPU rounds to nearest even, then the rest's, then the
+     * rest's); the dot products read them as they are */
     float best[16], total[16];
-    for (int64_t i = 0; i < 16; i++) {
+    for (int64_t i = 0; i < (tiles ? 16 : count); i++) {
         float *row = w->s + i * width;
         uint16_t *hi = w->hi + i * width, *mid = w->mid + i * width, *lo = w->lo + i * width;
         const int64_t V = i < count ? b->visible[i] : 0;
@@ -158,6 +240,10 @@ static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, flo
             const __m512 x = _mm512_maskz_mov_ps(in, exp_approx16(_mm512_sub_ps(
                 _mm512_maskz_loadu_ps(in, row + j), _mm512_set1_ps(m))));
             sum = _mm512_add_ps(sum, x);
+            if (!tiles) {
+                _mm512_storeu_ps(row + j, x);
+                continue;
+            }
             const __m256bh h = _mm512_cvtneps_pbh(x);
             const __m512 r = _mm512_sub_ps(x, _mm512_cvtpbh_ps(h));
             const __m256bh md = _mm512_cvtneps_pbh(r);
@@ -169,29 +255,43 @@ static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, flo
         best[i] = m;
         total[i] = _mm512_reduce_add_ps(sum);
     }
-    /* the weighted sum of V, 64 dims at a time in tiles 0..3, 32 entries a product */
+    /* the weighted sum of V, 64 dims at a time (in tiles 0..3, 32 entries a product) */
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t j0 = 0; j0 < L; j0 += ENTRY_STEP) {
-            for (int e = 0; e < ENTRY_STEP && j0 + e < L; e++)
-                w->entry[e] = pool + pages[(j0 + e) / PAGE] * page + PAGE * entry
-                              + ((j0 + e) % PAGE) * entry + h * D;
-            v_pairs(w->vb, w->entry, L - j0, d0, 4);
-            _tile_loadd(4, w->hi + j0, width * 2);
-            _tile_loadd(5, w->mid + j0, width * 2);
-            _tile_loadd(7, w->lo + j0, width * 2);
-#define PRODUCT(t) _tile_loadd(6, w->vb + t * 256, 64); _tile_dpbf16ps(t, 4, 6); \
-            _tile_dpbf16ps(t, 5, 6); _tile_dpbf16ps(t, 7, 6);
-            PRODUCT(0) PRODUCT(1) PRODUCT(2) PRODUCT(3)
-#undef PRODUCT
+        if (!tiles) {
+            for (int64_t i0 = 0; i0 < count; i0 += 6)
+                switch (count - i0 < 6 ? count - i0 : 6) {
+#define SUMS(R) case R: \
+                    weighted_sum_dots(R, pool, pages, page, entry, h, D, d0, L, i0, width, w); \
+                    break;
+                SUMS(1) SUMS(2) SUMS(3) SUMS(4) SUMS(5) SUMS(6)
+#undef SUMS
+                }
         }
-        _tile_stored(0, w->o, 256);
-        _tile_stored(1, w->o + 16, 256);
-        _tile_stored(2, w->o + 32, 256);
-        _tile_stored(3, w->o + 48, 256);
+#if defined(AMX)
+        else {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t j0 = 0; j0 < L; j0 += ENTRY_STEP) {
+                for (int e = 0; e < ENTRY_STEP && j0 + e < L; e++)
+                    w->entry[e] = pool + pages[(j0 + e) / PAGE] * page + PAGE * entry
+                                  + ((j0 + e) % PAGE) * entry + h * D;
+                v_pairs(w->vb, w->entry, L - j0, d0, 4);
+                _tile_loadd(4, w->hi + j0, width * 2);
+                _tile_loadd(5, w->mid + j0, width * 2);
+                _tile_loadd(7, w->lo + j0, width * 2);
+#define PRODUCT(t) _tile_loadd(6, w->vb + t * 256, 64); _tile_dpbf16ps(t, 4, 6); \
+                _tile_dpbf16ps(t, 5, 6); _tile_dpbf16ps(t, 7, 6);
+                PRODUCT(0) PRODUCT(1) PRODUCT(2) PRODUCT(3)
+#undef PRODUCT
+            }
+            _tile_stored(0, w->o, 256);
+            _tile_stored(1, w->o + 16, 256);
+            _tile_stored(2, w->o + 32, 256);
+            _tile_stored(3, w->o + 48, 256);
+        }
+#endif
         for (int64_t i = 0; i < count; i++) {
             if (raw) {
                 memcpy((float *)b->dst[i] + d0, w->o + i * 64, sizeof(float) * 64);
@@ -221,13 +321,18 @@ struct job {
     const void *args;
 };
 
-/* Runs a job's tasks on the threads, each with its scratch and tiles. -1 where memory
- * is short (nothing done for sure). */
+/* Runs a job's tasks on the threads, each with its scratch (and tiles, where AMX runs).
+ * -1 where memory is short (nothing done for sure). */
 static int run_job(const struct job *j)
 {
     const int64_t D = j->head_dim;
     const int64_t width = (j->most + ENTRY_STEP - 1) / ENTRY_STEP * ENTRY_STEP;
     int failed = 0;
+#if defined(AMX)
+    const int tiles = amx_ready();
+#else
+    const int tiles = 0;
+#endif
     #pragma omp parallel
     {
         struct scratch w;
@@ -237,7 +342,7 @@ static int run_job(const struct job *j)
         w.lo = aligned_alloc(64, 2 * 16 * width);
         w.qa = aligned_alloc(64, 2 * 16 * D);
         w.o = aligned_alloc(64, sizeof(float) * 16 * 64);
-        w.bt = aligned_alloc(64, 4 * 256);
+        w.bt = aligned_alloc(64, 4 * 16 * (D / 2 > 16 ? D / 2 : 16));
         w.vb = aligned_alloc(64, 4 * 4 * 256);
         w.entry = malloc(sizeof(*w.entry) * ENTRY_STEP);
         const int ok = w.s && w.hi && w.mid && w.lo && w.qa && w.o && w.bt && w.vb && w.entry;
@@ -247,14 +352,20 @@ static int run_job(const struct job *j)
         }
         #pragma omp barrier
         if (!failed) {
-            amx_configure();
+#if defined(AMX)
+            if (tiles)
+                amx_configure();
+#endif
             #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < j->tasks; t++) {
                 struct block b;
                 j->fill(j->args, t, &b, w.qa);
-                attend_block(j->kv, j->kv_heads, D, j->scale, width, &b, j->raw, &w);
+                attend_block(j->kv, j->kv_heads, D, j->scale, width, &b, j->raw, tiles, &w);
             }
-            _tile_release();
+#if defined(AMX)
+            if (tiles)
+                _tile_release();
+#endif
         }
         free(w.s); free(w.hi); free(w.mid); free(w.lo); free(w.qa); free(w.o); free(w.bt); free(w.vb);
         free(w.entry);
@@ -338,9 +449,25 @@ static int count_tasks(int64_t n, const int64_t *rows, int64_t kv_heads, int64_t
     return 0;
 }
 
+/* 2 where the blocks run on AMX tiles, 1 where by dot products, 0 where not at all (none
+ * here, or turned off); `use` 0 or 1 turns them off or on for this process, -1 asks */
+int attention_tiles_bf16(int use)
+{
+    if (use >= 0)
+        blocks_off = !use;
+    if (blocks_off)
+        return 0;
+#if defined(AMX)
+    if (amx_ready())
+        return 2;
+#endif
+    return 1;
+}
+
 int paged_attention_tiles_bf16(TILE_ARGS)
 {
-    if (page_size != PAGE || head_dim % 64 != 0 || heads % kv_heads != 0 || !amx_ready())
+    if (page_size != PAGE || head_dim % 64 != 0 || heads % kv_heads != 0
+            || !attention_tiles_bf16(-1))
         return -1;
     const int64_t G = heads / kv_heads;
     int64_t *first, *blocks;
@@ -388,7 +515,8 @@ static void fill_prefix(const void *args, int64_t t, struct block *blk, uint16_t
 
 int shared_prefix_tiles_bf16(SHARED_ARGS)
 {
-    if (page_size != PAGE || head_dim % 64 != 0 || heads % kv_heads != 0 || !amx_ready())
+    if (page_size != PAGE || head_dim % 64 != 0 || heads % kv_heads != 0
+            || !attention_tiles_bf16(-1))
         return -1;
     const int64_t G = heads / kv_heads;
     int64_t *first, *blocks, most = 0;
@@ -407,6 +535,12 @@ int shared_prefix_tiles_bf16(SHARED_ARGS)
     return status;
 }
 #else
+int attention_tiles_bf16(int use)
+{
+    (void)use;
+    return 0;
+}
+
 int paged_attention_tiles_bf16(TILE_ARGS)
 {
     (void)q; (void)q_stride; (void)out; (void)kv; (void)page_size; (void)kv_heads;

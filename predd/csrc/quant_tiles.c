@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "lanes.h"
 #include "quant_blocks.h"
 
 #if defined(AMX)
@@ -265,7 +266,7 @@ static int linear_amx(const int kind, const uint16_t *x, int64_t M, int64_t K,
             #pragma omp for schedule(static)
             for (int64_t gb = 0; gb < groups * blocks; gb++) {
                 const int64_t g = gb / blocks, b = gb % blocks;
-                amx_transpose16(xt + gb * 256, (const uint32_t *)(x + (r0 + 16 * g) * K) + b * 16,
+                transpose16_u32(xt + gb * 256, (const uint32_t *)(x + (r0 + 16 * g) * K) + b * 16,
                                 K / 2, g == groups - 1 ? last : 16);
             }
             amx_configure();

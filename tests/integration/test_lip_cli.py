@@ -31,8 +31,8 @@ def test_info_stats_fsck(lip, predd):
     assert (info["cuda_graphs"], info["cuda_graphs_reason"]) == (
         False, "auto: CUDA graphs need a CUDA device, not cpu")
     assert (info["layer_loop"], info["layer_loop_reason"]) == (True, "")   # predd's default
-    assert (info["cascade"], info["cascade_reason"]) == (      # on by default; tiles are bf16
-        False, "it runs on AMX tiles in bfloat16, the model is float32")
+    assert (info["cascade"], info["cascade_reason"]) == (      # on by default; blocks are bf16
+        False, "it runs in bfloat16, the model is float32")
     stats = json.loads(lip_cmd("stats").stdout)
     assert {"pages_total", "pages_free", "steps", "calls", "tokens_computed",
             "tokens_reused", "queue_wait_ms", "step_ms"} <= set(stats)

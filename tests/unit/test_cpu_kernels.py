@@ -106,15 +106,17 @@ def test_whole_pages_of_16_in_bfloat16_score_as_the_float32_reference(kv_heads, 
     assert (got == want.to(torch.bfloat16).float()).float().mean() > 0.95
 
 
-TILES = cpu_kernels.problem() is None and cpu_kernels.kernels().bf16_tiles
+BLOCKS = cpu_kernels.problem() is None and cpu_kernels.kernels().attention_blocks is not None
 
 
-@pytest.mark.skipif(not TILES, reason="no AMX tiles here (or predd's kernels do not build)")
+@pytest.mark.skipif(not BLOCKS, reason="no attention blocks here (AMX tiles or bf16 dot "
+                    "products), or predd's kernels do not build")
 @pytest.mark.parametrize("kv_heads,heads,head_dim", [(3, 9, 64), (2, 2, 64), (1, 5, 128),
                                                     (2, 16, 64)])
-def test_chunks_attend_by_tiles_as_the_float32_reference_rounded_once(kv_heads, heads,
-                                                                    head_dim, monkeypatch):
-    """Calls of TILE_ROWS new tokens or more take the AMX tile kernel (chunks after a past
+def test_chunks_attend_in_blocks_as_the_float32_reference_rounded_once(kv_heads, heads,
+                                                                      head_dim, monkeypatch):
+    """Calls of 4 new tokens or more (TILE_ROWS; the dot products' limit is the same) take
+    the block kernel, on AMX tiles or by bf16 dot products (chunks after a past
     and fresh prefills; blocks of 16 query vectors that end inside a row's heads; pasts
     that end inside a page), the rest the row kernel, in one step; both held to the
     bound of the bf16 tests above. NaN in the unused entries of a call's last page (an
@@ -146,14 +148,19 @@ def test_chunks_attend_by_tiles_as_the_float32_reference_rounded_once(kv_heads, 
     assert used == [6] and ((rows - want).abs() <= ulp + 1e-6).all()
 
 
-@pytest.mark.skipif(not TILES, reason="no AMX tiles here (or predd's kernels do not build)")
+@pytest.mark.skipif(not BLOCKS, reason="no attention blocks here (AMX tiles or bf16 dot "
+                    "products), or predd's kernels do not build")
 def test_forks_attend_to_their_shared_pages_together_as_the_reference_rounded_once(
         monkeypatch):
     """Decode rows whose tables begin with the same pages (forks of a cached document)
-    attend to those pages on tiles first (SharedPrefixes), grouped by their first page,
-    the prefix being what all of a group share; fewer than SHARED_ROWS rows, or chunks on
-    tiles, are not grouped. Outputs held to the bf16 bound of the tests above."""
+    attend to those pages in blocks first (SharedPrefixes), grouped by their first page,
+    the prefix being what all of a group share; fewer than SHARED_ROWS (6, set here for
+    either kind of blocks) rows, or chunks in blocks, are not grouped. Outputs held to
+    the bf16 bound of the tests above."""
     ps, kv_heads, heads, head_dim = 16, 3, 9, 64
+    kernels = cpu_kernels.kernels()          # these limits, whatever this CPU's kind
+    monkeypatch.setitem(cpu_kernels.BLOCK_LIMITS, kernels.attention_blocks,
+                        cpu_kernels.BlockLimits(4, 6, 16))
     rng = np.random.default_rng(5)
     free = [int(x) for x in rng.permutation(128)]
     take = lambda n: [free.pop() for _ in range(n)]      # noqa: E731
@@ -177,7 +184,6 @@ def test_forks_attend_to_their_shared_pages_together_as_the_reference_rounded_on
     step = PageTables.build(ps, [np.array(t) for t in tables], kv_lens, q_lens)
     qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim).to(torch.bfloat16)
     q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
-    kernels = cpu_kernels.kernels()
     calls = list(range(len(tables)))
     n, row_token, row_pages, row_visible = CpuAttention.rows(step, calls)
     rest = kernels.tile_calls(n, row_token, row_pages, row_visible)[2]
