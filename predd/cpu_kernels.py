@@ -260,6 +260,7 @@ class Kernels:
 
     @property
     def block_limits(self) -> BlockLimits | None:
+        """The limits of this process's kind of attention blocks (None: no blocks)."""
         return BLOCK_LIMITS.get(self.attention_blocks or "")
 
     def attend(self, q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor,
@@ -277,10 +278,11 @@ class Kernels:
                        ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
         """`attend` with one step's rows fixed (their pointers taken once), for every
         layer: `run(q, out, paged)`. `call_rows`: how many rows each call has, in row
-        order (each call's rows consecutive tokens); a call of `TILE_ROWS` or more then
-        takes the AMX tile kernel (predd/csrc/attention_tiles.c) where it runs: bf16,
-        pages of 16, head_dim a multiple of 64. `page_size` (the pool's): the other rows'
-        shared prefixes (`shared_prefixes`) go on the tiles first."""
+        order (each call's rows consecutive tokens); a call of `block_limits.rows` or
+        more then takes the block kernel (predd/csrc/attention_tiles.c: AMX tiles or bf16
+        dot products) where it runs: bf16, pages of 16, head_dim a multiple of 64.
+        `page_size` (the pool's): the other rows' shared prefixes (`shared_prefixes`) go
+        to the blocks first."""
         split = self.tile_calls(call_rows, row_token, row_pages, row_visible)
         if split is None:
             return self._bind_rows(indices, row_token, row_pages, row_visible, max_visible,
@@ -316,10 +318,11 @@ class Kernels:
     def tile_calls(self, call_rows: np.ndarray | None, row_token: np.ndarray,
                    row_pages: np.ndarray, row_visible: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]] | None:
-        """The calls of `call_rows` (rows each, in row order) that the AMX tile kernel
-        takes (`TILE_ROWS` or more, where the tiles run): (their first rows, their row
-        counts, (row_token, row_pages, row_visible) of the rows left to the row kernel);
-        None where it takes none. Every array int64 and contiguous."""
+        """The calls of `call_rows` (rows each, in row order) that the block kernel takes
+        (`block_limits.rows` or more, where the blocks run: on AMX tiles or by dot
+        products): (their first rows, their row counts, (row_token, row_pages,
+        row_visible) of the rows left to the row kernel); None where it takes none. Every
+        array int64 and contiguous."""
         limits = self.block_limits
         if call_rows is None or limits is None:
             return None
@@ -335,10 +338,10 @@ class Kernels:
     def shared_prefixes(self, indices: np.ndarray, row_pages: np.ndarray,
                         row_visible: np.ndarray, page_size: int) -> SharedPrefixes | None:
         """The groups of these rows (the row kernel's) that attend to a shared prefix
-        first: rows whose page tables begin with the same pages, `SHARED_PAGES` whole
-        pages or more before each one's last entry, `SHARED_ROWS` rows or more (the
-        rows are grouped by their first page; a group's prefix is what all its rows
-        share). None: no such group, or the tiles do not run here."""
+        first: rows whose page tables begin with the same pages, `shared_pages` whole
+        pages or more before each one's last entry, `shared_rows` rows or more
+        (`block_limits`; the rows are grouped by their first page; a group's prefix is
+        what all its rows share). None: no such group, or the blocks do not run here."""
         limits = self.block_limits
         if not (self.shared_prefix and page_size and limits) or len(row_pages) < 2:
             return None
@@ -694,7 +697,7 @@ def _probe_attention(lib: Kernels) -> float:
     unit in its last place, 2^-8 relative)."""
     errors = [_attention_error(lib, torch.float32),
               _attention_error(lib, torch.bfloat16, 2.0 ** -8)]
-    if lib.bf16_tiles:     # a chunk of 6 rows after 34 entries: the AMX tile kernel
+    if lib.attention_blocks:   # a chunk of 6 rows after 34 entries: the block kernel
         errors.append(_attention_error(lib, torch.bfloat16, 2.0 ** -8, chunk=6))
     return max(errors)
 
