@@ -271,6 +271,28 @@ def test_choose_limits_takes_rows_per_kind_until_its_blocks_first_lose():
         == {"o_proj": 3}
 
 
+def test_choose_limits_takes_the_layers_kinds_together_where_their_sum_wins():
+    """gate_up loses alone from 16 rows, but the layers' kinds summed win up to 32: both
+    take their blocks to 32 (one C call a step needs all of them); the head is apart."""
+    table = {8: {"gate_up_proj": (4.0, 5.0), "down_proj": (1.0, 2.0), "lm_head": (1.0, 2.0)},
+             16: {"gate_up_proj": (5.5, 5.0), "down_proj": (1.0, 2.0), "lm_head": (3.0, 2.0)},
+             32: {"gate_up_proj": (6.0, 5.0), "down_proj": (1.5, 3.0), "lm_head": (3.0, 2.0)},
+             48: {"gate_up_proj": (9.0, 5.0), "down_proj": (2.0, 3.0), "lm_head": (3.0, 2.0)},
+             64: {"gate_up_proj": (9.0, 5.0), "down_proj": (3.0, 3.0), "lm_head": (3.0, 2.0)}}
+    asked = []
+    limits, _ = quant_linear.choose_limits(lambda rows: asked.append(rows) or table[rows],
+                                           (8, 16, 32, 48, 64),
+                                           frozenset({"gate_up_proj", "down_proj"}))
+    assert limits == {"gate_up_proj": 32, "down_proj": 48, "lm_head": 8}
+    assert asked == [8, 16, 32, 48, 64]     # down still won at 48; all lost at 64
+    # without `together`, each kind alone (measuring stops once all have lost)
+    asked.clear()
+    limits, _ = quant_linear.choose_limits(lambda rows: asked.append(rows) or table[rows],
+                                           (8, 16, 32, 48, 64))
+    assert limits == {"gate_up_proj": 8, "down_proj": 48, "lm_head": 8}
+    assert asked == [8, 16, 32, 48, 64]
+
+
 def test_describe_limits_names_kinds_only_where_they_differ():
     assert quant_linear.describe_limits({"qkv_proj": 8, "lm_head": 8}) == "<= 8 rows"
     assert quant_linear.describe_limits({"qkv_proj": 8, "lm_head": 4}) == \
