@@ -312,6 +312,21 @@ static void weight_tile_bf16(int64_t rows, const int kind, const uint16_t *xs, i
     }
 }
 
+/* The calling thread's buffer of at least `values` bf16 for x's rows in block order,
+ * kept from call to call (a step makes ~120 calls; PASS_ROWS x K values at most, 96 KB
+ * for SmolLM2's widest K, held until the thread ends); NULL where memory is short */
+static uint16_t *rows_buffer(size_t values)
+{
+    static __thread uint16_t *buffer;
+    static __thread size_t held;
+    if (values > held) {
+        free(buffer);
+        buffer = malloc(values * sizeof *buffer);
+        held = buffer ? values : 0;
+    }
+    return buffer;
+}
+
 /* y = x w^T (+ bias) in bfloat16: PASS_ROWS rows of x per pass over the weight, its
  * tiles of TILE rows split over the threads */
 static void linear_bf16(const int kind, const uint16_t *x, int64_t M, int64_t K,
@@ -320,7 +335,7 @@ static void linear_bf16(const int kind, const uint16_t *x, int64_t M, int64_t K,
 {
     const int64_t tiles = (N + TILE - 1) / TILE;
     const int64_t per = M < PASS_ROWS ? M : PASS_ROWS;
-    uint16_t *xs = per > 1 ? malloc((size_t)per * K * sizeof *x) : NULL;
+    uint16_t *xs = per > 1 ? rows_buffer((size_t)per * K) : NULL;
     const int64_t pass = xs ? per : 1;       /* one row is in block order as it lies */
     for (int64_t r0 = 0; r0 < M; r0 += pass) {
         const int64_t rows = M - r0 < pass ? M - r0 : pass;
@@ -338,7 +353,6 @@ static void linear_bf16(const int kind, const uint16_t *x, int64_t M, int64_t K,
             }
         }
     }
-    free(xs);
 }
 #endif
 
