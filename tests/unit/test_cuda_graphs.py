@@ -182,12 +182,18 @@ def test_graphs_replay_what_the_eager_step_computes(setup):
     for seed, calls in enumerate(steps):
         tables, tokens, positions = decode_step(calls, seed)
         rows = np.arange(len(calls))
+        graph_before, eager_before = graph_pool.kv[:, :PAGES].clone(), backend.cache.kv.clone()
         got = graphs.run(tables, tokens, positions, rows)
         want = eager(model, backend, tables, tokens, positions, rows)
         assert got.shape == (len(calls), CFG.vocab_size) and got.dtype == torch.float32
         assert torch.allclose(got, want, atol=1e-5), f"step {seed}"
-        # the calls' new entries where the eager step put them; padding only on scratch
-        assert torch.equal(graph_pool.kv[:, :PAGES], backend.cache.kv)
+        # the calls' new entries where the eager step put them (a float32 GEMM may round
+        # the padded batch's K and V apart in the last place: 2.4e-7 on a Zen 5 CPU, 0
+        # on Sapphire Rapids); padding only on scratch: nothing else written
+        graph_after, eager_after = graph_pool.kv[:, :PAGES], backend.cache.kv
+        assert torch.allclose(graph_after, eager_after, atol=1e-6, rtol=1e-6), f"step {seed}"
+        wrote = eager_after != eager_before
+        assert wrote.any() and torch.equal(graph_after[~wrote], graph_before[~wrote])
     assert graphs.replays == 4
     assert [graphs.graphs[b].wrapper.plans for b in (1, 2, 4, 8)] == [2, 1, 2, 3]
 
