@@ -85,11 +85,11 @@ BF16_DOTS = pytest.mark.skipif(not cpu_kernels.kernels().bf16_blocks,
 # AMX tiles (where the CPU has them): 1 row by dot products; 2 or more 96 rows a pass in
 # groups of 16 (a short group padded: 5, 17, 40, 50, 70; two passes: 100), one to four
 # groups by the pipelined kernel (5: 1, 16: 1, 17: 2, 40: 3, 50: 4), five and six by the
-# other (70, 100). Dot products: 32 rows a pass (33, 40, 50, 70, 100: a second pass, of
-# 1 row for 33); up to 6 rows each block multiplied as unpacked into 4 weight rows (1,
-# 5), 7-12 into 2 (7, 12); more from the tile's blocks unpacked, 6 rows of x by 4
-# weight rows (13, 16, 17, ...; a tail group of 1-5)
-@pytest.mark.parametrize("rows", [1, 5, 7, 12, 13, 16, 17, 33, 40, 50, 70, 100])
+# other (70, 100). Dot products: 48 rows a pass (49, 50, 70, 100: a second pass, of 1
+# row for 49; a third for 100); up to 6 rows each block multiplied as unpacked into 4
+# weight rows (1, 5), 7-12 into 2 (7, 12); more from the tile's blocks unpacked, 6 rows
+# of x by 4 weight rows (13, 16, 17, ...; a tail group of 1-5)
+@pytest.mark.parametrize("rows", [1, 5, 7, 12, 13, 16, 17, 33, 40, 49, 50, 70, 100])
 # weight rows in tiles of 16: a tail of 6, none; blocks of 32 columns: an odd number
 # (the pipelined kernel alternates them between two tiles), an even one, more than the
 # 32 the dot products unpack at a time (33: 32 and a tail of 1)
