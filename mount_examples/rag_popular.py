@@ -18,7 +18,8 @@ The policy (predd only keeps pages; what to keep is decided here):
   document's next request (a spare): that request starts its question at once, without
   waiting a round trip to predd for its fork (at most --spares of a document; a spare
   holds the document's copied last page, counted below, and spares go before files
-  when room is short);
+  when room is short); a request that finds none while an answered request's fork is
+  on its way back (the truncate, after that answer) waits for that one;
 * the documents' caches and the requests' own pages must fit the KV memory (predd's
   pool, all tiers): before a request takes pages, the coldest idle unpinned files
   (fewest uses, then least recently used) are `rm`ed, or the request waits for others
@@ -84,6 +85,7 @@ class Cached:
     failed: str = ""
     spares: list = field(default_factory=list)   # forks truncated back to the document
     spare_pages: int = 0              # what each holds: the copied last page, if partial
+    returning: int = 0                # answered requests whose forks are not back yet
 
 
 class DocCache:
@@ -270,22 +272,33 @@ class DocCache:
         finally:
             c.ready.set()
 
+    def answered(self, c: Cached) -> None:
+        """A request on `c` is answered: its fork comes back (`release`) once truncated."""
+        with self.cond:
+            c.returning += 1
+
     def take_spare(self, c: Cached) -> lip.KV | None:
         """A fork of the document left by an earlier request, if one is kept (its page
-        is the request's own from now on)."""
+        is the request's own from now on). Where none is kept but an answered request's
+        is on its way back (a truncate, one round trip to predd like a fork's), it waits
+        for that one: so the next request reuses it however the threads interleave."""
         with self.cond:
+            while not c.spares and c.returning:
+                self.cond.wait()
             if not c.spares:
                 return None
             self.used -= c.spare_pages
             self.counters["spare_forks"] += 1
             return c.spares.pop()
 
-    def release(self, c: Cached, own: int, spare: lip.KV | None = None) -> None:
-        """The request is over: its pages are given back, and `spare` (its fork,
-        truncated back to the document) is kept for the next request if there is
-        room for it, else closed."""
+    def release(self, c: Cached, own: int, spare: lip.KV | None = None,
+                answered: bool = False) -> None:
+        """The request is over (`answered`: it had said so): its pages are given back,
+        and `spare` (its fork, truncated back to the document) is kept for the next
+        request if there is room for it, else closed."""
         with self.cond:
             c.readers -= 1
+            c.returning -= answered
             self.reserved -= own
             keep = (spare is not None and self.files.get(c.name) is c
                     and len(c.spares) < self.spares
@@ -404,11 +417,14 @@ class Server:
         own = pages(self.page - 1 + len(q) + max_tokens, self.page)
         c, hit = self.cache.acquire(name, doc, own)
         kv = spare = None
+        answered = False
         try:
             kv = self.cache.take_spare(c) or lip.kv_fork(c.kv)
             out = self.cache.retry(
                 lambda: lip.generate(kv, q, max_tokens=max_tokens, ignore_eos=True),
                 undo=lambda: lip.kv_truncate(kv, len(doc)))
+            self.cache.answered(c)
+            answered = True
             reply({"tokens": list(out), "hit": hit, "doc_tokens": len(doc),
                    "question_tokens": len(q), "doc_computed": 0 if hit else c.computed,
                    "computed": out.cost.get("computed", 0),
@@ -418,7 +434,7 @@ class Server:
         finally:
             if kv is not None:
                 lip.kv_close(kv)
-            self.cache.release(c, own, spare)
+            self.cache.release(c, own, spare, answered)
 
     def uncached(self, doc: list[int], q: list[int], max_tokens: int, reply) -> None:
         own = pages(len(doc) + len(q) + max_tokens, self.page)
