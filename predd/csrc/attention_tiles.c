@@ -130,15 +130,14 @@ struct block {
 };
 
 /* Without AMX, a page's scores by dot products: s[i * width + j0 + e] = q_i . k_e for
- * vectors i0 .. i0 + R - 1 (R a literal) of the block (w->qa, zero past its count) and
+ * the block's first R (a literal) vectors (w->qa, zero past its count; i < count) and
  * the page's entries (k_pairs in w->bt: D / 2 pairs of dims by 16 entries, 0 past the
  * last): each pair of dims of the 16 entries loaded once for R VDPBF16PS, each with one
  * of q's pairs broadcast */
 static inline __attribute__((always_inline)) void page_scores_dots(
-    const int R, int64_t D, int64_t i0, int64_t count, float *s, int64_t width,
-    const struct scratch *w)
+    const int R, int64_t D, int64_t count, float *s, int64_t width, const struct scratch *w)
 {
-    const uint32_t *qp = (const uint32_t *)(w->qa + i0 * D);
+    const uint32_t *qp = (const uint32_t *)w->qa;
     __m512 acc[16];
     for (int i = 0; i < R; i++)
         acc[i] = _mm512_setzero_ps();
@@ -148,8 +147,8 @@ static inline __attribute__((always_inline)) void page_scores_dots(
             acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(
                                           (int)qp[i * D / 2 + p]), kp);
     }
-    for (int64_t i = 0; i < R && i0 + i < count; i++)
-        _mm512_storeu_ps(s + (i0 + i) * width, acc[i]);
+    for (int64_t i = 0; i < R && i < count; i++)
+        _mm512_storeu_ps(s + i * width, acc[i]);
 }
 
 /* Without AMX, o[i * 64 + c] = sum over the first L entries e of p_i[e] * V_e[d0 + c]
@@ -198,11 +197,11 @@ static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, flo
             for (int64_t d = 0; d < D; d += 32)
                 k_pairs(w->bt + d / 2 * 16, (const uint32_t *)(k + d), entry / 2, n);
             if (count > 8)
-                page_scores_dots(16, D, 0, count, w->s + j0, width, w);
+                page_scores_dots(16, D, count, w->s + j0, width, w);
             else if (count > 4)
-                page_scores_dots(8, D, 0, count, w->s + j0, width, w);
+                page_scores_dots(8, D, count, w->s + j0, width, w);
             else
-                page_scores_dots(4, D, 0, count, w->s + j0, width, w);
+                page_scores_dots(4, D, count, w->s + j0, width, w);
             continue;
         }
 #if defined(AMX)
@@ -222,8 +221,8 @@ static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, flo
      * rest's); the dot products read them as they are */
     float best[16], total[16];
     for (int64_t i = 0; i < (tiles ? 16 : count); i++) {
-        float *row = w->s + i * width;
-        uint16_t *hi = w->hi + i * width, *mid = w->mid + i * width, *lo = w->lo + i * width;
+        const int64_t at = i * width;          /* this vector's row of s (hi, mid, lo) */
+        float *row = w->s + at;
         const int64_t V = i < count ? b->visible[i] : 0;
         __m512 most = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < V; j += 16) {
@@ -248,9 +247,9 @@ static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, flo
             const __m512 r = _mm512_sub_ps(x, _mm512_cvtpbh_ps(h));
             const __m256bh md = _mm512_cvtneps_pbh(r);
             const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(r, _mm512_cvtpbh_ps(md)));
-            _mm256_store_si256((__m256i *)(hi + j), (__m256i)h);
-            _mm256_store_si256((__m256i *)(mid + j), (__m256i)md);
-            _mm256_store_si256((__m256i *)(lo + j), (__m256i)l);
+            _mm256_store_si256((__m256i *)(w->hi + at + j), (__m256i)h);
+            _mm256_store_si256((__m256i *)(w->mid + at + j), (__m256i)md);
+            _mm256_store_si256((__m256i *)(w->lo + at + j), (__m256i)l);
         }
         best[i] = m;
         total[i] = _mm512_reduce_add_ps(sum);
@@ -337,15 +336,17 @@ static int run_job(const struct job *j)
     {
         struct scratch w;
         w.s = aligned_alloc(64, sizeof(float) * 16 * width);
-        w.hi = aligned_alloc(64, 2 * 16 * width);
-        w.mid = aligned_alloc(64, 2 * 16 * width);
-        w.lo = aligned_alloc(64, 2 * 16 * width);
+        /* the probabilities' bf16 parts and V in pairs: the tiles' alone */
+        w.hi = tiles ? aligned_alloc(64, 2 * 16 * width) : NULL;
+        w.mid = tiles ? aligned_alloc(64, 2 * 16 * width) : NULL;
+        w.lo = tiles ? aligned_alloc(64, 2 * 16 * width) : NULL;
         w.qa = aligned_alloc(64, 2 * 16 * D);
         w.o = aligned_alloc(64, sizeof(float) * 16 * 64);
         w.bt = aligned_alloc(64, 4 * 16 * (D / 2 > 16 ? D / 2 : 16));
-        w.vb = aligned_alloc(64, 4 * 4 * 256);
-        w.entry = malloc(sizeof(*w.entry) * ENTRY_STEP);
-        const int ok = w.s && w.hi && w.mid && w.lo && w.qa && w.o && w.bt && w.vb && w.entry;
+        w.vb = tiles ? aligned_alloc(64, 4 * 4 * 256) : NULL;
+        w.entry = tiles ? malloc(sizeof(*w.entry) * ENTRY_STEP) : NULL;
+        const int ok = w.s && w.qa && w.o && w.bt
+                       && (!tiles || (w.hi && w.mid && w.lo && w.vb && w.entry));
         if (!ok) {
             #pragma omp atomic write
             failed = 1;
