@@ -3,7 +3,8 @@
 A run's predd sessions are the sessions whose (kernel-reported) pid belongs to the run's
 process tree: the sandbox launcher and its descendants, rescanned from /proc at every
 poll (every `interval` seconds while any run is alive; see `_owns`). From them:
-* `peak_pages`: the most KV pages the run's sessions held at once (sampled per poll);
+* `peak_pages`: the most KV pages the run's sessions held at once (sampled per poll,
+  and once more as a run is killed);
 * `sessions`: how many predd sessions the run opened (that the polls saw);
 * `settle(run)`: after the processes are gone, wait until predd has ended every one of
   those sessions — at once when the program said `bye` (liblip does at exit), else
@@ -149,10 +150,7 @@ class Meter:
             if not any(u.alive for u in self.usage.values()):
                 self._wake.clear()
                 await self._wake.wait()
-            try:
-                await asyncio.to_thread(self.poll)
-            except lip.LipError:
-                pass
+            await asyncio.to_thread(self.sample)
             await asyncio.sleep(self.interval)
 
     def poll(self) -> None:
@@ -178,6 +176,14 @@ class Meter:
                 u.sessions |= {r["session"] for r in mine}
                 u.pages = sum(r.get("pages", 0) for r in mine)
                 u.peak_pages = max(u.peak_pages, u.pages)
+
+    def sample(self) -> None:
+        """`poll`, where predd's errors leave the figures as they were: every interval,
+        and as a run is killed (what it holds then counts in its peak)."""
+        try:
+            self.poll()
+        except lip.LipError:
+            pass
 
     @staticmethod
     def _owns(u: Usage, row: dict) -> bool:

@@ -300,6 +300,8 @@ class Runs:
         run has ended and predd has freed its sessions' objects."""
         if run.active and run.proc is not None and run.kill_reason is None:
             run.kill_reason = reason
+            # what it holds now counts in its peak, whenever the last poll was
+            await asyncio.to_thread(self.meter.sample)
             inside = running_descendants(run.proc.pid)
             for pid in inside:
                 with contextlib.suppress(ProcessLookupError):
