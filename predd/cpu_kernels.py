@@ -40,8 +40,8 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c",
-           CSRC / "quant_tiles.c", CSRC / "attention_tiles.c", CSRC / "greedy.c",
-           CSRC / "layer_loop.c")
+           CSRC / "quant_tiles.c", CSRC / "quant_lanes.c", CSRC / "attention_tiles.c",
+           CSRC / "greedy.c", CSRC / "layer_loop.c")
 HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h", CSRC / "quant_blocks.h",
            CSRC / "amx.h")
 LIBRARY = "predd-cpu"
@@ -215,6 +215,7 @@ class Kernels:
             "linear_q8_0_f32": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
             "linear_q4_1_bf16": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
             "linear_q8_0_bf16": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
+            "linear_q4_1_lanes_bf16": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
             "linear_bf16_native": (ctypes.c_int, []),
             "linear_bf16_tiles": (ctypes.c_int, [ctypes.c_int]),
             "attention_tiles_bf16": (ctypes.c_int, [ctypes.c_int]),
@@ -242,6 +243,13 @@ class Kernels:
         """Whether the bf16 block kernels multiply 2 rows or more with AMX tiles (the CPU
         has them, the OS granted them, and they are not turned off)."""
         return self.bf16_blocks and bool(self._lib.linear_bf16_tiles(-1))
+
+    @property
+    def bf16_lanes(self) -> bool:
+        """Whether a bfloat16 model holds its Q4_1 blocks in lanes (`QuantBlocks.in_lanes`)
+        for predd/csrc/quant_lanes.c: where the CPU has bf16 dot products and the block
+        kernels no AMX tiles (which read the tiles' own layout)."""
+        return self.bf16_blocks and not self.bf16_tiles
 
     def use_bf16_tiles(self, use: bool) -> bool:
         """Turns the AMX tiles of the bf16 block kernels on or off for this process (off:
@@ -513,19 +521,26 @@ class Kernels:
         ctypes call (blocks in the other layout than the kernel's are converted once).
         `dtype` is the rows' and the result's: float32, or bfloat16 where `bf16_blocks`
         (the weights rounded to bf16 as a bf16 model holds them, bf16 products summed in
-        float32, the result rounded once)."""
+        float32, the result rounded once; Q4_1 blocks in lanes: the weights exactly)."""
         _contiguous(bias)
         n, k = blocks.rows(), blocks.columns()
-        # the bfloat16 kernels read the blocks in tiles of rows (predd/csrc/quant_blocks.h),
-        # the float32 ones by rows: converted here where they come the other way
-        blocks = blocks.in_tiles() if dtype == torch.bfloat16 else blocks.in_rows()
+        # the bfloat16 kernels read the blocks in tiles of rows (predd/csrc/quant_blocks.h;
+        # Q4_1 in lanes, predd/csrc/quant_lanes.c, where they come so), the float32 ones by
+        # rows: converted here where they come another way
+        if dtype != torch.bfloat16:
+            blocks = blocks.in_rows()
+        elif not blocks.lanes:
+            blocks = blocks.in_tiles()
         if dtype == torch.bfloat16 and not self.bf16_blocks:
             raise ValueError("the block kernels take bfloat16 rows only where the CPU has "
                              "bf16 dot products (avx512_bf16)")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the block kernels take float32 or bfloat16 rows, not {dtype}")
         t = SUFFIX[dtype]
-        if blocks.kind == "Q4_1":
+        if blocks.lanes:
+            fn, weight = self._lib.linear_q4_1_lanes_bf16, (
+                blocks.q.ctypes.data, blocks.d.ctypes.data, blocks.m.ctypes.data)
+        elif blocks.kind == "Q4_1":
             fn, weight = getattr(self._lib, f"linear_q4_1_{t}"), (
                 blocks.q.ctypes.data, blocks.d.ctypes.data, blocks.m.ctypes.data)
         elif blocks.kind == "Q8_0":
@@ -625,8 +640,9 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0):
 
 def _probe_quant_linear(lib: Kernels) -> float:
     """Both block kinds against F.linear on their dequantised weights (relative); with
-    bf16 dot products also the bf16 kernels against the same sum of bf16 values, beyond
-    one bf16 rounding of the result (2^-8 relative)."""
+    bf16 dot products also the bf16 kernels against the same sum of bf16 values (Q4_1 in
+    lanes: of bf16 rows and the exact weights), beyond one bf16 rounding of the result
+    (2^-8 relative)."""
     worst = 0.0
     for kind in ("Q4_1", "Q8_0"):
         blocks, weight = random_blocks(kind, 19, 96)
@@ -639,6 +655,11 @@ def _probe_quant_linear(lib: Kernels) -> float:
             x16, w16 = x.to(torch.bfloat16), torch.from_numpy(weight).to(torch.bfloat16)
             want = torch.nn.functional.linear(x16.float(), w16.float(), bias)
             got = lib.quant_linear(x16, blocks, bias).float()
+            error = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
+            worst = max(worst, max(0.0, error - 2.0 ** -8))
+        if lib.bf16_blocks and kind == "Q4_1":       # in lanes: the weights exactly
+            want = torch.nn.functional.linear(x16.float(), torch.from_numpy(weight), bias)
+            got = lib.quant_linear(x16, blocks.in_lanes(), bias).float()
             error = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
             worst = max(worst, max(0.0, error - 2.0 ** -8))
     return worst

@@ -32,6 +32,7 @@ from predd.quant_linear import QuantLinear
 
 i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 KINDS = {"Q4_1": 4, "Q8_0": 8}
+LANES = 5              # Q4_1 blocks in lanes (predd/csrc/quant_lanes.c; bfloat16 only)
 
 
 class Projection(ctypes.Structure):
@@ -83,7 +84,8 @@ def _projections(layer) -> tuple:
 
 def _projection(m: QuantLinear) -> Projection:
     b = m.blocks               # in the layout of the model's dtype's kernels
-    return Projection(KINDS[b.kind], b.columns(), b.rows(), b.q.ctypes.data,
+    return Projection(LANES if b.lanes else KINDS[b.kind], b.columns(), b.rows(),
+                      b.q.ctypes.data,
                       b.d.ctypes.data, None if b.m is None else b.m.ctypes.data,
                       None if m.bias is None else m.bias.data_ptr())
 

@@ -212,6 +212,9 @@ def _load_gguf(
 
 
 TILE_ROWS = 16     # weight rows a tile of QuantBlocks.in_tiles (predd/csrc/quant_blocks.h)
+# QuantBlocks.in_lanes: the bit at which weight 8g + 2s + t of a block (s < 4, t < 2) sits
+# in its tile row's uint32 of group g (predd/csrc/quant_lanes.c)
+LANE_SHIFTS = np.array([[4 * s + 16 * t for t in range(2)] for s in range(4)], np.uint32)
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,9 @@ class QuantBlocks:
     `in_tiles()` is the same blocks as the bfloat16 kernels read them (`tiled`): rows in
     tiles of TILE_ROWS, a tile's blocks column by column (q [tiles, K/32, 16, bytes],
     d and m [tiles, K/32, 16]), the last tile padded with zero rows; `n` the rows
-    without the padding (the row layout's are q's first axis)."""
+    without the padding (the row layout's are q's first axis). `in_lanes()` is Q4_1
+    tiles with each block's q rearranged for predd/csrc/quant_lanes.c (`lanes`: q
+    [tiles, K/32, 4, 16] uint32, LANE_SHIFTS)."""
     kind: str
     q: np.ndarray
     d: np.ndarray
@@ -242,7 +247,13 @@ class QuantBlocks:
         """K, the weight's input width (q's second axis is its blocks either way)."""
         return self.q.shape[1] * 32
 
+    @property
+    def lanes(self) -> bool:
+        return self.q.dtype == np.uint32
+
     def in_tiles(self) -> QuantBlocks:
+        if self.lanes:
+            return self.in_rows().in_tiles()
         if self.tiled:
             return self
         n, pad = self.rows(), -self.rows() % TILE_ROWS
@@ -254,7 +265,28 @@ class QuantBlocks:
         return QuantBlocks(self.kind, tiles(self.q), tiles(self.d),
                            None if self.m is None else tiles(self.m), n)
 
+    def in_lanes(self) -> QuantBlocks:
+        if self.lanes:
+            return self
+        if self.kind != "Q4_1":
+            raise ValueError(f"only Q4_1 blocks go in lanes, not {self.kind}")
+        tiles = self.in_tiles()
+        q = tiles.q                                 # [tiles, blocks, 16 rows, 16 bytes]
+        nibbles = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.uint32)
+        # [tiles, blocks, rows, g, s, t] -> one uint32 per (tiles, blocks, g, rows)
+        nibbles = nibbles.reshape(*q.shape[:3], 4, 4, 2) << LANE_SHIFTS
+        words = np.bitwise_or.reduce(nibbles.reshape(*q.shape[:3], 4, 8), axis=-1)
+        return QuantBlocks(self.kind, np.ascontiguousarray(np.swapaxes(words, 2, 3)),
+                           tiles.d, tiles.m, tiles.n)
+
     def in_rows(self) -> QuantBlocks:
+        if self.lanes:
+            words = np.swapaxes(self.q, 2, 3)[..., None, None]  # [tiles, blocks, rows, g]
+            nibbles = ((words >> LANE_SHIFTS) & 0x0F).astype(np.uint8)
+            nibbles = nibbles.reshape(*words.shape[:3], 32)
+            q = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+            return QuantBlocks(self.kind, np.ascontiguousarray(q), self.d, self.m,
+                               self.n).in_rows()
         if not self.tiled:
             return self
 

@@ -63,10 +63,14 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.inner = inner
         # in the layout the kernel for the model's `dtype` reads (bfloat16 ones: tiles of
-        # rows, predd/csrc/quant_blocks.h), so that one copy is held; predd/layer_loop.py
-        # takes its pointers
-        self.blocks = (blocks.in_tiles() if dtype == torch.bfloat16 and kernels.bf16_blocks
-                       else blocks.in_rows())
+        # rows, predd/csrc/quant_blocks.h; Q4_1 in lanes without AMX tiles,
+        # predd/csrc/quant_lanes.c), so that one copy is held; predd/layer_loop.py takes
+        # its pointers
+        if dtype == torch.bfloat16 and kernels.bf16_blocks:
+            lanes = kernels.bf16_lanes and blocks.kind == "Q4_1"
+            self.blocks = blocks.in_lanes() if lanes else blocks.in_tiles()
+        else:
+            self.blocks = blocks.in_rows()
         self.out_features = blocks.rows()
         bias = getattr(inner, "bias", None)
         self.bias = None if bias is None else bias.detach().float().contiguous()

@@ -28,6 +28,9 @@ int paged_attention_##t(const void *q, int64_t q_stride, void *out, const void *
                         const int64_t *row_start, const float *prior);
 OPS(float, f32)
 OPS(uint16_t, bf16)
+void linear_q4_1_lanes_bf16(const uint16_t *x, int64_t M, int64_t K, const uint32_t *q,
+                            const float *d, const float *m, int64_t N, const float *bias,
+                            uint16_t *y);
 void store_entries(void *kv, const int64_t *rows, int64_t n, const void *k, const void *v,
                    int64_t src_stride, int64_t entry, int64_t page_size);
 int paged_attention_tiles_bf16(const void *q, int64_t q_stride, void *out, const void *kv,
@@ -54,7 +57,8 @@ struct prefixes {
     float *prior;
 };
 
-/* A projection's blocks (predd.loader.QuantBlocks): kind 4 Q4_1, 8 Q8_0; [n, k] */
+/* A projection's blocks (predd.loader.QuantBlocks): kind 4 Q4_1, 8 Q8_0, 5 Q4_1 in lanes
+ * (quant_lanes.c: bfloat16 only); [n, k] */
 struct projection {
     int64_t kind, k, n;
     const uint8_t *q;
@@ -98,7 +102,10 @@ struct step {
 #define LAYERS(E, t, TILES) \
 static void project_##t(const struct projection *p, const E *x, int64_t rows, E *y) \
 { \
-    if (p->kind == 4) \
+    if (TILES && p->kind == 5) \
+        linear_q4_1_lanes_bf16((const uint16_t *)x, rows, p->k, (const uint32_t *)p->q, \
+                               p->d, p->m, p->n, p->bias, (uint16_t *)y); \
+    else if (p->kind == 4) \
         linear_q4_1_##t(x, rows, p->k, p->q, p->d, p->m, p->n, p->bias, y); \
     else \
         linear_q8_0_##t(x, rows, p->k, (const int8_t *)p->q, p->d, p->n, p->bias, y); \

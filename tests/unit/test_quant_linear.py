@@ -159,6 +159,85 @@ def test_blocks_in_tiles_are_the_same_blocks_as_the_bf16_kernels_index_them(kind
     assert (tiles.dequantised() == weight).all() and tiles.in_tiles() is tiles
 
 
+@pytest.mark.parametrize("rows", [5, 16, 70])
+def test_blocks_in_lanes_hold_each_weight_where_the_lanes_kernel_reads_it(rows):
+    """QuantBlocks.in_lanes: tiles of 16 rows as in_tiles, each block's 32 weights of a
+    row as 4 uint32 (group g: weight 8g + 2s in bits 4s.., 8g + 2s + 1 in bits 16 + 4s..),
+    group g of the tile's 16 rows side by side; in_rows and in_tiles give the blocks back,
+    Q8_0 blocks are refused."""
+    blocks, weight = random_blocks("Q4_1", rows, 160)
+    lanes = blocks.in_lanes()
+    count = -(-rows // 16)
+    assert lanes.lanes and lanes.tiled and lanes.rows() == rows and lanes.columns() == 160
+    assert lanes.q.shape == (count, 5, 4, 16) and lanes.q.dtype == np.uint32
+    tiles = blocks.in_tiles()
+    assert (lanes.d == tiles.d).all() and (lanes.m == tiles.m).all()
+    nibbles = np.concatenate([blocks.q & 0x0F, blocks.q >> 4], axis=-1)   # [rows, 5, 32]
+    for n in range(count * 16):
+        for b in range(5):
+            for g in range(4):
+                word = int(lanes.q[n // 16, b, g, n % 16])
+                for s in range(4):
+                    for t in range(2):
+                        want = int(nibbles[n, b, 8 * g + 2 * s + t]) if n < rows else 0
+                        assert (word >> (4 * s + 16 * t)) & 0x0F == want
+    assert (lanes.in_rows().q == blocks.q).all() and (lanes.in_rows().m == blocks.m).all()
+    assert (lanes.in_tiles().q == tiles.q).all() and not lanes.in_tiles().lanes
+    assert (lanes.dequantised() == weight).all() and lanes.in_lanes() is lanes
+    with pytest.raises(ValueError, match="only Q4_1 blocks go in lanes, not Q8_0"):
+        random_blocks("Q8_0", rows, 64)[0].in_lanes()
+
+
+@BF16_DOTS
+# passes of up to 8 rows of nearly equal size (9: 4 + 5; 17: 5 + 6 + 6; 30: 4 x 7-8);
+# weight rows in tiles of 16 (a tail of 6, none, 5); 33 blocks of columns; 1024 blocks
+# (32768 columns): x's rows in chunks of 8 whose blocks' sums fit the kernel's stack
+# (17: 8 + 8 + 1)
+@pytest.mark.parametrize("rows, out, cols", [
+    *[(r, o, c) for r in (1, 2, 3, 8, 9, 17, 30, 64) for o, c in ((70, 160), (96, 128),
+                                                                   (21, 1056))],
+    (17, 21, 32768)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_lanes_kernel_is_bf16_rows_times_the_exact_weights_rounded_once(
+        rows, out, cols, bias):
+    """predd/csrc/quant_lanes.c: the checkpoint's weights exactly (d q + m, not rounded to
+    bf16) times bf16 rows, summed in float32, rounded once: the exact result's bf16
+    rounding, give or take float32 rounding at the scale of the terms summed (q + 128
+    and the m term apart), and nearly always that rounding to the bit; each row's bits
+    the same whatever rows come with it."""
+    blocks, weight = random_blocks("Q4_1", out, cols, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out, generator=gen) if bias else None
+    kernels = cpu_kernels.kernels()
+    got = kernels.quant_linear(x, blocks.in_lanes(), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    want = F.linear(x.double(), torch.from_numpy(weight).double(),
+                    None if b is None else b.double())
+    ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2 ** -30))) - 7)
+    d = np.repeat(np.abs(blocks.d), 32, axis=1)
+    m = np.repeat(np.abs(blocks.m - 128 * blocks.d), 32, axis=1)
+    nibbles = np.concatenate([blocks.q & 0x0F, blocks.q >> 4], axis=-1).reshape(out, cols)
+    scale = torch.from_numpy(d * (nibbles + 128.0) + m)
+    terms = F.linear(x.double().abs(), scale, None if b is None else b.double().abs())
+    assert ((got.double() - want).abs() <= ulp / 2 + terms * 2.0 ** -17).all()
+    assert (got == want.to(torch.bfloat16)).double().mean() > 0.95
+    for r in {0, rows // 2, rows - 1}:
+        alone = kernels.quant_linear(x[r:r + 1].contiguous(), blocks.in_lanes(), b)
+        assert torch.equal(alone[0], got[r])
+
+
+@BF16_DOTS
+def test_a_bfloat16_model_holds_q4_1_in_lanes_without_amx_tiles_and_q8_0_in_tiles():
+    kernels = cpu_kernels.kernels()
+    for kind in ("Q4_1", "Q8_0"):
+        blocks, _ = random_blocks(kind, 20, 64)
+        inner = nn.Linear(64, 20, bias=False).to(torch.bfloat16)
+        layer = quant_linear.QuantLinear(inner, blocks, kernels, torch.bfloat16)
+        assert layer.blocks.tiled
+        assert layer.blocks.lanes is (kind == "Q4_1" and not kernels.bf16_tiles)
+
+
 @BF16_DOTS
 def test_a_bfloat16_model_holds_its_blocks_in_tiles_and_a_float32_one_by_rows():
     """One copy of the blocks, in the layout the model's kernels read; rows of the other
