@@ -15,6 +15,9 @@ bf16 and multiplied as bf16 (`BF16_NATIVE_ROWS`, below): the same weights and pr
 as the model's packed bf16 GEMM, from a quarter of its bytes. Where the CPU also has
 AMX-BF16 tiles, 2 rows or more are multiplied by them, each block unpacked once for up
 to 96 rows (`Kernels.bf16_tiles`): there the blocks beat the dense GEMM up to ~100 rows.
+Without AMX, Q4_1 blocks are held with 16 weight rows across the lanes
+(`Kernels.bf16_lanes`, predd/csrc/quant_lanes.c) and multiplied as the exact weights
+d q + m (bf16 rows, float32 sums), not bf16-rounded ones.
 
 Measured on 2 AVX2 cores, all of SmolLM2-135M's projections and its lm_head for one
 step (30 layers' weights, so none stays in cache), from the blocks against packed
