@@ -196,8 +196,10 @@ static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, flo
         if (!tiles) {
             for (int64_t d = 0; d < D; d += 32)
                 k_pairs(w->bt + d / 2 * 16, (const uint32_t *)(k + d), entry / 2, n);
-            if (count > 8)
+            if (count > 12)
                 page_scores_dots(16, D, count, w->s + j0, width, w);
+            else if (count > 8)
+                page_scores_dots(12, D, count, w->s + j0, width, w);
             else if (count > 4)
                 page_scores_dots(8, D, count, w->s + j0, width, w);
             else
@@ -387,6 +389,16 @@ static inline void task_of(const int64_t *first, const int64_t *blocks, int64_t 
     *b = (t - first[c]) % blocks[c];
 }
 
+/* Block b of `blocks` over n query vectors: the first *m0 and *count of them, the blocks
+ * as near equal as can be (16 at most: 24 vectors are 12 + 12, not 16 + 8, so that the
+ * threads' tasks are even) */
+static inline void block_span(int64_t n, int64_t blocks, int64_t b, int64_t *m0,
+                              int64_t *count)
+{
+    *m0 = n * b / blocks;
+    *count = n * (b + 1) / blocks - *m0;
+}
+
 /* a block's query vectors m0 .. m0 + count - 1 of rows x query heads (m = row * G + the
  * head of kv head h): q_of(m) is each one's D values; zero past count */
 static inline void fill_q(uint16_t *qa, int64_t count, int64_t D, const uint16_t *const *q_of)
@@ -413,8 +425,9 @@ static void fill_chunk(const void *args, int64_t t, struct block *blk, uint16_t 
     const struct chunks *a = args;
     int64_t c, h, b;
     task_of(a->first, a->blocks, t, &c, &h, &b);
-    const int64_t G = a->G, D = a->D, r0 = a->call_row[c], m0 = 16 * b;
-    const int64_t count = a->call_rows[c] * G - m0 < 16 ? a->call_rows[c] * G - m0 : 16;
+    const int64_t G = a->G, D = a->D, r0 = a->call_row[c];
+    int64_t m0, count;
+    block_span(a->call_rows[c] * G, a->blocks[c], b, &m0, &count);
     const uint16_t *q_of[16];
     blk->count = count;
     blk->h = h;
@@ -498,9 +511,10 @@ static void fill_prefix(const void *args, int64_t t, struct block *blk, uint16_t
     const struct prefixes *a = args;
     int64_t g, h, b;
     task_of(a->first, a->blocks, t, &g, &h, &b);
-    const int64_t G = a->G, D = a->D, m0 = 16 * b;
+    const int64_t G = a->G, D = a->D;
     const int64_t *rows = a->group_index + a->group_row[g];
-    const int64_t count = a->group_rows[g] * G - m0 < 16 ? a->group_rows[g] * G - m0 : 16;
+    int64_t m0, count;
+    block_span(a->group_rows[g] * G, a->blocks[g], b, &m0, &count);
     const uint16_t *q_of[16];
     blk->count = count;
     blk->h = h;
