@@ -214,4 +214,7 @@ class LlamaModel(nn.Module):
         the last layer's output `delta`."""
         if out_rows.numel() == 0:
             return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        return self.lm_head(self.model.norm((x + delta)[out_rows])).float()
+        # the wanted rows only, through the layers' own add-and-norm (CpuOps: one kernel
+        # call, where torch's RMSNorm took ~10 ops, ~0.12 ms a decode step on 2 cores)
+        _, h = self.ops.add_norm(x[out_rows], delta[out_rows], self.model.norm)
+        return self.lm_head(h).float()
