@@ -85,8 +85,8 @@ def _projections(layer) -> tuple:
 def _projection(m: QuantLinear) -> Projection:
     b = m.blocks               # in the layout of the model's dtype's kernels
     return Projection(LANES if b.lanes else KINDS[b.kind], b.columns(), b.rows(),
-                      b.q.ctypes.data,
-                      b.d.ctypes.data, None if b.m is None else b.m.ctypes.data,
+                      b.q.ctypes.data, b.d.ctypes.data,
+                      None if b.m is None else b.m.ctypes.data,
                       None if m.bias is None else m.bias.data_ptr())
 
 
