@@ -152,8 +152,9 @@ static inline __attribute__((always_inline)) void page_scores_dots(
 }
 
 /* Without AMX, o[i * 64 + c] = sum over the first L entries e of p_i[e] * V_e[d0 + c]
- * for R (a literal, <= 6) vectors from i0: p in float32 (w->s), V widened as read, and
- * each vector's 64 sums in four registers, float32 fused multiply-adds in entry order */
+ * for R (a literal, <= 6) vectors from i0: p in float32 (w->s), V widened as read (by
+ * halves of its pairs), and each vector's 64 sums in four registers, float32 fused
+ * multiply-adds in entry order */
 static inline __attribute__((always_inline)) void weighted_sum_dots(
     const int R, const uint16_t *pool, const int32_t *pages, int64_t page, int64_t entry,
     int64_t h, int64_t D, int64_t d0, int64_t L, int64_t i0, int64_t width,
@@ -166,18 +167,21 @@ static inline __attribute__((always_inline)) void weighted_sum_dots(
     for (int64_t e = 0; e < L; e++) {
         const uint16_t *v = pool + pages[e / PAGE] * page + PAGE * entry
                             + (e % PAGE) * entry + h * D + d0;
-        __m512 x[4];
-        for (int c = 0; c < 4; c++)
-            x[c] = bf16_widen16(_mm256_loadu_si256((const __m256i *)(v + 16 * c)));
+        __m512 x[4];                  /* in bf16_widen_pairs' order, put back below */
+        bf16_widen_pairs(v, &x[0], &x[1]);
+        bf16_widen_pairs(v + 32, &x[2], &x[3]);
         for (int i = 0; i < R; i++) {
             const __m512 p = _mm512_set1_ps(w->s[(i0 + i) * width + e]);
             for (int c = 0; c < 4; c++)
                 acc[i][c] = _mm512_fmadd_ps(p, x[c], acc[i][c]);
         }
     }
-    for (int i = 0; i < R; i++)
+    for (int i = 0; i < R; i++) {
         for (int c = 0; c < 4; c++)
             _mm512_storeu_ps(w->o + (i0 + i) * 64 + 16 * c, acc[i][c]);
+        bf16_pairs_order(w->o + (i0 + i) * 64, 0);
+        bf16_pairs_order(w->o + (i0 + i) * 64 + 32, 0);
+    }
 }
 
 static void attend_block(const void *kv, int64_t kv_heads, int64_t head_dim, float scale,

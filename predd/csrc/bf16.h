@@ -38,6 +38,35 @@ static inline __m512 bf16_widen16(__m256i h)
 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+/* The 32 bf16 at p widened by halves of their 32-bit pairs, one operation each and no
+ * shuffle: *even = values 0, 2, .., 30, *odd = values 1, 3, .., 31 (as float32). A sum
+ * kept in this order is put back in value order by bf16_pairs_order. */
+static inline void bf16_widen_pairs(const uint16_t *p, __m512 *even, __m512 *odd)
+{
+    const __m512i v = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000)));
+}
+
+/* 32 float32 at f from value order to bf16_widen_pairs' (`to_pairs`) or back */
+static inline void bf16_pairs_order(float *f, const int to_pairs)
+{
+    const __m512 a = _mm512_loadu_ps(f), b = _mm512_loadu_ps(f + 16);
+    if (to_pairs) {
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10,
+                                              8, 6, 4, 2, 0);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        _mm512_storeu_ps(f, _mm512_permutex2var_ps(a, even, b));
+        _mm512_storeu_ps(f + 16, _mm512_permutex2var_ps(a, odd, b));
+    } else {
+        const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                            1, 16, 0);
+        const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+        _mm512_storeu_ps(f, _mm512_permutex2var_ps(a, lo, b));
+        _mm512_storeu_ps(f + 16, _mm512_permutex2var_ps(a, hi, b));
+    }
+}
 #endif
 
 #if defined(__AVX512BF16__)

@@ -167,8 +167,14 @@ static inline __attribute__((always_inline)) void weighted_sum_heads(
                 a[g][i] = _mm512_loadu_ps(acc + g * n + d + 16 * i);
         for (int64_t e = 0; e < count; e++) {
             __m512 x[4];
-            for (int i = 0; i < 4; i++)
-                x[i] = load16(v, e * stride + d + 16 * i, bf16);
+            if (bf16) {          /* in bf16_widen_pairs' order: see attend_task */
+                const uint16_t *ve = (const uint16_t *)v + e * stride + d;
+                bf16_widen_pairs(ve, &x[0], &x[1]);
+                bf16_widen_pairs(ve + 32, &x[2], &x[3]);
+            } else {
+                for (int i = 0; i < 4; i++)
+                    x[i] = load16(v, e * stride + d + 16 * i, bf16);
+            }
             for (int g = 0; g < gn; g++) {
                 const __m512 w = _mm512_set1_ps(p[g * ldp + e]);
                 for (int i = 0; i < 4; i++)
@@ -320,6 +326,14 @@ static inline __attribute__((always_inline)) void attend_task(
     } else {
         memset(acc, 0, sizeof(float) * S * D);
     }
+#ifdef WIDE
+    /* bf16 V is widened in pairs (weighted_sum_heads): the sums are kept in that order
+     * while the pages add into them (the same sums, in other lanes) */
+    const int pairs = bf16 && D % 64 == 0;
+    if (pairs && pr)
+        for (int64_t i = 0; i < S * D; i += 32)
+            bf16_pairs_order(acc + i, 1);
+#endif
     for (int64_t j0 = start; j0 < L; j0 += page_size) {
         const int64_t v = pages[j0 / page_size] * page + page_size * entry + h0 * D;
         const int64_t n = L - j0 < page_size ? L - j0 : page_size;
@@ -330,6 +344,11 @@ static inline __attribute__((always_inline)) void attend_task(
             weighted_sum_group(acc + h * G * D, scores + h * G * L + j0, L,
                                AT(kv, v + h * D), n, entry, D, G, bf16);
     }
+#ifdef WIDE
+    if (pairs)
+        for (int64_t i = 0; i < S * D; i += 32)
+            bf16_pairs_order(acc + i, 0);
+#endif
     const int64_t o = row_token[r] * heads * D + h0 * G * D;
     for (int64_t s = 0; s < S; s++) {
         const float inv = 1.0f / total[s];
