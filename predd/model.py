@@ -74,6 +74,16 @@ class TorchOps:
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]           # [T, 1, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    @staticmethod
+    def embed(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows `ids` [T] of `weight` [V, C]: a new [T, C] tensor."""
+        return F.embedding(ids, weight)
+
+    def rotary_at(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rotary of the positions' angles (positions [T] int64, inv_freq [D/2])."""
+        return self.rotary(positions.float()[:, None] * inv_freq[None, :], dtype)
+
     def rope(self, qkv: torch.Tensor, heads: int, rotary: tuple[torch.Tensor, torch.Tensor]
              ) -> torch.Tensor:
         """[T, heads, D]: the first `heads` heads of qkv [T, n, D] turned by RoPE."""
@@ -205,8 +215,8 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, object]:
         """The layers' input: (the tokens' embeddings [T, C], RoPE's angles for `ops`)."""
-        x = self.model.embed_tokens(input_ids)
-        return x, self.ops.rotary(positions.float()[:, None] * self.inv_freq[None, :], x.dtype)
+        x = self.ops.embed(self.model.embed_tokens.weight, input_ids)
+        return x, self.ops.rotary_at(positions, self.inv_freq, x.dtype)
 
     def head(self, x: torch.Tensor, delta: torch.Tensor, out_rows: torch.Tensor
              ) -> torch.Tensor:

@@ -320,6 +320,41 @@ def test_cpu_ops_match_torch_ops(rows):
                               atol=1e-5)
 
 
+
+def test_rotary_at_and_embed_look_up_what_the_torch_ops_compute():
+    """CpuOps.rotary_at: the cos and sin of the positions' angles from a table made once,
+    bit for bit what rotary computes from the same angles, and computed past the table
+    (positions are the programs' own: up to 2^31 - 1, never a table that large).
+    CpuOps.embed: the embedding's rows by a numpy lookup, a new tensor each call; ids
+    out of range raise as torch's embedding does."""
+    from predd.model import TorchOps
+    ours, ref = cpu_kernels.CpuOps(cpu_kernels.kernels()), TorchOps()
+    inv_freq = 10000.0 ** (-torch.arange(0, 64, 2).float() / 64)
+    last = cpu_kernels.ROTARY_ROWS - 1
+    for positions in ([0, 1, 439, 440, last], [7], list(range(300)), [last + 1, 5],
+                      [2**31 - 2]):
+        at = torch.tensor(positions, dtype=torch.int64)
+        cos, sin = ours.rotary_at(at, inv_freq, torch.float32)
+        want_cos, want_sin = ours.rotary(at.float()[:, None] * inv_freq[None, :],
+                                         torch.float32)
+        assert cos.shape == (len(positions), 32) and cos.is_contiguous()
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert len(ours._table[1]) == cpu_kernels.ROTARY_ROWS       # made once
+    at = torch.tensor([5, 0, 300])
+    got = ref.rotary_at(at, inv_freq, torch.bfloat16)
+    want = ref.rotary(at.float()[:, None] * inv_freq[None, :], torch.bfloat16)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for dtype in (torch.bfloat16, torch.float32):
+        weight = torch.randn(100, 24, generator=torch.Generator().manual_seed(1)).to(dtype)
+        ids = torch.tensor([3, 99, 0, 3])
+        x = ours.embed(weight, ids)
+        assert x.dtype == dtype and torch.equal(x, ref.embed(weight, ids))
+        x += 1                                        # a new tensor: the weight is as it was
+        assert torch.equal(ours.embed(weight, ids), weight[ids])
+        for bad in ([100], [-1]):
+            with pytest.raises(IndexError):
+                ours.embed(weight, torch.tensor(bad))
+
 @pytest.mark.parametrize("rows", [1, 300])
 def test_cpu_ops_in_bfloat16(rows):
     """bf16 in and out, float32 inside: the residual sum and the norm exactly as torch's
