@@ -76,10 +76,11 @@ class PageTables:
 
     def query_rows(self, calls: Sequence[int]) -> np.ndarray:
         """The flat-batch rows of `calls`' new tokens, in order, as int64."""
-        if not len(calls):
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([np.arange(self.qo_indptr[i], self.qo_indptr[i + 1])
-                               for i in calls]).astype(np.int64)
+        calls = np.asarray(calls, dtype=np.int64)
+        start = self.qo_indptr[calls].astype(np.int64)
+        n = self.qo_indptr[calls + 1] - start
+        # row k of the result: its call's first row, plus k less the rows before its call
+        return np.repeat(start - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
 
     def pages_of(self, i: int) -> np.ndarray:
         return self.indices[self.indptr[i]:self.indptr[i + 1]]
@@ -91,11 +92,14 @@ class PageTables:
             + idx % self.page_size
 
     def new_slots(self) -> np.ndarray:
-        """The slots the step's new tokens are written to, in flat-batch order."""
-        if not len(self):
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([self.slots(i, int(k - n), int(k))
-                               for i, (k, n) in enumerate(zip(self.kv_len, self.q_len))])
+        """The slots the step's new tokens are written to, in flat-batch order (slots()
+        of every call's last q_len entries, for all calls at once)."""
+        q = self.q_len
+        call = np.repeat(np.arange(len(q)), q)
+        rows = np.arange(len(call))
+        entry = (self.kv_len - q)[call] + rows - self.qo_indptr[call]   # within its call
+        page = self.indices[self.indptr[call] + entry // self.page_size].astype(np.int64)
+        return page * self.page_size + entry % self.page_size
 
     def padded(self, rows: Sequence[int]) -> np.ndarray:
         """The page tables of calls `rows` as one [len(rows), most pages] int64 array,

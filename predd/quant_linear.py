@@ -61,6 +61,8 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 class QuantLinear(nn.Module):
     """`inner` (a PackedLinear or nn.Linear) with its weight's blocks too."""
 
+    limits_set = 0      # how many times any one's `limit` was set (LayerLoop caches by it)
+
     def __init__(self, inner: nn.Module, blocks: QuantBlocks, kernels,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -78,7 +80,7 @@ class QuantLinear(nn.Module):
         bias = getattr(inner, "bias", None)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernels = kernels
-        self.limit: int | None = None       # set by calibrate(); else default_limit()
+        self.limit = None                   # set by calibrate(); else default_limit()
 
     # each kernel bound on its first call (for rows of the other dtype than the model's,
     # with the blocks converted then)
@@ -90,6 +92,15 @@ class QuantLinear(nn.Module):
     def run_bf16(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return (self.kernels.bind(self.blocks, self.bias, torch.bfloat16)
                 if self.kernels.bf16_blocks else None)
+
+    @property
+    def limit(self) -> int | None:
+        return self._limit
+
+    @limit.setter
+    def limit(self, rows: int | None) -> None:
+        self._limit = rows
+        QuantLinear.limits_set += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         limit = self.limit if self.limit is not None else self.default_limit(x.dtype)

@@ -28,6 +28,29 @@ def test_tables_are_flashinfer_csr():
     assert t.padded([0, 2]).tolist() == [[7, 2, 7], [1, 0, 3]]
 
 
+def test_new_slots_and_query_rows_are_the_per_call_definitions():
+    """new_slots and query_rows work on all calls at once: over random layouts (calls of
+    one token, chunks, a past ending inside a page, any page order) they are slots() of
+    each call's last q_len entries and the calls' own rows, in the order asked."""
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        ps = int(rng.choice([1, 4, 16]))
+        kv = rng.integers(1, 60, size=int(rng.integers(1, 9)))
+        q = np.array([int(rng.integers(1, k + 1)) for k in kv])
+        counts = -(-kv // ps)
+        pool = rng.permutation(int(counts.sum()) + 5)
+        at = np.concatenate([[0], np.cumsum(counts)])
+        t = PageTables.build(ps, [pool[at[i]:at[i + 1]] for i in range(len(kv))], kv, q)
+        want = np.concatenate([t.slots(i, int(k - n), int(k)) for i, (k, n) in
+                               enumerate(zip(kv, q))])
+        assert t.new_slots().dtype == np.int64 and t.new_slots().tolist() == want.tolist()
+        calls = list(rng.permutation(len(kv))[:int(rng.integers(0, len(kv) + 1))])
+        rows = t.query_rows(calls)
+        assert rows.dtype == np.int64
+        assert rows.tolist() == [r for i in calls
+                                 for r in range(t.qo_indptr[i], t.qo_indptr[i + 1])]
+
+
 @pytest.mark.parametrize("pages, kv_len, q_len", [
     ([np.array([1])], [5], [1]),            # a table short of its entries
     ([np.array([1, 2])], [4], [1]),         # a page too many
