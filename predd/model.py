@@ -175,7 +175,8 @@ def _every_row(rows: torch.Tensor, count: int) -> bool:
     if rows.device.type != "cpu" or rows.numel() != count:
         return False
     at = rows.numpy()
-    return count == 0 or bool(at[0] == 0 and at[-1] == count - 1 and (count < 3 or (at[1:] > at[:-1]).all()))
+    return count == 0 or bool(at[0] == 0 and at[-1] == count - 1
+                              and (count < 3 or (at[1:] > at[:-1]).all()))
 
 
 class LlamaModel(nn.Module):
