@@ -424,9 +424,9 @@ class Engine:
         back (streaming it). Whether the call is done; a generate's done reply is its one
         terminal message, carrying its last token, finish_reason and cost."""
         obj = self.store.get(call.oid)
-        cost = call.cost(len(obj.pages))
+        pages = len(obj.pages)         # the cost's (made only for a reply that carries it)
         if not call.generating:
-            reply = outputs.pred_reply(call, cost)
+            reply = outputs.pred_reply(call, call.cost(pages))
             if isinstance(reply, p.PredLogits):
                 self.counters.logits_rows["buffer" if reply.slot >= 0 else "frame"] += \
                     reply.shape[0]
@@ -447,7 +447,7 @@ class Engine:
         last = slice(-1, None) if call.stream else slice(None)
         self._reply(call.identity, call.rid, p.GenerateReply(
             tokens=call.generated[last], logprobs=call.logprobs[last],
-            generated=len(call.generated), finish_reason=reason, cost=cost))
+            generated=len(call.generated), finish_reason=reason, cost=call.cost(pages)))
         return True
 
     def _count_step(self, ran: list[PlanItem], elapsed: float) -> None:
