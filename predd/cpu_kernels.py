@@ -638,7 +638,7 @@ class CpuOps:
             self._table = (inv_freq, torch.cat([c for c, _ in pieces]).numpy(),
                            torch.cat([s for _, s in pieces]).numpy())
         _, cos, sin = self._table
-        if at.size and at.max() >= ROTARY_ROWS:        # past the table (positions are free)
+        if at.size and (at.max() >= ROTARY_ROWS or at.min() < 0):   # outside the table
             return self.rotary(positions.float()[:, None] * inv_freq[None, :], dtype)
         return torch.from_numpy(cos[at]), torch.from_numpy(sin[at])
 

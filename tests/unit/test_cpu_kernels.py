@@ -323,8 +323,9 @@ def test_cpu_ops_match_torch_ops(rows):
 
 def test_rotary_at_and_embed_look_up_what_the_torch_ops_compute():
     """CpuOps.rotary_at: the cos and sin of the positions' angles from a table made once,
-    bit for bit what rotary computes from the same angles, and computed past the table
-    (positions are the programs' own: up to 2^31 - 1, never a table that large).
+    bit for bit what rotary computes from the same angles, and computed outside the
+    table (positions are the programs' own: up to 2^31 - 1, never a table that large;
+    a negative one, refused before it gets here, would not wrap around to the end).
     CpuOps.embed: the embedding's rows by a numpy lookup, a new tensor each call; ids
     out of range raise as torch's embedding does."""
     from predd.model import TorchOps
@@ -332,7 +333,7 @@ def test_rotary_at_and_embed_look_up_what_the_torch_ops_compute():
     inv_freq = 10000.0 ** (-torch.arange(0, 64, 2).float() / 64)
     last = cpu_kernels.ROTARY_ROWS - 1
     for positions in ([0, 1, 439, 440, last], [7], list(range(300)), [last + 1, 5],
-                      [2**31 - 2]):
+                      [2**31 - 2], [3, -1]):
         at = torch.tensor(positions, dtype=torch.int64)
         cos, sin = ours.rotary_at(at, inv_freq, torch.float32)
         want_cos, want_sin = ours.rotary(at.float()[:, None] * inv_freq[None, :],
