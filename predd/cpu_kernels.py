@@ -43,7 +43,7 @@ SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linea
            CSRC / "quant_tiles.c", CSRC / "quant_lanes.c", CSRC / "attention_tiles.c",
            CSRC / "greedy.c", CSRC / "layer_loop.c")
 HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h", CSRC / "quant_blocks.h",
-           CSRC / "amx.h")
+           CSRC / "amx.h", CSRC / "prefetch.h")
 LIBRARY = "predd-cpu"
 # -fno-trapping-math: predd never unmasks floating-point exceptions, and without it GCC
 # will not turn a float compare-and-select (exp_approx's clamp) into a vector blend on

@@ -6,9 +6,12 @@ or by bf16 dot products without them) and with every row on the row kernel
 (predd/csrc/paged_attention.c, attention_tiles.c). With --shared N
 the decodes' first N entries (whole pages) are the same pages, forks of one document
 (B2), and a third figure has them attended together in blocks (predd --cascade).
+With --cold MB each layer reads its own pool, and MB of other memory between layers,
+as in a step (the weights stream through the caches); without it the one pool stays
+in cache.
 
     python scripts/bench_attention.py [--decodes 7] [--chunk 41] [--past 400]
-        [--context 440] [--shared 0] [--reps 20] [--threads 2]
+        [--context 440] [--shared 0] [--reps 20] [--threads 2] [--cold 0]
 """
 from __future__ import annotations
 
@@ -28,13 +31,17 @@ PAGE, KV_HEADS, HEADS, HEAD_DIM, LAYERS = 16, 3, 9, 64, 30
 
 
 def step(kernels: cpu_kernels.Kernels, calls: list[tuple[int, int]], reps: int,
-         shared: int = 0, cascade: bool = False) -> float:
+         shared: int = 0, cascade: bool = False, cold: float = 0.0) -> float:
     """Best ms for LAYERS layers of `calls` (new tokens, entries before them), each call's
     pages scattered over the pool; the decodes' first `shared` pages the same ones, read
-    together in blocks with `cascade`."""
+    together in blocks with `cascade`. With `cold` (MB), each layer has its own pool and
+    that much other memory is read between layers, as a step's weights are (its time,
+    measured alone, taken away): the pages come from memory, not from the caches."""
     tables = [-(-(past + n) // PAGE) for n, past in calls]
-    pool = torch.randn(sum(tables) + 8, 2, PAGE, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
-    order = np.random.default_rng(0).permutation(len(pool))[:sum(tables)].astype(np.int32)
+    pools = [torch.randn(sum(tables) + 8, 2, PAGE, KV_HEADS, HEAD_DIM).to(torch.bfloat16)
+             for _ in range(LAYERS if cold else 1)]
+    other = torch.ones(int(cold * 2**20) // 4) if cold else None
+    order = np.random.default_rng(0).permutation(len(pools[0]))[:sum(tables)].astype(np.int32)
     first = 0
     for (n, _), count in zip(calls, tables):
         if n == 1 and first:
@@ -55,13 +62,20 @@ def step(kernels: cpu_kernels.Kernels, calls: list[tuple[int, int]], reps: int,
                                  np.array(visible, np.int64), max(visible),
                                  call_rows=np.array([n for n, _ in calls], np.int64),
                                  page_size=PAGE if cascade else 0)
-    best = float("inf")
+    best = reading = float("inf")
     for _ in range(reps):
         began = time.perf_counter()
-        for _ in range(LAYERS):
-            run(q, out, pool)
+        for layer in range(LAYERS):
+            run(q, out, pools[layer % len(pools)])
+            if other is not None:
+                other.sum()
         best = min(best, time.perf_counter() - began)
-    return best * 1e3
+        if other is not None:
+            began = time.perf_counter()
+            for _ in range(LAYERS):
+                other.sum()
+            reading = min(reading, time.perf_counter() - began)
+    return (best - (reading if other is not None else 0.0)) * 1e3
 
 
 def main() -> None:
@@ -74,6 +88,9 @@ def main() -> None:
                     help="the decodes' first N entries (whole pages) are the same pages")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cold", type=float, default=0.0, metavar="MB",
+                    help="a pool per layer and MB of other memory read between layers "
+                         "(a step's weights: ~2.2 MB a layer for SmolLM2 in Q4_1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     problem = cpu_kernels.problem()
@@ -90,18 +107,18 @@ def main() -> None:
     if kind:
         how = "on AMX tiles" if kind == "tiles" else "in blocks by dot products (no AMX)"
         if shared:
-            ms = step(kernels, calls, args.reps, shared, cascade=True)
+            ms = step(kernels, calls, args.reps, shared, cascade=True, cold=args.cold)
             print(f"{shape}: {ms:.2f} ms, the chunk and the shared pages {how} (groups of "
                   f"{limits.shared_rows} rows and {limits.shared_pages} pages or more)")
-        print(f"{shape}: {step(kernels, calls, args.reps, shared):.2f} ms, the chunk {how} "
-              f"(calls of {limits.rows} rows or more)")
+        ms = step(kernels, calls, args.reps, shared, cold=args.cold)
+        print(f"{shape}: {ms:.2f} ms, the chunk {how} (calls of {limits.rows} rows or more)")
     else:
         print("bench_attention: no attention blocks here (bf16 dot products or AMX tiles): "
               "the row kernel only")
     kernels.use_bf16_tiles(False)
     try:
-        print(f"{shape}: {step(kernels, calls, args.reps, shared):.2f} ms, every row on the "
-              "row kernel")
+        ms = step(kernels, calls, args.reps, shared, cold=args.cold)
+        print(f"{shape}: {ms:.2f} ms, every row on the row kernel")
     finally:
         kernels.use_bf16_tiles(True)
 

@@ -27,6 +27,7 @@
 #include "bf16.h"
 #include "exp_approx.h"
 #include "lanes.h"
+#include "prefetch.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VECTOR 8
@@ -228,18 +229,11 @@ static inline __attribute__((always_inline)) void weighted_sum_group(
 
 #define AT(p, i) ((const void *)((const char *)(p) + (i) * size))
 
-/* Asks for `count` entries of `bytes` each, `stride` bytes apart, to be brought into
- * cache: the next page's K (or V) while this one's is read. Pages lie anywhere in the
- * pool, so the hardware prefetcher, which follows addresses, cannot run ahead across
- * them; without this a decode step waited on memory at every page (8 calls x 440
- * entries, bf16, 2 Sapphire Rapids cores: the step's attention 8.2-8.8 -> 6.2-6.3 ms). */
-static inline void prefetch_entries(const void *at, int64_t count, int64_t stride,
-                                    int64_t bytes)
-{
-    for (int64_t e = 0; e < count; e++)
-        for (int64_t b = 0; b < bytes; b += 64)
-            __builtin_prefetch((const char *)at + e * stride + b);
-}
+/* The next page's K (or V) is asked for while this one's is read (prefetch.h): without
+ * that a decode step waited on memory at every page (8 calls x 440 entries, bf16, 2
+ * Sapphire Rapids cores: the step's attention 8.2-8.8 -> 6.2-6.3 ms). Asking for a
+ * task's first page too, or two pages ahead, measured the same (2 Zen 5 cores,
+ * scripts/bench_attention.py --cold 2.2). */
 
 /* The arguments of both exported functions (below), and their names. */
 #define ARGS const void *q, int64_t q_stride, void *out, const void *kv, int64_t page_size, \
