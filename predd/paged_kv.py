@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from predd import huge_pages
 from predd.loader import ModelConfig
 
 
@@ -26,8 +27,10 @@ class PagedKVCache:
         self.spare_pages = spare_pages
         self.dtype = dtype
         self.device = device
-        self.kv = torch.zeros(cfg.num_layers, num_pages + spare_pages, 2, page_size,
-                              cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        shape = (cfg.num_layers, num_pages + spare_pages, 2, page_size, cfg.num_kv_heads,
+                 cfg.head_dim)
+        self.kv = (huge_pages.zeros(shape, dtype) if torch.device(device).type == "cpu"
+                   else torch.zeros(shape, dtype=dtype, device=device))
 
     @property
     def bytes_per_page(self) -> int:

@@ -73,9 +73,9 @@ class QuantLinear(nn.Module):
         # its pointers
         if dtype == torch.bfloat16 and kernels.bf16_blocks:
             lanes = kernels.bf16_lanes and blocks.kind == "Q4_1"
-            self.blocks = blocks.in_lanes() if lanes else blocks.in_tiles()
+            self.blocks = (blocks.in_lanes() if lanes else blocks.in_tiles()).on_huge_pages()
         else:
-            self.blocks = blocks.in_rows()
+            self.blocks = blocks.in_rows().on_huge_pages()
         self.out_features = blocks.rows()
         bias = getattr(inner, "bias", None)
         self.bias = None if bias is None else bias.detach().float().contiguous()
