@@ -67,8 +67,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class Arena:
-    """Long-lived arrays copied side by side into chunks of huge-page memory. Chunks
-    are never freed: the arrays live as long as predd's model."""
+    """Long-lived arrays copied side by side into chunks of huge-page memory. Each
+    array holds its chunk (numpy's base), and the arena only the chunk it is filling:
+    a chunk is unmapped once no array in it is left (a model dropped frees its
+    blocks, as in the tests that load many)."""
 
     def __init__(self, chunk: int = CHUNK) -> None:
         self.chunk = chunk

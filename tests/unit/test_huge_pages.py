@@ -83,6 +83,21 @@ def test_arena_starts_a_chunk_when_one_is_full_and_gives_a_big_array_its_own(swi
     assert np.all(first == 1) and np.all(second == 1)    # earlier arrays untouched
 
 
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def test_a_chunk_goes_with_its_last_array(switch):
+    switch("1")
+    arena = huge_pages.Arena(chunk=4 * huge_pages.HUGE)
+    before = rss_mb()
+    held = [arena.place(np.ones(3 * huge_pages.HUGE, np.uint8)) for _ in range(16)]
+    assert rss_mb() - before > 90                       # 16 chunks of 6 MB, touched
+    del held
+    assert rss_mb() - before < 12                       # all but the one being filled
+
+
 def test_zeros_is_torch_zeros(switch):
     switch("1")
     pool = huge_pages.zeros((3, 5, 2, 16, 3, 64), torch.bfloat16)
