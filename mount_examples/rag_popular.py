@@ -13,7 +13,10 @@ one thread per request:
 The policy (predd only keeps pages; what to keep is decided here):
 * every request counts one use of its document: its popularity;
 * a document's cache is the file DIR/NAME.kv, prefilled on a miss and held open by
-  this program; a request forks it (no document token is computed again);
+  this program: the document's system turn and the next turn's header, the tokens
+  every question starts with under the chat template (`user_header`: no question
+  computes them again; a question that does not start with them forks the document
+  back to its system turn); a request forks it (no document token is computed again);
 * a request's fork, once answered, is truncated back to the document and kept for the
   document's next request (a spare): that request starts its question at once, without
   waiting a round trip to predd for its fork (at most --spares of a document; a spare
@@ -66,6 +69,16 @@ def prompt(doc: str, question: str, prefix: list[int] | None = None
     if whole[:len(prefix)] != prefix:
         raise lip.LipError("EINVAL", "the chat template does not extend the system turn")
     return prefix, whole[len(prefix):]
+
+
+def user_header(doc: str = "x") -> list[int]:
+    """The tokens every question's part of `prompt` begins with (the user turn's
+    header): the common prefix of two unlike questions' parts."""
+    a, b = prompt(doc, "A?")[1], prompt(doc, "Zebra!")[1]
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
 
 
 def pages(tokens: int, page: int) -> int:
@@ -354,6 +367,7 @@ class Server:
         self.no_cache = args.no_cache
         self.docs = load_docs(args.docs, {})
         self.doc_tokens: dict[str, list[int]] = {}
+        self.header = user_header()
         self.lock = threading.Lock()
         self.out_lock = threading.Lock()
         self.slots = threading.Semaphore(MAX_REQUESTS)
@@ -415,22 +429,30 @@ class Server:
         if self.no_cache:
             return self.uncached(doc, q, max_tokens, reply)
         own = pages(self.page - 1 + len(q) + max_tokens, self.page)
-        c, hit = self.cache.acquire(name, doc, own)
+        cached = doc + self.header
+        c, hit = self.cache.acquire(name, cached, own)
+        # the question after the cached header; one that does not start with it goes
+        # after the system turn, from a fork cut back to it (not kept as a spare)
+        headed = q[:len(self.header)] == self.header
+        start, rest = (len(cached), q[len(self.header):]) if headed else (len(doc), q)
         kv = spare = None
         answered = False
         try:
             kv = self.cache.take_spare(c) or lip.kv_fork(c.kv)
+            if not headed:
+                lip.kv_truncate(kv, start)
             out = self.cache.retry(
-                lambda: lip.generate(kv, q, max_tokens=max_tokens, ignore_eos=True),
-                undo=lambda: lip.kv_truncate(kv, len(doc)))
+                lambda: lip.generate(kv, rest, max_tokens=max_tokens, ignore_eos=True),
+                undo=lambda: lip.kv_truncate(kv, start))
             self.cache.answered(c)
             answered = True
             reply({"tokens": list(out), "hit": hit, "doc_tokens": len(doc),
                    "question_tokens": len(q), "doc_computed": 0 if hit else c.computed,
                    "computed": out.cost.get("computed", 0),
                    "swapped_in": out.cost.get("swapped_in", 0)})
-            lip.kv_truncate(kv, len(doc))      # the document again: the next one's fork
-            kv, spare = None, kv
+            if headed:   # the document again: the next one's fork
+                lip.kv_truncate(kv, start)
+                kv, spare = None, kv
         finally:
             if kv is not None:
                 lip.kv_close(kv)

@@ -65,15 +65,19 @@ class Lip:
         return json.loads(self.report.read_text())
 
 
-def sizes(lip) -> tuple[dict, int, int]:
-    """Each document's tokens, the question's tokens, the page size (counts)."""
+def sizes(lip) -> tuple[dict, int, int, int]:
+    """Each document's tokens, the question's tokens, the page size, and the user
+    turn's header a document's file holds after them (counts)."""
     if EXAMPLES not in sys.path:          # imported by name: its dataclasses need that
         sys.path.insert(0, EXAMPLES)
     import rag_popular as rag
     docs = {n: rag.prompt(t, QUESTION) for n, t in DOCS.items()}
     q = {len(qt) for _, qt in docs.values()}
     assert len(q) == 1
-    return {n: len(d) for n, (d, _) in docs.items()}, q.pop(), lip.info()["page_size"]
+    header = rag.user_header()
+    assert len(header) == 3 and all(qt[:3] == header for _, qt in docs.values())
+    return ({n: len(d) for n, (d, _) in docs.items()}, q.pop(), lip.info()["page_size"],
+            len(header))
 
 
 def question_tokens(doc: str) -> list[int]:
@@ -83,8 +87,8 @@ def question_tokens(doc: str) -> list[int]:
 
 @pytest.mark.slow
 def test_keeps_the_popular_documents_and_removes_the_cold(kvfs, lip, tmp_path):
-    tokens, q, page = sizes(lip)
-    pages = {n: -(-t // page) for n, t in tokens.items()}
+    tokens, q, page, h = sizes(lip)
+    pages = {n: -(-(t + h) // page) for n, t in tokens.items()}     # a file's
     own = -(-(page - 1 + q + NEW) // page)
     pool = pages["alpha"] + pages["beta"] + own            # room for two documents
     assert pages["alpha"] <= pool // 2 < pages["alpha"] + pages["gamma"] <= pool - own
@@ -96,11 +100,12 @@ def test_keeps_the_popular_documents_and_removes_the_cold(kvfs, lip, tmp_path):
     report = rag.close()
 
     assert [r["hit"] for r in replies] == [False, True, False, False, False, True]
+    # a miss computes the document and the user turn's header, a request the rest
     assert [r["doc_computed"] for r in replies] == [
-        tokens["alpha"], 0, tokens["beta"], tokens["gamma"], tokens["beta"], 0]
+        tokens["alpha"] + h, 0, tokens["beta"] + h, tokens["gamma"] + h, tokens["beta"] + h, 0]
     for r, doc in zip(replies, order):
         assert (r["doc_tokens"], r["question_tokens"]) == (tokens[doc], q)
-        assert r["computed"] == q + NEW - 1                # the question and the answer only
+        assert r["computed"] == q - h + NEW - 1            # the question and the answer only
         assert len(r["tokens"]) == NEW
     # gamma pushed out beta (1 use; alpha, 2 uses, pinned), then beta pushed out gamma
     assert report["removed"] == 2
@@ -114,7 +119,7 @@ def test_keeps_the_popular_documents_and_removes_the_cold(kvfs, lip, tmp_path):
     assert report["spare_forks"] == 1
     assert replies[1]["tokens"] == replies[0]["tokens"] == replies[5]["tokens"]
     assert sorted(os.listdir(kvfs.path("rag"))) == ["alpha.kv", "beta.kv"]
-    assert int(os.getxattr(kvfs.path("rag", "beta.kv"), "user.kv.tokens")) == tokens["beta"]
+    assert int(os.getxattr(kvfs.path("rag", "beta.kv"), "user.kv.tokens")) == tokens["beta"] + h
     # what is left in predd is the two files' caches, nothing of the requests
     want = used + pages["alpha"] + pages["beta"]
     assert eventually(lambda: lip.stats()["pages_used"] == want), lip.stats()["pages_used"]
@@ -122,7 +127,7 @@ def test_keeps_the_popular_documents_and_removes_the_cold(kvfs, lip, tmp_path):
 
 @pytest.mark.slow
 def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip, tmp_path):
-    tokens, q, _ = sizes(lip)
+    tokens, q, _, h = sizes(lip)
     rag = Lip(tmp_path, kvfs)
     for rid in range(4):                                    # all in flight at once
         rag.send(rid, doc="gamma", question=QUESTION, max_tokens=NEW)
@@ -134,9 +139,12 @@ def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip
     after = rag.ask(13, "gamma")
     rag.send(14, doc="gamma", question_tokens=question_tokens("gamma"), max_tokens=NEW)
     pretokenized = rag.reply(14)
+    # a question without the user turn's header: after the system turn, all computed
+    rag.send(15, doc="gamma", question_tokens=question_tokens("gamma")[h:], max_tokens=NEW)
+    headless = rag.reply(15)
     report = rag.close()
 
-    assert sorted(r["doc_computed"] for r in replies) == [0, 0, 0, tokens["gamma"]]
+    assert sorted(r["doc_computed"] for r in replies) == [0, 0, 0, tokens["gamma"] + h]
     assert sum(r["hit"] for r in replies) == 3
     assert len({tuple(r["tokens"]) for r in replies}) == 1     # the same question, greedy
     assert [e["error"] for e in errors] == ["ENOENT", "EINVAL", "EINVAL"]
@@ -144,14 +152,18 @@ def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip
         (True, 0, replies[0]["tokens"])
     assert (pretokenized["hit"], pretokenized["question_tokens"], pretokenized["tokens"]) == \
         (True, q, replies[0]["tokens"])
-    assert (report["hits"], report["misses"], report["removed"]) == (5, 1, 0)
-    # 13 and 14 came one at a time: each took a fork an answered request left
-    assert 2 <= report["spare_forks"] <= 5
+    assert (headless["hit"], headless["question_tokens"], headless["computed"]) == \
+        (True, q - h, q - h + NEW - 1)
+    assert int(os.getxattr(kvfs.path("rag", "gamma.kv"), "user.kv.tokens")) == tokens["gamma"] + h
+    assert (report["hits"], report["misses"], report["removed"]) == (6, 1, 0)
+    # 13, 14 and 15 came one at a time: each took a fork an answered request left (15's,
+    # cut back to the system turn, is not kept)
+    assert 3 <= report["spare_forks"] <= 6
 
 
 @pytest.mark.slow
 def test_no_cache_prefills_every_request(kvfs, lip, tmp_path):
-    tokens, q, _ = sizes(lip)
+    tokens, q, _, _ = sizes(lip)
     rag = Lip(tmp_path, kvfs, "--no-cache")
     replies = [rag.ask(i, "alpha") for i in range(2)]
     report = rag.close()
