@@ -17,6 +17,15 @@ import liblip as lip
 GREEDY = {"temperature": 0.0}   # server-side argmax: one int back, not 200 KB of logits
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` begin with alike."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def chat(user: str, system: str | None = None) -> list[int]:
     """Tokens of a one-turn chat prompt, ending where the assistant's reply starts."""
     messages = ([{"role": "system", "content": system}] if system else []) + \

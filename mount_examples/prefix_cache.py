@@ -25,20 +25,13 @@ import threading
 from dataclasses import dataclass
 
 import liblip as lip
+from common import common_prefix
 
 
 @dataclass
 class Entry:
     scope: str
     tokens: list[int]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def scope_tag(scope: str) -> str:

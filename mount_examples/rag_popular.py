@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 
 import liblip as lip
-from common import chat, load_docs, system_prefix, write_report
+from common import chat, common_prefix, load_docs, system_prefix, write_report
 from liblip.protocol import default_mount
 
 MAX_REQUESTS = 64
@@ -75,10 +75,7 @@ def user_header(doc: str = "x") -> list[int]:
     """The tokens every question's part of `prompt` begins with (the user turn's
     header): the common prefix of two unlike questions' parts."""
     a, b = prompt(doc, "A?")[1], prompt(doc, "Zebra!")[1]
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
+    return a[:common_prefix(a, b)]
 
 
 def pages(tokens: int, page: int) -> int:
