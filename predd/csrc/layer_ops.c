@@ -21,6 +21,7 @@
  * the other thread waiting (8 calls over 460 entries, bf16, 2 Zen 5 cores, in-process
  * alternation: 6.49 -> 6.36 ms median, faster in 8 of 8 rounds; 2 and 64 calls the same) */
 #define PARALLEL_FLOATS 1024
+#define SPLIT(rows, values) ((rows) > 1 && (rows) * (values) >= PARALLEL_FLOATS)
 
 /* The ops a row at a time, for one dtype each: `bf16` is a literal at every call, and
  * the calls sit inside the exported functions' parallel loops (OpenMP outlines a
@@ -173,7 +174,7 @@ static void silu_mul_row_bf16(const uint16_t *gate, const uint16_t *up, uint16_t
 void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out,
                       int64_t rows, int64_t n, float eps)
 {
-    #pragma omp parallel for if (rows > 1 && rows * n >= PARALLEL_FLOATS)
+    #pragma omp parallel for if (SPLIT(rows, n))
     for (int64_t r = 0; r < rows; r++)
         add_rms_norm_row(0, x, delta, weight, out, r * n, n, eps);
 }
@@ -182,13 +183,13 @@ void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weigh
                        uint16_t *out, int64_t rows, int64_t n, float eps)
 {
 #if defined(__AVX512BF16__)
-    #pragma omp parallel for if (rows > 1 && rows * n >= PARALLEL_FLOATS)
+    #pragma omp parallel for if (SPLIT(rows, n))
     for (int64_t r = 0; r < rows; r++)
         add_rms_norm_row_bf16(x + r * n, delta ? delta + r * n : 0, weight, out + r * n, n,
                               eps);
     return;
 #endif
-    #pragma omp parallel for if (rows > 1 && rows * n >= PARALLEL_FLOATS)
+    #pragma omp parallel for if (SPLIT(rows, n))
     for (int64_t r = 0; r < rows; r++)
         add_rms_norm_row(1, x, delta, weight, out, r * n, n, eps);
 }
@@ -196,7 +197,7 @@ void add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weigh
 void rope_f32(float *x, int64_t stride, const float *cos, const float *sin,
               int64_t rows, int64_t heads, int64_t d)
 {
-    #pragma omp parallel for if (rows > 1 && rows * heads * d >= PARALLEL_FLOATS)
+    #pragma omp parallel for if (SPLIT(rows, heads * d))
     for (int64_t r = 0; r < rows; r++)
         rope_row(0, x, r * stride, cos + r * d / 2, sin + r * d / 2, heads, d);
 }
@@ -206,20 +207,20 @@ void rope_bf16(uint16_t *x, int64_t stride, const float *cos, const float *sin,
 {
 #if defined(__AVX512BF16__)
     if (d % 32 == 0) {
-        #pragma omp parallel for if (rows > 1 && rows * heads * d >= PARALLEL_FLOATS)
+        #pragma omp parallel for if (SPLIT(rows, heads * d))
         for (int64_t r = 0; r < rows; r++)
             rope_row_bf16(x + r * stride, cos + r * d / 2, sin + r * d / 2, heads, d);
         return;
     }
 #endif
-    #pragma omp parallel for if (rows > 1 && rows * heads * d >= PARALLEL_FLOATS)
+    #pragma omp parallel for if (SPLIT(rows, heads * d))
     for (int64_t r = 0; r < rows; r++)
         rope_row(1, x, r * stride, cos + r * d / 2, sin + r * d / 2, heads, d);
 }
 
 void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t n)
 {
-    #pragma omp parallel for if (rows > 1 && rows * n >= PARALLEL_FLOATS)
+    #pragma omp parallel for if (SPLIT(rows, n))
     for (int64_t r = 0; r < rows; r++)
         silu_mul_row(0, gu, r * 2 * n, out, r * n, n);
 }
@@ -227,12 +228,12 @@ void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t n)
 void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t n)
 {
 #if defined(__AVX512BF16__)
-    #pragma omp parallel for if (rows > 1 && rows * n >= PARALLEL_FLOATS)
+    #pragma omp parallel for if (SPLIT(rows, n))
     for (int64_t r = 0; r < rows; r++)
         silu_mul_row_bf16(gu + r * 2 * n, gu + r * 2 * n + n, out + r * n, n);
     return;
 #endif
-    #pragma omp parallel for if (rows > 1 && rows * n >= PARALLEL_FLOATS)
+    #pragma omp parallel for if (SPLIT(rows, n))
     for (int64_t r = 0; r < rows; r++)
         silu_mul_row(1, gu, r * 2 * n, out, r * n, n);
 }
