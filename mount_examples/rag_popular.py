@@ -7,7 +7,8 @@ one thread per request:
     in:  {"id": 7, "doc": "d12", "question": "What ...?", "max_tokens": 32}
          ("question_tokens": [...] instead of "question": its user turn, tokenized)
     out: {"id": 7, "tokens": [...], "hit": true, "doc_tokens": 402,
-          "question_tokens": 21, "doc_computed": 0, "computed": 52, "swapped_in": 0}
+          "question_tokens": 21, "question_cached": 10, "doc_computed": 0,
+          "computed": 42, "swapped_in": 0}
          {"id": 7, "error": "ENOSPC", "message": "..."}
 
 The policy (predd only keeps pages; what to keep is decided here):
@@ -17,12 +18,17 @@ The policy (predd only keeps pages; what to keep is decided here):
   every question starts with under the chat template (`user_header`: no question
   computes them again; a question that does not start with them forks the document
   back to its system turn); a request forks it (no document token is computed again);
-* a request's fork, once answered, is truncated back to the document and kept for the
-  document's next request (a spare): that request starts its question at once, without
-  waiting a round trip to predd for its fork (at most --spares of a document; a spare
-  holds the document's copied last page, counted below, and spares go before files
-  when room is short); a request that finds none while an answered request's fork is
-  on its way back (the truncate, after that answer) waits for that one;
+* a request's fork, once answered, is truncated back to the document and the start its
+  question shares with the document's previous question (the tokens questions on it
+  have in common so far: a template's, the user turn's header at least; never the
+  whole question) and kept for the document's next request (a spare): that request
+  starts its question at once, without waiting a round trip to predd for its fork,
+  and computes only what its question does not share with the spare's (a question
+  that shares less has the spare cut back to what it does share). At most --spares of
+  a document; a spare holds the pages past the file's last whole one, counted below,
+  and spares go before files when room is short; a request that finds none while an
+  answered request's fork is on its way back (the truncate, after that answer) waits
+  for that one;
 * the documents' caches and the requests' own pages must fit the KV memory (predd's
   pool, all tiers): before a request takes pages, the coldest idle unpinned files
   (fewest uses, then least recently used) are `rm`ed, or the request waits for others
@@ -83,9 +89,20 @@ def pages(tokens: int, page: int) -> int:
 
 
 @dataclass(eq=False)
+class Spare:
+    """A fork of a document's file, answered and truncated back to the document and
+    `ext`: the start of a question, which the document's next question may share."""
+    kv: lip.KV
+    ext: list[int]
+    pages: int                        # its own: those past the file's last whole page
+
+
+@dataclass(eq=False)
 class Cached:
-    """One document's cache file: its handle (read-write, held open) and its pages."""
+    """One document's cache file: its handle (read-write, held open), its tokens (the
+    document's and the user turn's header) and its pages."""
     name: str
+    tokens: int
     pages: int
     kv: lip.KV | None = None          # None while it is being prefilled
     readers: int = 0                  # requests whose forks share its pages
@@ -93,8 +110,7 @@ class Cached:
     computed: int = 0                 # document tokens its prefill computed
     ready: threading.Event = field(default_factory=threading.Event)
     failed: str = ""
-    spares: list = field(default_factory=list)   # forks truncated back to the document
-    spare_pages: int = 0              # what each holds: the copied last page, if partial
+    spares: list[Spare] = field(default_factory=list)
     returning: int = 0                # answered requests whose forks are not back yet
 
 
@@ -120,6 +136,7 @@ class DocCache:
         self.files: dict[str, Cached] = {}
         self.uses: dict[str, int] = {}
         self.last: dict[str, int] = {}
+        self.questions: dict[str, list[int]] = {}    # each document's latest question
         self.tick = 0
         self.used = 0
         self.reserved = 0
@@ -187,8 +204,9 @@ class DocCache:
 
     def _drop_spares(self, c: Cached) -> None:
         while c.spares:
-            lip.kv_close(c.spares.pop())
-            self.used -= c.spare_pages
+            spare = c.spares.pop()
+            lip.kv_close(spare.kv)
+            self.used -= spare.pages
 
     def _repin(self) -> None:
         """Pin the hottest cached documents that fit in the pin budget; unpin the rest."""
@@ -239,8 +257,7 @@ class DocCache:
             c = self.files.get(name)
             mine = c is None
             if mine:
-                c = self.files[name] = Cached(name, doc_pages,
-                                              spare_pages=int(len(doc) % self.page > 0))
+                c = self.files[name] = Cached(name, len(doc), doc_pages)
                 self.used += c.pages
             c.readers += 1
             self._high_water()
@@ -287,7 +304,20 @@ class DocCache:
         with self.cond:
             c.returning += 1
 
-    def take_spare(self, c: Cached) -> lip.KV | None:
+    def shared_start(self, name: str, question: list[int]) -> int:
+        """How many tokens `question` starts with that the document's previous question
+        did too (0 for its first); it becomes the previous one."""
+        with self.cond:
+            before = self.questions.get(name)
+            self.questions[name] = question
+        return common_prefix(question, before) if before else 0
+
+    def spare_pages(self, c: Cached, tokens: int) -> int:
+        """The pages of a fork of `c` cut back to `tokens` (at least the file's) that
+        are its own: the file's partial last page, copied, and those after it."""
+        return pages(tokens, self.page) - c.tokens // self.page
+
+    def take_spare(self, c: Cached) -> Spare | None:
         """A fork of the document left by an earlier request, if one is kept (its page
         is the request's own from now on). Where none is kept but an answered request's
         is on its way back (a truncate, one round trip to predd like a fork's), it waits
@@ -297,29 +327,30 @@ class DocCache:
                 self.cond.wait()
             if not c.spares:
                 return None
-            self.used -= c.spare_pages
+            spare = c.spares.pop()
+            self.used -= spare.pages
             self.counters["spare_forks"] += 1
-            return c.spares.pop()
+            return spare
 
-    def release(self, c: Cached, own: int, spare: lip.KV | None = None,
+    def release(self, c: Cached, own: int, spare: Spare | None = None,
                 answered: bool = False) -> None:
         """The request is over (`answered`: it had said so): its pages are given back,
-        and `spare` (its fork, truncated back to the document) is kept for the next
-        request if there is room for it, else closed."""
+        and `spare` (its fork, truncated back) is kept for the next request if there is
+        room for it, else closed."""
         with self.cond:
             c.readers -= 1
             c.returning -= answered
             self.reserved -= own
             keep = (spare is not None and self.files.get(c.name) is c
                     and len(c.spares) < self.spares
-                    and self.used + self.reserved + c.spare_pages <= self.capacity)
+                    and self.used + self.reserved + spare.pages <= self.capacity)
             if keep:
                 c.spares.append(spare)
-                self.used += c.spare_pages
+                self.used += spare.pages
                 self._high_water()
             self.cond.notify_all()
         if spare is not None and not keep:
-            lip.kv_close(spare)
+            lip.kv_close(spare.kv)
 
     def retry(self, call, undo):
         """call(); on ENOSPC (pages of a file just closed are freed when kvfsd sees
@@ -426,30 +457,37 @@ class Server:
         if self.no_cache:
             return self.uncached(doc, q, max_tokens, reply)
         own = pages(self.page - 1 + len(q) + max_tokens, self.page)
-        cached = doc + self.header
-        c, hit = self.cache.acquire(name, cached, own)
-        # the question after the cached header; one that does not start with it goes
-        # after the system turn, from a fork cut back to it (not kept as a spare)
-        headed = q[:len(self.header)] == self.header
-        start, rest = (len(cached), q[len(self.header):]) if headed else (len(doc), q)
+        c, hit = self.cache.acquire(name, doc + self.header, own)
+        shared = self.cache.shared_start(name, q)
         kv = spare = None
         answered = False
         try:
-            kv = self.cache.take_spare(c) or lip.kv_fork(c.kv)
-            if not headed:
+            got = self.cache.take_spare(c)
+            kv, ext = (got.kv, got.ext) if got else (lip.kv_fork(c.kv), self.header)
+            # the question after what it shares with the fork's (a spare's start of an
+            # earlier question, or the file's header), the rest cut off; one token at
+            # least is fed, for its logits
+            cached = min(common_prefix(q, ext), len(q) - 1)
+            start = len(doc) + cached
+            if cached < len(ext):
                 lip.kv_truncate(kv, start)
             out = self.cache.retry(
-                lambda: lip.generate(kv, rest, max_tokens=max_tokens, ignore_eos=True),
+                lambda: lip.generate(kv, q[cached:], max_tokens=max_tokens, ignore_eos=True),
                 undo=lambda: lip.kv_truncate(kv, start))
             self.cache.answered(c)
             answered = True
             reply({"tokens": list(out), "hit": hit, "doc_tokens": len(doc),
-                   "question_tokens": len(q), "doc_computed": 0 if hit else c.computed,
+                   "question_tokens": len(q), "question_cached": cached,
+                   "doc_computed": 0 if hit else c.computed,
                    "computed": out.cost.get("computed", 0),
                    "swapped_in": out.cost.get("swapped_in", 0)})
-            if headed:   # the document again: the next one's fork
-                lip.kv_truncate(kv, start)
-                kv, spare = None, kv
+            # the next one's fork: the document and what this question shares with the
+            # one before it (the header at least), if it starts with the header
+            keep = min(max(shared, len(self.header)), len(q) - 1)
+            if q[:len(self.header)] == self.header and keep >= len(self.header):
+                lip.kv_truncate(kv, len(doc) + keep)
+                spare = Spare(kv, q[:keep], self.cache.spare_pages(c, len(doc) + keep))
+                kv = None
         finally:
             if kv is not None:
                 lip.kv_close(kv)

@@ -56,7 +56,10 @@ class Lip:
         return self.answers.pop(rid)
 
     def ask(self, rid: int, doc: str) -> dict:
-        self.send(rid, doc=doc, question=QUESTION, max_tokens=NEW)
+        return self.ask_text(rid, doc, QUESTION)
+
+    def ask_text(self, rid: int, doc: str, question: str) -> dict:
+        self.send(rid, doc=doc, question=question, max_tokens=NEW)
         return self.reply(rid)
 
     def close(self) -> dict:
@@ -105,7 +108,10 @@ def test_keeps_the_popular_documents_and_removes_the_cold(kvfs, lip, tmp_path):
         tokens["alpha"] + h, 0, tokens["beta"] + h, tokens["gamma"] + h, tokens["beta"] + h, 0]
     for r, doc in zip(replies, order):
         assert (r["doc_tokens"], r["question_tokens"]) == (tokens[doc], q)
-        assert r["computed"] == q - h + NEW - 1            # the question and the answer only
+        # the question after the file's header, and the answer: no earlier request's
+        # fork kept more (the second's, kept with all but its last token, was closed)
+        assert r["question_cached"] == h
+        assert r["computed"] == q - h + NEW - 1
         assert len(r["tokens"]) == NEW
     # gamma pushed out beta (1 use; alpha, 2 uses, pinned), then beta pushed out gamma
     assert report["removed"] == 2
@@ -146,19 +152,67 @@ def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip
 
     assert sorted(r["doc_computed"] for r in replies) == [0, 0, 0, tokens["gamma"] + h]
     assert sum(r["hit"] for r in replies) == 3
+    # a fork of the file starts after its header; a spare, after all of the question
+    # but its last token (the same question came before it)
+    for r in replies + [after, pretokenized]:
+        assert r["question_cached"] in (h, q - 1)
+        assert r["computed"] == q - r["question_cached"] + NEW - 1
     assert len({tuple(r["tokens"]) for r in replies}) == 1     # the same question, greedy
     assert [e["error"] for e in errors] == ["ENOENT", "EINVAL", "EINVAL"]
     assert (after["hit"], after["doc_computed"], after["tokens"]) == \
         (True, 0, replies[0]["tokens"])
     assert (pretokenized["hit"], pretokenized["question_tokens"], pretokenized["tokens"]) == \
         (True, q, replies[0]["tokens"])
-    assert (headless["hit"], headless["question_tokens"], headless["computed"]) == \
-        (True, q - h, q - h + NEW - 1)
+    assert (headless["hit"], headless["question_tokens"], headless["question_cached"],
+            headless["computed"]) == (True, q - h, 0, q - h + NEW - 1)
     assert int(os.getxattr(kvfs.path("rag", "gamma.kv"), "user.kv.tokens")) == tokens["gamma"] + h
     assert (report["hits"], report["misses"], report["removed"]) == (6, 1, 0)
     # 13, 14 and 15 came one at a time: each took a fork an answered request left (15's,
     # cut back to the system turn, is not kept)
     assert 3 <= report["spare_forks"] <= 6
+
+
+TEMPLATE = "What does the document say about {}?"
+
+
+@pytest.mark.slow
+def test_a_question_computes_only_what_the_one_before_did_not_share(kvfs, lip, tmp_path):
+    """Questions from one template: a spare keeps the start the document's last two
+    questions shared, and the next question computes only its own tokens after that."""
+    import rag_popular
+    tokens, _, page, h = sizes(lip)
+    asked = [TEMPLATE.format("the harbor"), TEMPLATE.format("the traders"),
+             TEMPLATE.format("the market"), "Who weighs the crates?"]
+    qs = [rag_popular.prompt(DOCS["alpha"], a)[1] for a in asked]
+    common = rag_popular.common_prefix
+    shared = common(qs[0], qs[1])              # the header, the template, " the"
+    assert shared == h + 7 and common(qs[2], qs[1]) >= shared and common(qs[3], qs[2]) == h
+    rag = Lip(tmp_path, kvfs)
+    replies = [rag.ask_text(i, "alpha", a) for i, a in enumerate(asked)]
+    # the same question again, and without the user turn's header
+    replies.append(rag.ask_text(4, "alpha", asked[2]))
+    rag.send(5, doc="alpha", question_tokens=qs[2][h:], max_tokens=NEW)
+    replies.append(rag.reply(5))
+    report = rag.close()
+
+    # 0: the file's header; 1: the first's spare (the header: no question before it);
+    # 2: the second's, cut after what the first two shared; 3: the third's shares only
+    # the header with it, cut back; 4: the fourth's shares the header with 3 ("Who"
+    # is not "What"); 5: no header, after the system turn
+    want = [h, h, shared, h, h, 0]
+    sent = qs + [qs[2], qs[2][h:]]
+    assert [r["question_cached"] for r in replies] == want
+    assert [r["computed"] for r in replies] == [
+        len(q) - c + NEW - 1 for q, c in zip(sent, want)]
+    assert all(r["hit"] for r in replies[1:]) and not replies[0]["hit"]
+    assert report["spare_forks"] == 5 and report["removed"] == 0
+    # an answer from a spare is the answer from the whole prompt
+    with lip.kv_create() as kv:
+        out = lip.generate(kv, rag_popular.prompt(DOCS["alpha"], asked[2])[0] + qs[2],
+                           max_tokens=NEW, ignore_eos=True)
+    assert replies[2]["tokens"] == replies[4]["tokens"] == list(out)
+    assert int(os.getxattr(kvfs.path("rag", "alpha.kv"), "user.kv.tokens")) == \
+        tokens["alpha"] + h
 
 
 @pytest.mark.slow
