@@ -141,6 +141,20 @@ static inline __m512 dots16_bf16(const uint16_t *q, const uint16_t *k, int64_t s
                                  int64_t n)
 {
     __m512 acc[16];
+    if (n == 64) {
+        /* entry by entry, one pointer stepped by the stride: dims outermost, GCC kept 16
+         * entry pointers and spilled them to the stack, reloading one for each product
+         * (8 decodes over 460 entries, 432 shared: 1.26 -> 1.10-1.15 ms; the same sums
+         * in the same order, the same bits) */
+        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(q);
+        const __m512bh q1 = (__m512bh)_mm512_loadu_si512(q + 32);
+        for (int e = 0; e < 16; e++, k += stride) {
+            acc[e] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0,
+                                      (__m512bh)_mm512_loadu_si512(k));
+            acc[e] = _mm512_dpbf16_ps(acc[e], q1, (__m512bh)_mm512_loadu_si512(k + 32));
+        }
+        return sum_lanes16(acc);
+    }
     for (int e = 0; e < 16; e++)
         acc[e] = _mm512_setzero_ps();
     for (int64_t d = 0; d < n; d += 32) {
