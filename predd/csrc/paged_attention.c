@@ -173,14 +173,17 @@ static inline __m512 dots16_bf16(const uint16_t *q, const uint16_t *k, int64_t s
  * a multiple of 64. */
 static inline __attribute__((always_inline)) void weighted_sum_heads(
     const int gn, float *acc, const float *p, int64_t ldp, const void *v, int64_t count,
-    int64_t stride, int64_t n, const int bf16)
+    int64_t stride, int64_t n, const int bf16, const char *next)
 {
+    const int64_t size = bf16 ? 2 : 4;
     for (int64_t d = 0; d < n; d += 64) {
         __m512 a[4][4];
         for (int g = 0; g < gn; g++)
             for (int i = 0; i < 4; i++)
                 a[g][i] = _mm512_loadu_ps(acc + g * n + d + 16 * i);
         for (int64_t e = 0; e < count; e++) {
+            if (next && d == 0)      /* the same entry of the next page (NULL: none) */
+                prefetch_entries(next + e * stride * size, 1, 0, n * size);
             __m512 x[4];
             if (bf16) {          /* in bf16_widen_pairs' order: see attend_task */
                 const uint16_t *ve = (const uint16_t *)v + e * stride + d;
@@ -217,26 +220,29 @@ static inline float dot_q(const void *qraw, const float *qf, const void *k, int6
 }
 
 /* weighted_sum for the G query heads that read one kv head: head g's probabilities at
- * p + g * ldp, its sums at acc + g * n */
+ * p + g * ldp, its sums at acc + g * n; `next` (or NULL): the same kv head's V in the
+ * next page, asked for entry by entry as these are read (where n is a multiple of 64) */
 static inline __attribute__((always_inline)) void weighted_sum_group(
     float *acc, const float *p, int64_t ldp, const void *v, int64_t count, int64_t stride,
-    int64_t n, int64_t G, const int bf16)
+    int64_t n, int64_t G, const int bf16, const char *next)
 {
 #ifdef WIDE
     if (n % 64 == 0) {
         for (int64_t g = 0; g < G; g += 4) {      /* four heads at a time */
             float *a = acc + g * n;
             const float *pg = p + g * ldp;
+            next = g ? NULL : next;                /* asked for once */
             switch (G - g < 4 ? G - g : 4) {
-            case 1: weighted_sum_heads(1, a, pg, ldp, v, count, stride, n, bf16); break;
-            case 2: weighted_sum_heads(2, a, pg, ldp, v, count, stride, n, bf16); break;
-            case 3: weighted_sum_heads(3, a, pg, ldp, v, count, stride, n, bf16); break;
-            default: weighted_sum_heads(4, a, pg, ldp, v, count, stride, n, bf16); break;
+            case 1: weighted_sum_heads(1, a, pg, ldp, v, count, stride, n, bf16, next); break;
+            case 2: weighted_sum_heads(2, a, pg, ldp, v, count, stride, n, bf16, next); break;
+            case 3: weighted_sum_heads(3, a, pg, ldp, v, count, stride, n, bf16, next); break;
+            default: weighted_sum_heads(4, a, pg, ldp, v, count, stride, n, bf16, next); break;
             }
         }
         return;
     }
 #endif
+    (void)next;                   /* the caller asked for the next page as a whole */
     for (int64_t g = 0; g < G; g++)
         weighted_sum(acc + g * n, p + g * ldp, v, count, stride, n, bf16);
 }
@@ -296,12 +302,18 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t j0 = start; j0 < L; j0 += page_size) {
         const int64_t k = pages[j0 / page_size] * page + h0 * D;
         const int64_t n = L - j0 < page_size ? L - j0 : page_size;
-        if (j0 + page_size < L)
-            prefetch_entries(AT(kv, pages[j0 / page_size + 1] * page + h0 * D),
-                             page_size, entry * size, span * D * size);
+        const void *next = j0 + page_size < L
+            ? AT(kv, pages[j0 / page_size + 1] * page + h0 * D) : NULL;
 #ifdef PAGE_DOTS
         if (bf16 && n == PAGE_DOTS && D % 64 == 0) {     /* a whole page of 16 entries */
             for (int64_t s = 0; s < S; s++) {
+                /* the next page's entries asked for a few at a time, one share for each
+                 * head, not all before the page: ~100 lines at once filled the queue
+                 * of misses and stalled the prefetches themselves */
+                const int64_t e0 = page_size * s / S, e1 = page_size * (s + 1) / S;
+                if (next)
+                    prefetch_entries((const char *)next + e0 * entry * size, e1 - e0,
+                                     entry * size, span * D * size);
                 const __m512 x = _mm512_mul_ps(
                     dots16_bf16(AT(qt, s * D), AT(kv, k + (s / G) * D), entry, D),
                     _mm512_set1_ps(scale));
@@ -311,6 +323,8 @@ static inline __attribute__((always_inline)) void attend_task(
             continue;
         }
 #endif
+        if (next)
+            prefetch_entries(next, page_size, entry * size, span * D * size);
         for (int64_t e = 0; e < n; e++) {
             for (int64_t s = 0; s < S; s++) {
                 const float x = dot_q(AT(qt, s * D), qh + s * D,
@@ -353,16 +367,23 @@ static inline __attribute__((always_inline)) void attend_task(
     if (pairs && pr)
         for (int64_t i = 0; i < S * D; i += 32)
             bf16_pairs_order(acc + i, 1);
+    /* the next page's V asked for entry by entry as this one's are read (as its K is, a
+     * share at each head): where weighted_sum_heads runs */
+    const int spread = D % 64 == 0;
+#else
+    const int spread = 0;
 #endif
     for (int64_t j0 = start; j0 < L; j0 += page_size) {
         const int64_t v = pages[j0 / page_size] * page + page_size * entry + h0 * D;
         const int64_t n = L - j0 < page_size ? L - j0 : page_size;
-        if (j0 + page_size < L)
-            prefetch_entries(AT(kv, pages[j0 / page_size + 1] * page + page_size * entry
-                                    + h0 * D), page_size, entry * size, span * D * size);
+        const char *next = j0 + page_size < L ? AT(kv, pages[j0 / page_size + 1] * page
+                                                   + page_size * entry + h0 * D) : NULL;
+        if (next && !spread)
+            prefetch_entries(next, page_size, entry * size, span * D * size);
         for (int64_t h = 0; h < span; h++)
             weighted_sum_group(acc + h * G * D, scores + h * G * L + j0, L,
-                               AT(kv, v + h * D), n, entry, D, G, bf16);
+                               AT(kv, v + h * D), n, entry, D, G, bf16,
+                               next ? next + h * D * size : NULL);
     }
 #ifdef WIDE
     if (pairs)
