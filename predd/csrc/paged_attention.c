@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "bf16.h"
 #include "exp_approx.h"
 #include "lanes.h"
@@ -264,18 +266,18 @@ static inline __attribute__((always_inline)) void weighted_sum_group(
 #define PASS q, q_stride, out, kv, page_size, kv_heads, heads, head_dim, indices, row_token, \
     row_pages, row_visible, rows, max_visible, scale, span, row_start, prior
 
-/* One task: query row r's heads of kv heads h0 .. h0 + span - 1 (scores, acc, qf: the
+/* One task: query row r's heads of kv heads h0 .. h0 + sp - 1 (scores, acc, qf: the
  * thread's scratch). `bf16` is a literal at each call (see paged_attention). */
 static inline __attribute__((always_inline)) void attend_task(
-    const int bf16, ARGS, int64_t task, float *scores, float *acc, float *qf)
+    const int bf16, ARGS, int64_t r, int64_t h0, int64_t sp, float *scores, float *acc,
+    float *qf)
 {
+    (void)span;                                      /* this task's: sp */
     const int64_t size = bf16 ? 2 : 4;               /* bytes per value */
-    const int64_t G = heads / kv_heads, D = head_dim, S = span * G;
+    const int64_t G = heads / kv_heads, D = head_dim, S = sp * G;
     const int64_t entry = kv_heads * D;              /* values per entry (K or V) */
     const int64_t page = 2 * page_size * entry;      /* values per page */
-    const int64_t groups = kv_heads / span;
     /* query heads s = 0..S-1 of this task read kv head h0 + s / G */
-    const int64_t r = task / groups, h0 = (task % groups) * span;
     const int64_t L = row_visible[r];
     const int32_t *pages = indices + row_pages[r];
     /* a shared prefix's part, done (shared_prefix_tiles_bf16): entries from `start` on */
@@ -313,7 +315,7 @@ static inline __attribute__((always_inline)) void attend_task(
                 const int64_t e0 = page_size * s / S, e1 = page_size * (s + 1) / S;
                 if (next)
                     prefetch_entries((const char *)next + e0 * entry * size, e1 - e0,
-                                     entry * size, span * D * size);
+                                     entry * size, sp * D * size);
                 const __m512 x = _mm512_mul_ps(
                     dots16_bf16(AT(qt, s * D), AT(kv, k + (s / G) * D), entry, D),
                     _mm512_set1_ps(scale));
@@ -324,7 +326,7 @@ static inline __attribute__((always_inline)) void attend_task(
         }
 #endif
         if (next)
-            prefetch_entries(next, page_size, entry * size, span * D * size);
+            prefetch_entries(next, page_size, entry * size, sp * D * size);
         for (int64_t e = 0; e < n; e++) {
             for (int64_t s = 0; s < S; s++) {
                 const float x = dot_q(AT(qt, s * D), qh + s * D,
@@ -379,8 +381,8 @@ static inline __attribute__((always_inline)) void attend_task(
         const char *next = j0 + page_size < L ? AT(kv, pages[j0 / page_size + 1] * page
                                                    + page_size * entry + h0 * D) : NULL;
         if (next && !spread)
-            prefetch_entries(next, page_size, entry * size, span * D * size);
-        for (int64_t h = 0; h < span; h++)
+            prefetch_entries(next, page_size, entry * size, sp * D * size);
+        for (int64_t h = 0; h < sp; h++)
             weighted_sum_group(acc + h * G * D, scores + h * G * L + j0, L,
                                AT(kv, v + h * D), n, entry, D, G, bf16,
                                next ? next + h * D * size : NULL);
@@ -411,7 +413,14 @@ static inline __attribute__((always_inline)) void attend_task(
  * variable in it): each task branches once to the body inlined for its dtype. */
 static inline __attribute__((always_inline)) int paged_attention(const int bf16, ARGS)
 {
-    const int64_t S = span * (heads / kv_heads), tasks = rows * (kv_heads / span);
+    /* a task a row and `span` kv heads; but where the rows do not share out evenly over
+     * the threads, the last rows % threads rows take a task a kv head, after the others
+     * (7 decodes on 2 threads: 4 tasks against 3, as long as 8, where now 10.5 / 10.5
+     * kv heads' work) */
+    const int threads = omp_get_max_threads();
+    const int64_t split = span > 1 && threads > 1 ? rows % threads : 0;
+    const int64_t whole = (rows - split) * (kv_heads / span);
+    const int64_t S = span * (heads / kv_heads), tasks = whole + split * kv_heads;
     int failed = 0;
 
     #pragma omp parallel
@@ -427,10 +436,14 @@ static inline __attribute__((always_inline)) int paged_attention(const int bf16,
         for (int64_t task = 0; task < tasks; task++) {
             if (!scores || !acc || !qf)
                 continue;
+            const int64_t t = task - whole, groups = kv_heads / span;
+            const int64_t r = t < 0 ? task / groups : rows - split + t / kv_heads;
+            const int64_t h0 = t < 0 ? task % groups * span : t % kv_heads;
+            const int64_t sp = t < 0 ? span : 1;
             if (bf16)
-                attend_task(1, PASS, task, scores, acc, qf);
+                attend_task(1, PASS, r, h0, sp, scores, acc, qf);
             else
-                attend_task(0, PASS, task, scores, acc, qf);
+                attend_task(0, PASS, r, h0, sp, scores, acc, qf);
         }
         free(scores);
         free(acc);
