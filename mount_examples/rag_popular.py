@@ -412,9 +412,10 @@ class Server:
         `question` templated here."""
         name, question, given = msg.get("doc"), msg.get("question"), msg.get("question_tokens")
         if not isinstance(name, str) or not (isinstance(question, str) or (
-                isinstance(given, list) and all(isinstance(t, int) for t in given))):
+                isinstance(given, list) and given
+                and all(isinstance(t, int) for t in given))):
             raise lip.LipError("EINVAL", "want doc: str and question: str or "
-                               "question_tokens: [int]")
+                               "question_tokens: [int] (not empty)")
         if name not in self.docs:
             raise lip.LipError("ENOENT", f"no document {name!r}")
         with self.lock:

@@ -141,7 +141,8 @@ def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip
     rag.send(10, doc="nope", question=QUESTION)
     rag.send(11, doc=3, question=QUESTION)
     rag.send(12, doc="gamma", question=QUESTION, max_tokens=0)
-    errors = [rag.reply(rid) for rid in (10, 11, 12)]
+    rag.send(16, doc="gamma", question_tokens=[], max_tokens=NEW)
+    errors = [rag.reply(rid) for rid in (10, 11, 12, 16)]
     after = rag.ask(13, "gamma")
     rag.send(14, doc="gamma", question_tokens=question_tokens("gamma"), max_tokens=NEW)
     pretokenized = rag.reply(14)
@@ -158,7 +159,7 @@ def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip
         assert r["question_cached"] in (h, q - 1)
         assert r["computed"] == q - r["question_cached"] + NEW - 1
     assert len({tuple(r["tokens"]) for r in replies}) == 1     # the same question, greedy
-    assert [e["error"] for e in errors] == ["ENOENT", "EINVAL", "EINVAL"]
+    assert [e["error"] for e in errors] == ["ENOENT", "EINVAL", "EINVAL", "EINVAL"]
     assert (after["hit"], after["doc_computed"], after["tokens"]) == \
         (True, 0, replies[0]["tokens"])
     assert (pretokenized["hit"], pretokenized["question_tokens"], pretokenized["tokens"]) == \
