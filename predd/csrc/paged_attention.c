@@ -223,7 +223,8 @@ static inline float dot_q(const void *qraw, const float *qf, const void *k, int6
 
 /* weighted_sum for the G query heads that read one kv head: head g's probabilities at
  * p + g * ldp, its sums at acc + g * n; `next` (or NULL): the same kv head's V in the
- * next page, asked for entry by entry as these are read (where n is a multiple of 64) */
+ * next page, asked for entry by entry as these are read (where n is a multiple of 64;
+ * otherwise before them, all at once) */
 static inline __attribute__((always_inline)) void weighted_sum_group(
     float *acc, const float *p, int64_t ldp, const void *v, int64_t count, int64_t stride,
     int64_t n, int64_t G, const int bf16, const char *next)
@@ -244,7 +245,8 @@ static inline __attribute__((always_inline)) void weighted_sum_group(
         return;
     }
 #endif
-    (void)next;                   /* the caller asked for the next page as a whole */
+    if (next)                     /* here the next page's entries all at once */
+        prefetch_entries(next, count, stride * (bf16 ? 2 : 4), n * (bf16 ? 2 : 4));
     for (int64_t g = 0; g < G; g++)
         weighted_sum(acc + g * n, p + g * ldp, v, count, stride, n, bf16);
 }
@@ -369,19 +371,13 @@ static inline __attribute__((always_inline)) void attend_task(
     if (pairs && pr)
         for (int64_t i = 0; i < S * D; i += 32)
             bf16_pairs_order(acc + i, 1);
-    /* the next page's V asked for entry by entry as this one's are read (as its K is, a
-     * share at each head): where weighted_sum_heads runs */
-    const int spread = D % 64 == 0;
-#else
-    const int spread = 0;
 #endif
     for (int64_t j0 = start; j0 < L; j0 += page_size) {
         const int64_t v = pages[j0 / page_size] * page + page_size * entry + h0 * D;
         const int64_t n = L - j0 < page_size ? L - j0 : page_size;
+        /* the next page's V, asked for as this one's is read (weighted_sum_group) */
         const char *next = j0 + page_size < L ? AT(kv, pages[j0 / page_size + 1] * page
                                                    + page_size * entry + h0 * D) : NULL;
-        if (next && !spread)
-            prefetch_entries(next, page_size, entry * size, sp * D * size);
         for (int64_t h = 0; h < sp; h++)
             weighted_sum_group(acc + h * G * D, scores + h * G * L + j0, L,
                                AT(kv, v + h * D), n, entry, D, G, bf16,
