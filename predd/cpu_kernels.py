@@ -217,6 +217,7 @@ class Kernels:
             "linear_q8_0_f32": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
             "linear_q4_1_bf16": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
             "linear_q8_0_bf16": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
+            "linear_q8_0_bf16_f32": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
             "linear_q4_1_lanes_bf16": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
             "linear_bf16_native": (ctypes.c_int, []),
             "linear_bf16_tiles": (ctypes.c_int, [ctypes.c_int]),
@@ -516,14 +517,19 @@ class Kernels:
         plus bias (float32) -> [M, N] of x's dtype."""
         return self.bind(blocks, bias, x.dtype)(x)
 
-    def bind(self, blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32
-             ) -> Callable[[torch.Tensor], torch.Tensor]:
+    def bind(self, blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32,
+             widen: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
         """`quant_linear` with `blocks` and `bias` (float32) fixed: their pointers are
         taken once (the closure keeps them alive), so a projection's call costs one
         ctypes call (blocks in the other layout than the kernel's are converted once).
         `dtype` is the rows' and the result's: float32, or bfloat16 where `bf16_blocks`
         (the weights rounded to bf16 as a bf16 model holds them, bf16 products summed in
-        float32, the result rounded once; Q4_1 blocks in lanes: the weights exactly)."""
+        float32, the result rounded once; Q4_1 blocks in lanes: the weights exactly).
+        `widen`: bfloat16 rows and Q8_0 blocks (a model's head), the bf16 result
+        widened to float32 as the kernel stores it (the same values as `.float()` after,
+        without the second pass)."""
+        if widen and (dtype != torch.bfloat16 or blocks.kind != "Q8_0"):
+            raise ValueError("the widened result is of bfloat16 rows and Q8_0 blocks")
         _contiguous(bias)
         n, k = blocks.rows(), blocks.columns()
         # the bfloat16 kernels read the blocks in tiles of rows (predd/csrc/quant_blocks.h;
@@ -551,6 +557,20 @@ class Kernels:
         else:
             raise ValueError(f"no kernel for {blocks.kind} blocks")
         b = None if bias is None else bias.data_ptr()
+        if widen:
+            narrow = self.bind(blocks, bias, dtype)
+
+            def widened(x: torch.Tensor) -> torch.Tensor:
+                if x.dtype != dtype or not x.is_contiguous() or x.shape[1] != k:
+                    return narrow(x)            # its error
+                y = torch.empty(x.shape[0], n, dtype=torch.float32)
+                if self._lib.linear_q8_0_bf16_f32(x.data_ptr(), x.shape[0], k, *weight, n,
+                                                  b, y.data_ptr()) != 0:
+                    return narrow(x).float()    # memory short for AMX tiles' bf16 result
+                return y
+
+            widened.keeps = (blocks, bias)
+            return widened
 
         def run(x: torch.Tensor) -> torch.Tensor:
             if x.dtype != dtype or not x.is_contiguous() or x.shape[1] != k:

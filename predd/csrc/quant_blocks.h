@@ -116,4 +116,6 @@ static inline __m512bh q8_0_bf16(const int8_t *q, float d)
 int linear_tiles_bf16(int kind, const uint16_t *x, int64_t M, int64_t K, const uint8_t *q,
                       const float *d, const float *m, int64_t N, const float *bias,
                       uint16_t *y);
+/* quant_tiles.c: 1 where linear_tiles_bf16 multiplies 2 rows or more (-1: asks only) */
+int linear_bf16_tiles(int use);
 #endif

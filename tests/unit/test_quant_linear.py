@@ -253,6 +253,58 @@ def test_a_bfloat16_model_holds_its_blocks_in_tiles_and_a_float32_one_by_rows():
 
 
 @BF16_DOTS
+@BF16_DOTS
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 50])   # few rows, many rows, two passes
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "dots"])
+def test_the_widened_head_kernel_stores_the_bf16_kernel_s_values_as_float32(rows, bias, tiles):
+    """A head's logits (bind(widen=True)) are the bf16 kernel's result widened, bit for
+    bit, at every row count and by either kernel."""
+    kernels = cpu_kernels.kernels()
+    if tiles and not kernels.bf16_tiles:
+        pytest.skip("this CPU has no AMX-BF16 tiles (or the kernel does not grant them)")
+    if not tiles:
+        kernels.use_bf16_tiles(False)
+    try:
+        blocks, _ = random_blocks("Q8_0", 70, 160, seed=rows)
+        gen = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, 160, generator=gen).to(torch.bfloat16)
+        b = torch.randn(70, generator=gen) if bias else None
+        got = kernels.bind(blocks, b, torch.bfloat16, widen=True)(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, 70)
+        assert torch.equal(got, kernels.bind(blocks, b, torch.bfloat16)(x).float())
+    finally:
+        kernels.use_bf16_tiles(True)
+
+
+def test_the_widened_result_is_refused_for_other_rows_or_blocks():
+    kernels = cpu_kernels.kernels()
+    blocks, _ = random_blocks("Q4_1", 16, 64)
+    with pytest.raises(ValueError, match="bfloat16 rows and Q8_0 blocks"):
+        kernels.bind(blocks, None, torch.bfloat16, widen=True)
+    blocks, _ = random_blocks("Q8_0", 16, 64)
+    with pytest.raises(ValueError, match="bfloat16 rows and Q8_0 blocks"):
+        kernels.bind(blocks, None, torch.float32, widen=True)
+
+
+@BF16_DOTS
+def test_a_head_s_logits_are_its_forward_in_float32_from_blocks_up_to_its_limit():
+    blocks, weight = random_blocks("Q8_0", 6, 64)
+    inner = nn.Linear(64, 6, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        inner.weight.copy_(torch.from_numpy(weight) * 2)     # tell the two paths apart
+    layer = quant_linear.QuantLinear(inner, blocks, cpu_kernels.kernels(), torch.bfloat16)
+    limit = quant_linear.BF16_NATIVE_ROWS
+    with torch.inference_mode():
+        for rows in (1, limit, limit + 1):
+            x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+            x = x.to(torch.bfloat16)
+            got = layer.logits(x)
+            assert got.dtype == torch.float32
+            assert torch.equal(got, layer(x).float())
+        assert torch.equal(layer.logits(x), inner(x).float())     # limit + 1: the inner
+
+
 def test_a_bfloat16_model_with_bf16_dots_takes_them_up_to_its_limit():
     blocks, weight = random_blocks("Q8_0", 6, 64)
     inner = nn.Linear(64, 6, bias=False).to(torch.bfloat16)
