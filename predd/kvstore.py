@@ -119,7 +119,7 @@ class KVStore:
         start = obj.length + obj.reserved
         ps = self.page_size
         cow = self._needs_copy(obj)
-        fresh = self.pool.alloc(self.pages_needed(oid, n))
+        fresh = self.pool.alloc(max(self.pages_for(start + n) - len(obj.pages), 0) + cow)
         if cow:
             self._copy_page(obj, start // ps, start % ps, fresh.pop())
         obj.pages.extend(fresh)
@@ -223,6 +223,8 @@ class KVStore:
         (converting all of a 32K-entry object's 2048 pages took 28 us, twice a call a step)."""
         end = obj.length if end is None else end
         ps = self.page_size
+        if end - start == 1:       # a decode step's reserve: no index arrays
+            return np.array([obj.pages[start // ps] * ps + start % ps], dtype=np.int64)
         first = start // ps
         pages = np.asarray(obj.pages[first:(end - 1) // ps + 1], dtype=np.int64)
         idx = np.arange(start, end)
