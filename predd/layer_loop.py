@@ -26,7 +26,7 @@ import torch
 
 from predd import cpu_kernels
 from predd.attention import CpuAttention
-from predd.model import LlamaModel
+from predd.model import LlamaModel, _every_row
 from predd.page_table import PageTables
 from predd.paged_kv import PagedKVCache
 from predd.quant_linear import QuantLinear
@@ -71,7 +71,7 @@ class Step(ctypes.Structure):
         ("max_visible", i64), ("call_row", ptr), ("call_rows", ptr),
         ("calls", i64), ("rest_token", ptr), ("rest_pages", ptr), ("rest_visible", ptr),
         ("rest", i64), ("span_rows", i64), ("span_rest", i64), ("shared_rows", Prefixes),
-        ("shared_rest", Prefixes)]
+        ("shared_rest", Prefixes), ("final_norm", ptr)]
 
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # in Layer's order
@@ -128,6 +128,10 @@ class LayerLoop:
         self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                       cfg.intermediate_size)
         self.eps = cfg.rms_norm_eps
+        norm = model.model.norm
+        if norm.eps != self.eps:
+            raise ValueError(f"the final norm's eps {norm.eps} is not the layers' {self.eps}")
+        self.final_norm = norm.weight.data_ptr()
         self.dtype = layers[0].input_layernorm.weight.dtype
         suffix = cpu_kernels.SUFFIX[self.dtype]
         self.run_layers = getattr(self.kernels._lib, f"run_layers_{suffix}")
@@ -181,10 +185,13 @@ class LayerLoop:
                     *(_at(a) for a in rest), 0 if rest[0] is None else len(rest[0]),
                     self.kernels.row_span(T, kv_heads),
                     self.kernels.row_span(0 if rest[0] is None else len(rest[0]), kv_heads),
-                    *(Prefixes.of(s, heads, head_dim) for s in shared))
+                    *(Prefixes.of(s, heads, head_dim) for s in shared), self.final_norm)
         if self.run_layers(self.layers, len(self.layers), ctypes.byref(step)) != 0:
             raise MemoryError("paged_attention could not allocate its score buffers (ENOMEM)")
-        return self.model.head(x, buffers["delta"], out_rows)
+        h = buffers["h"]                  # every row through the final norm (run_layers)
+        if not len(out_rows):
+            return torch.empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
+        return self.model.logits(h if _every_row(out_rows, T) else h[out_rows])
 
 
 def _at(a: np.ndarray | None) -> int | None:

@@ -239,5 +239,9 @@ class LlamaModel(nn.Module):
         if not _every_row(out_rows, x.shape[0]):
             x, delta = x[out_rows], delta[out_rows]
         _, h = self.ops.add_norm(x, delta, self.model.norm)
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits [R, V] (float32) of rows `h` of the final norm's output."""
         logits = getattr(self.lm_head, "logits", None)    # QuantLinear's: float32 at once
         return logits(h) if logits is not None else self.lm_head(h).float()

@@ -93,12 +93,15 @@ struct step {
     int64_t rest;
     int64_t span_rows, span_rest;    /* the row kernel's kv heads a task, for each set */
     struct prefixes shared_rows, shared_rest;
+    const void *final_norm;          /* where not NULL: h = the final norm of x + delta */
 };
 
 /* The layer loop once per dtype: E the element type, t its suffix. Layers 0 .. n - 1 of
- * a step: x takes each block's output in place, delta holds the last one's
- * (predd.model.LlamaModel.head adds it before the final norm). 0, or -1 where attention
- * could not allocate its scratch (ENOMEM; x is then half-way). */
+ * a step: x takes each block's output in place, delta holds the last one's; with
+ * `final_norm`, x takes that too and h is the model's final norm of every row (what
+ * predd.model.LlamaModel.head computes of the rows it wants: one kernel call less from
+ * Python, whose few ops after the layers cost several times what they cost alone). 0, or
+ * -1 where attention could not allocate its scratch (ENOMEM; x is then half-way). */
 #define LAYERS(E, t, TILES) \
 static void project_##t(const struct projection *p, const E *x, int64_t rows, E *y) \
 { \
@@ -159,6 +162,8 @@ int run_layers_##t(const struct layer *layers, int64_t n, const struct step *s) 
         silu_mul_##t(gate_up, s->act, T, s->inter); \
         project_##t(&l->down, s->act, T, delta); \
     } \
+    if (s->final_norm) \
+        add_rms_norm_##t(x, n ? delta : 0, s->final_norm, h, T, s->C, s->eps); \
     return 0; \
 }
 

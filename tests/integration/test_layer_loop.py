@@ -69,6 +69,24 @@ def test_the_loop_in_c_gives_the_python_loops_bits(gguf_path, dtype):
     assert not torch.equal(fast_pool, torch.zeros_like(fast_pool))
 
 
+def test_some_rows_wanted_or_none_give_the_python_loops_bits(gguf_path):
+    """The C loop puts every row through the final norm; the head takes the wanted rows
+    of it: a call's last row, a call with none (a prefill), or no row at all."""
+    dtype = "bfloat16" if cpu_kernels.kernels().bf16_blocks else "float32"
+    runner = _runner(gguf_path, dtype)
+    torch.manual_seed(1)
+    runner.cache.kv.copy_(torch.randn(runner.cache.kv.shape).to(runner.cache.kv.dtype))
+    shapes = [(1, 40), (5, 17), (3, 0), (1, 100)]
+    for wanted in ([[0], [4], [], [0]], [[], [], [], []]):
+        chunks = _step(shapes)
+        for chunk, rows in zip(chunks, wanted):
+            chunk.outputs = np.array(rows, dtype=np.int64)
+        fast, fast_pool, slow, slow_pool = _both(runner, chunks)
+        assert [f.shape for f in fast] == [(len(rows), 49152) for rows in wanted]
+        assert all(torch.equal(f, s) for f, s in zip(fast, slow))
+        assert torch.equal(fast_pool, slow_pool)
+
+
 def test_forks_shared_pages_give_the_python_loops_bits(gguf_path, monkeypatch):
     """Forks of one document (the first 17 pages of their tables the same) attend to
     them together in blocks (predd --cascade, on by default; groups of 6 rows or more
