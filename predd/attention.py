@@ -205,14 +205,11 @@ class CpuAttention(TorchAttention):
     def rows(tables: PageTables, calls: list[int]
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For `calls`: (new tokens each, then per query row: its token, where its
-        call's page table starts in `tables.indices`, the entries it sees), int64."""
-        n = tables.q_len[calls].astype(np.int64)
-        row_token = tables.query_rows(calls)
-        # row j of a chunk of n after `past` entries sees past + j + 1 of them
-        row_visible = (np.repeat(tables.kv_len[calls].astype(np.int64) - n, n)
-                       + np.arange(len(row_token)) - np.repeat(np.cumsum(n) - n, n) + 1)
-        row_pages = np.repeat(tables.indptr[calls].astype(np.int64), n)
-        return n, row_token, row_pages, row_visible
+        call's page table starts in `tables.indices`, the entries it sees), int64
+        (`Kernels.plan_rows`: row j of a chunk of n after `past` entries sees past + j +
+        1 of them)."""
+        return cpu_kernels.kernels().plan_rows(tables.qo_indptr, tables.kv_len,
+                                               tables.indptr, calls)
 
 
 def flashinfer_problem(device: str, dtype: str) -> tuple[str, str] | None:

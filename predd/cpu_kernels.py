@@ -41,7 +41,7 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c",
            CSRC / "quant_tiles.c", CSRC / "quant_lanes.c", CSRC / "attention_tiles.c",
-           CSRC / "greedy.c", CSRC / "layer_loop.c")
+           CSRC / "greedy.c", CSRC / "layer_loop.c", CSRC / "step_plan.c")
 HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h", CSRC / "quant_blocks.h",
            CSRC / "amx.h", CSRC / "prefetch.h")
 LIBRARY = "predd-cpu"
@@ -228,6 +228,11 @@ class Kernels:
                                                          ptr, ptr, ptr, ptr, ptr, ptr, i64, f32,
                                                          ptr]),
             "store_entries": (None, [ptr, ptr, i64, ptr, ptr, i64, i64, i64]),
+            "plan_rows": (i64, [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr]),
+            "plan_tiles": (i64, [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]),
+            "plan_prefixes": (i64, [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
+                                    ptr]),
+            "plan_step": (None, [i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr]),
             "run_layers_f32": (ctypes.c_int, [ptr, i64, ptr]),
             "run_layers_bf16": (ctypes.c_int, [ptr, i64, ptr]),
         }
@@ -333,18 +338,30 @@ class Kernels:
         (`block_limits.rows` or more, where the blocks run: on AMX tiles or by dot
         products): (their first rows, their row counts, (row_token, row_pages,
         row_visible) of the rows left to the row kernel); None where it takes none. Every
-        array int64 and contiguous."""
+        array int64 and contiguous (predd/csrc/step_plan.c: plan_tiles)."""
         limits = self.block_limits
         if call_rows is None or limits is None:
             return None
         call_rows = np.ascontiguousarray(call_rows, dtype=np.int64)
-        big = call_rows >= limits.rows
-        if not big.any():
+        rows = [np.ascontiguousarray(a, dtype=np.int64) for a in (row_token, row_pages,
+                                                                   row_visible)]
+        firsts, counts = np.empty(len(call_rows), np.int64), np.empty(len(call_rows), np.int64)
+        rest, left = [np.empty(len(rows[0]), np.int64) for _ in range(3)], np.zeros(1, np.int64)
+        calls = self._lib.plan_tiles(call_rows.ctypes.data, len(call_rows), limits.rows,
+                                     *(a.ctypes.data for a in rows), firsts.ctypes.data,
+                                     counts.ctypes.data, *(a.ctypes.data for a in rest),
+                                     left.ctypes.data)
+        if not calls:
             return None
-        rest = np.repeat(~big, call_rows)
-        return (np.ascontiguousarray((np.cumsum(call_rows) - call_rows)[big]),
-                np.ascontiguousarray(call_rows[big]),
-                tuple(np.ascontiguousarray(a[rest]) for a in (row_token, row_pages, row_visible)))
+        return firsts[:calls], counts[:calls], tuple(a[:int(left[0])] for a in rest)
+
+    def shared_prefix_limits(self) -> tuple[int, int]:
+        """(whole pages, rows) a shared prefix group needs at least (`block_limits`);
+        (0, 0) where none are planned: off (predd --cascade off), or no blocks here."""
+        limits = self.block_limits
+        if not (self.shared_prefix and limits):
+            return 0, 0
+        return limits.shared_pages, limits.shared_rows
 
     def shared_prefixes(self, indices: np.ndarray, row_pages: np.ndarray,
                         row_visible: np.ndarray, page_size: int) -> SharedPrefixes | None:
@@ -352,33 +369,40 @@ class Kernels:
         first: rows whose page tables begin with the same pages, `shared_pages` whole
         pages or more before each one's last entry, `shared_rows` rows or more
         (`block_limits`; the rows are grouped by their first page; a group's prefix is
-        what all its rows share). None: no such group, or the blocks do not run here."""
-        limits = self.block_limits
-        if not (self.shared_prefix and page_size and limits) or len(row_pages) < 2:
+        what all its rows share). None: no such group, or the blocks do not run here
+        (predd/csrc/step_plan.c: plan_prefixes)."""
+        pages, least = self.shared_prefix_limits()
+        n = len(row_pages)
+        if not (least and page_size) or n < 2:
             return None
-        whole = (row_visible - 1) // page_size        # pages before each row's last entry
-        rows = np.flatnonzero(whole >= limits.shared_pages)
-        first = indices[row_pages[rows]]
-        order = np.argsort(first, kind="stable")
-        groups: list[tuple[np.ndarray, int]] = []
-        for members in np.split(rows[order], np.flatnonzero(np.diff(first[order])) + 1):
-            if len(members) < limits.shared_rows:
-                continue
-            most = int(whole[members].min())
-            table = indices[row_pages[members][:, None] + np.arange(most)]
-            same = (table == table[0]).all(axis=0)
-            pages = most if same.all() else int(np.argmin(same))
-            if pages >= limits.shared_pages:
-                groups.append((members, pages))
+        row_pages = np.ascontiguousarray(row_pages, dtype=np.int64)
+        row_visible = np.ascontiguousarray(row_visible, dtype=np.int64)
+        index, row, rows, held, start, order = (np.empty(n, np.int64) for _ in range(6))
+        groups = self._lib.plan_prefixes(
+            np.ascontiguousarray(indices, dtype=np.int32).ctypes.data, row_pages.ctypes.data,
+            row_visible.ctypes.data, n, page_size, pages, least, index.ctypes.data,
+            row.ctypes.data, rows.ctypes.data, held.ctypes.data, start.ctypes.data,
+            order.ctypes.data)
         if not groups:
             return None
-        counts = np.array([len(m) for m, _ in groups], dtype=np.int64)
-        start = np.zeros(len(row_pages), dtype=np.int64)
-        for members, pages in groups:
-            start[members] = pages * page_size
-        return SharedPrefixes(np.concatenate([m for m, _ in groups]).astype(np.int64),
-                              np.cumsum(counts) - counts, counts,
-                              np.array([p for _, p in groups], dtype=np.int64), start)
+        return SharedPrefixes(index[:int(row[groups - 1] + rows[groups - 1])],
+                              row[:groups], rows[:groups], held[:groups], start)
+
+    def plan_rows(self, qo_indptr: np.ndarray, kv_len: np.ndarray, indptr: np.ndarray,
+                  calls: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For `calls` of a step's tables (PageTables' int32 arrays): (new tokens each,
+        then per query row: its token, where its call's page table starts in
+        `indices`, the entries it sees), int64 (predd/csrc/step_plan.c: plan_rows)."""
+        at = np.asarray(calls, dtype=np.int64)
+        rows = int(sum(qo_indptr[c + 1] - qo_indptr[c] for c in calls))
+        n = np.empty(len(at), np.int64)
+        token, pages, visible = (np.empty(rows, np.int64) for _ in range(3))
+        most = np.zeros(1, np.int64)
+        arrays = [np.ascontiguousarray(a, dtype=np.int32) for a in (qo_indptr, kv_len, indptr)]
+        self._lib.plan_rows(*(a.ctypes.data for a in arrays), at.ctypes.data, len(at),
+                            token.ctypes.data, pages.ctypes.data, visible.ctypes.data,
+                            n.ctypes.data, most.ctypes.data)
+        return n, token, pages, visible
 
     def attend_shared(self, shared: SharedPrefixes, q: int, q_stride: int, paged: int,
                       page_size: int, kv_heads: int, heads: int, head_dim: int,

@@ -51,15 +51,6 @@ class Prefixes(ctypes.Structure):
     _fields_ = [("index", ptr), ("row", ptr), ("rows", ptr), ("pages", ptr), ("groups", i64),
                 ("start", ptr), ("prior", ptr)]
 
-    @classmethod
-    def of(cls, shared: cpu_kernels.SharedPrefixes | None, heads: int,
-           head_dim: int) -> Prefixes:
-        if shared is None:
-            return cls()
-        return cls(shared.index.ctypes.data, shared.row.ctypes.data, shared.rows.ctypes.data,
-                   shared.pages.ctypes.data, len(shared.rows), shared.start.ctypes.data,
-                   shared.buffer(heads, head_dim).ctypes.data)
-
 
 class Step(ctypes.Structure):
     _fields_ = [(name, i64) for name in ("T", "C", "heads", "kv_heads", "head_dim", "inter",
@@ -135,6 +126,23 @@ class LayerLoop:
         self.dtype = layers[0].input_layernorm.weight.dtype
         suffix = cpu_kernels.SUFFIX[self.dtype]
         self.run_layers = getattr(self.kernels._lib, f"run_layers_{suffix}")
+        self._plan = self.kernels._lib.plan_step
+        self._out = np.zeros(4, np.int64)    # plan_step's counts
+        self._cap = 0                        # rows and calls plan_step's arrays hold
+        self._addresses: list[int] = []
+        self._buffers: tuple[np.ndarray, np.ndarray] | None = None
+
+    def _work(self, rows: int) -> tuple[list[int], int]:
+        """The addresses of plan_step's 16 arrays of `_cap` int64 (predd/csrc/
+        step_plan.c) and of the shared prefixes' prior, for steps of up to `rows` rows and
+        calls: made again only when a step has more."""
+        if rows > self._cap:
+            self._cap = max(rows, 2 * self._cap)
+            heads, _, head_dim, _, _ = self.shape
+            self._buffers = (np.empty((16, self._cap), np.int64),
+                             np.empty((self._cap, heads, head_dim + 2), np.float32))
+            self._addresses = [row.ctypes.data for row in self._buffers[0]]
+        return self._addresses, self._buffers[1].ctypes.data
 
     def takes(self, tables: PageTables) -> bool:
         """Whether the Python loop would call exactly the kernels `run` calls."""
@@ -158,17 +166,16 @@ class LayerLoop:
         if not self.takes(tables):
             return None
         heads, kv_heads, head_dim, hidden, inter = self.shape
-        calls = list(range(len(tables)))
-        n, row_token, row_pages, row_visible = CpuAttention.rows(tables, calls)
-        split = self.kernels.tile_calls(n, row_token, row_pages, row_visible)
-        call_row, call_rows, rest = split if split else (None, None, (None, None, None))
         page_size = self.cache.page_size
+        w, prior = self._work(max(int(tables.qo_indptr[-1]), len(tables)))
+        tile_rows = limits.rows if (limits := self.kernels.block_limits) else 0
+        self._plan(len(tables), tables.qo_indptr.ctypes.data, tables.kv_len.ctypes.data,
+                   tables.indptr.ctypes.data, tables.indices.ctypes.data, page_size, tile_rows,
+                   *self.kernels.shared_prefix_limits(), w[0], self._cap, self._out.ctypes.data)
+        max_visible, calls, rest, groups = self._out.tolist()
         # the shared prefixes of the row kernel's rows: all rows', or the rest's beside
-        # the chunks on tiles (where those fail, so would the prefixes' tiles)
-        plan = self.kernels.shared_prefixes
-        shared = ((plan(tables.indices, row_pages, row_visible, page_size), None) if split is None
-                  else (None, plan(tables.indices, *rest[1:], page_size)))
-        store_rows = np.ascontiguousarray(self.cache.rows(tables.new_slots()), dtype=np.int64)
+        # the calls on the blocks (where those fail, so would the prefixes' blocks)
+        shared = Prefixes(*w[10:14], groups, w[14], prior) if groups else Prefixes()
         x, (cos, sin) = self.model.embed(tokens, positions)
         T = x.shape[0]
         buffers = {name: torch.empty(T, width, dtype=x.dtype) for name, width in (
@@ -178,21 +185,14 @@ class LayerLoop:
                     self.eps, head_dim ** -0.5, x.data_ptr(),
                     *(buffers[name].data_ptr() for name in ("delta", "h", "qkv", "attn",
                                                             "gate_up", "act")),
-                    cos.data_ptr(), sin.data_ptr(), store_rows.ctypes.data,
-                    tables.indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
-                    row_visible.ctypes.data, int(row_visible.max()),
-                    _at(call_row), _at(call_rows), 0 if call_rows is None else len(call_rows),
-                    *(_at(a) for a in rest), 0 if rest[0] is None else len(rest[0]),
-                    self.kernels.row_span(T, kv_heads),
-                    self.kernels.row_span(0 if rest[0] is None else len(rest[0]), kv_heads),
-                    *(Prefixes.of(s, heads, head_dim) for s in shared), self.final_norm)
+                    cos.data_ptr(), sin.data_ptr(), w[3], tables.indices.ctypes.data,
+                    *w[0:3], max_visible, w[5], w[6], calls, *w[7:10], rest,
+                    self.kernels.row_span(T, kv_heads), self.kernels.row_span(rest, kv_heads),
+                    *((Prefixes(), shared) if calls else (shared, Prefixes())),
+                    self.final_norm)
         if self.run_layers(self.layers, len(self.layers), ctypes.byref(step)) != 0:
             raise MemoryError("paged_attention could not allocate its score buffers (ENOMEM)")
         h = buffers["h"]                  # every row through the final norm (run_layers)
         if not len(out_rows):
             return torch.empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
         return self.model.logits(h if _every_row(out_rows, T) else h[out_rows])
-
-
-def _at(a: np.ndarray | None) -> int | None:
-    return None if a is None else a.ctypes.data

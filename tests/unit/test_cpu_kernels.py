@@ -526,3 +526,136 @@ def test_the_cpu_backend_stores_a_layout_the_kernel_declines_with_index_copy():
     want = TorchAttention(ref).prepare(tables)(0, q, k, v)
     assert torch.allclose(got, want, atol=2e-6)
     assert torch.equal(ours.kv, ref.kv)
+
+
+# ------------------------------------------------------------------ the step's plan in C
+
+def _numpy_rows(tables: PageTables, calls: list[int]):
+    """CpuAttention.rows as numpy computed it before predd/csrc/step_plan.c."""
+    n = tables.q_len[calls].astype(np.int64)
+    row_token = tables.query_rows(calls)
+    row_visible = (np.repeat(tables.kv_len[calls].astype(np.int64) - n, n)
+                   + np.arange(len(row_token)) - np.repeat(np.cumsum(n) - n, n) + 1)
+    return n, row_token, np.repeat(tables.indptr[calls].astype(np.int64), n), row_visible
+
+
+def _numpy_tiles(call_rows, limit, row_token, row_pages, row_visible):
+    big = call_rows >= limit
+    if not big.any():
+        return None
+    rest = np.repeat(~big, call_rows)
+    return ((np.cumsum(call_rows) - call_rows)[big], call_rows[big],
+            tuple(a[rest] for a in (row_token, row_pages, row_visible)))
+
+
+def _numpy_prefixes(indices, row_pages, row_visible, page_size, min_pages, min_rows):
+    """Kernels.shared_prefixes as numpy computed it: (index, row, rows, pages, start)."""
+    whole = (row_visible - 1) // page_size
+    rows = np.flatnonzero(whole >= min_pages)
+    first = indices[row_pages[rows]]
+    order = np.argsort(first, kind="stable")
+    groups = []
+    for members in np.split(rows[order], np.flatnonzero(np.diff(first[order])) + 1):
+        if len(members) < min_rows:
+            continue
+        most = int(whole[members].min())
+        table = indices[row_pages[members][:, None] + np.arange(most)]
+        same = (table == table[0]).all(axis=0)
+        pages = most if same.all() else int(np.argmin(same))
+        if pages >= min_pages:
+            groups.append((members, pages))
+    if not groups:
+        return None
+    counts = np.array([len(m) for m, _ in groups])
+    start = np.zeros(len(row_pages), dtype=np.int64)
+    for members, pages in groups:
+        start[members] = pages * page_size
+    return (np.concatenate([m for m, _ in groups]).tolist(), (np.cumsum(counts) - counts).tolist(),
+            counts.tolist(), [p for _, p in groups], start.tolist())
+
+
+SEEDS = 24
+
+
+def _forks_step(seed: int, ps: int = 4) -> PageTables:
+    """Decodes and chunks over forks of three documents (one fork cut short, so that its
+    group's prefix ends early; one diverging after the first document's first page, so
+    that a group's prefix may be too short), and calls of their own."""
+    rng = np.random.default_rng(seed)
+    free = [int(x) for x in rng.permutation(400)]
+    take = lambda n: [free.pop() for _ in range(n)]      # noqa: E731
+    docs = [take(int(rng.integers(3, 9))) for _ in range(3)]
+    tables, kv_lens, q_lens = [], [], []
+    for _ in range(int(rng.integers(6, 20))):
+        kind = int(rng.integers(0, 6))
+        q = 1 if rng.random() < 0.7 else int(rng.integers(2, 9))
+        if kind == 5 and rng.random() < 0.5:
+            kv = len(docs[0]) * ps + 1
+            pages = docs[0][:1] + take(len(docs[0]))
+        elif kind < 3:
+            doc = docs[kind][:len(docs[kind]) - int(rng.integers(0, 2))]
+            own = int(rng.integers(1, 3 * ps))
+            kv = len(doc) * ps + own
+            pages = doc + take(-(-own // ps))
+        else:
+            kv = int(rng.integers(q, 12 * ps))
+            pages = take(-(-kv // ps))
+        tables.append(np.array(pages)); kv_lens.append(kv); q_lens.append(min(q, kv))
+    return PageTables.build(ps, tables, kv_lens, q_lens)
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_the_plan_in_c_is_the_numpy_plan(seed):
+    """plan_rows, plan_tiles and plan_prefixes (through CpuAttention.rows and Kernels)
+    and plan_step at once: the rows, the blocks' calls, the shared prefix groups and the
+    new entries' pool rows numpy made, value for value."""
+    kernels = cpu_kernels.kernels()
+    ps, tile_rows, min_pages, min_rows = 4, 4, 2, 3
+    step = _forks_step(seed, ps)
+    calls = list(range(len(step)))
+    some = calls[::2]
+    for got, want in zip(CpuAttention.rows(step, some), _numpy_rows(step, some)):
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
+    n, token, pages, visible = _numpy_rows(step, calls)
+    tiles = _numpy_tiles(n, tile_rows, token, pages, visible)
+    rest = (token, pages, visible) if tiles is None else tiles[2]
+    prefixes = _numpy_prefixes(step.indices, rest[1], rest[2], ps, min_pages, min_rows)
+    cap = len(token) + 3
+    work, out = np.full((16, cap), -7, np.int64), np.zeros(4, np.int64)
+    kernels._lib.plan_step(len(step), step.qo_indptr.ctypes.data, step.kv_len.ctypes.data,
+                           step.indptr.ctypes.data, step.indices.ctypes.data, ps, tile_rows,
+                           min_pages, min_rows, work.ctypes.data, cap, out.ctypes.data)
+    T = len(token)
+    assert out[0] == int(visible.max())
+    assert [work[k, :T].tolist() for k in range(3)] == [token.tolist(), pages.tolist(),
+                                                        visible.tolist()]
+    cache = PagedKVCache(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=4), 400, ps,
+                         torch.float32, torch.device("cpu"))
+    assert work[3, :T].tolist() == cache.rows(step.new_slots()).tolist()
+    if tiles is None:
+        assert out[1] == 0
+    else:
+        assert out[1] == len(tiles[0]) and out[2] == len(rest[0])
+        assert work[5, :out[1]].tolist() == tiles[0].tolist()
+        assert work[6, :out[1]].tolist() == tiles[1].tolist()
+        assert [work[k, :out[2]].tolist() for k in (7, 8, 9)] == [a.tolist() for a in rest]
+    if prefixes is None:
+        assert out[3] == 0
+        return
+    groups, members = int(out[3]), len(prefixes[0])
+    assert (work[10, :members].tolist(), work[11, :groups].tolist(), work[12, :groups].tolist(),
+            work[13, :groups].tolist(), work[14, :len(rest[0])].tolist()) == prefixes
+
+
+def test_some_forks_steps_have_blocks_and_prefix_groups_to_plan():
+    """The cases above are not all trivial: some steps send calls to the blocks, and
+    some group forks by their prefix (the rest's, or every row's)."""
+    kinds = set()
+    for seed in range(SEEDS):
+        step = _forks_step(seed)
+        n, token, pages, visible = _numpy_rows(step, list(range(len(step))))
+        tiles = _numpy_tiles(n, 4, token, pages, visible)
+        rest = (token, pages, visible) if tiles is None else tiles[2]
+        grouped = _numpy_prefixes(step.indices, rest[1], rest[2], 4, 2, 3) is not None
+        kinds.add((tiles is not None, grouped))
+    assert {(True, True), (False, True), (True, False)} <= kinds
