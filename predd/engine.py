@@ -343,14 +343,7 @@ class Engine:
         the calls answered for good."""
         times = self.counters.time_s
         prepared = time.perf_counter()
-        items, chunks = [], []
-        for item in plan.items:
-            try:
-                chunks.append(self._chunk(item))
-                items.append(item)
-            except Exception as exc:
-                settled.add(item.call.cid)
-                self._fail(item.call, exc)
+        items, chunks = self._chunks(plan.items, settled)
         started = time.monotonic()
         times["prepare"] += time.perf_counter() - prepared
         results = self._execute(chunks)
@@ -387,14 +380,39 @@ class Engine:
         self.scheduler.update(Plan(ran), finished, time.monotonic(), elapsed)
         times["outputs"] += time.perf_counter() - finishing
 
-    def _chunk(self, item: PlanItem) -> Chunk:
-        """The runner's view of one call's chunk: it attends to the object's entries, the
-        call's earlier (not yet committed) tokens and itself."""
-        call = item.call
-        tokens, positions, wanted = call.chunk(item.start, item.count)
-        obj = self.store.get(call.oid)
-        kv_len = obj.length + item.start + item.count - call.committed
-        return Chunk(tokens, positions, self.store.page_table(obj, kv_len), kv_len, wanted)
+    def _chunks(self, plan: list[PlanItem], settled: set[int]
+                ) -> tuple[list[PlanItem], list[Chunk]]:
+        """The runner's view of each call's chunk: it attends to the object's entries,
+        the call's earlier (not yet committed) tokens and itself. The page tables come
+        from one lookup for the step; a call whose chunk cannot be made fails alone
+        (into `settled`)."""
+        items, parts = [], []
+        for item in plan:
+            try:
+                call = item.call
+                tokens, positions, wanted = call.chunk(item.start, item.count)
+                obj = self.store.get(call.oid)
+                kv_len = obj.length + item.start + item.count - call.committed
+                parts.append((tokens, positions, obj, kv_len, wanted))
+                items.append(item)
+            except Exception as exc:
+                settled.add(item.call.cid)
+                self._fail(item.call, exc)
+        try:
+            tables = self.store.page_tables([(obj, kv_len) for _, _, obj, kv_len, _ in parts])
+        except Exception:       # one call's table is wrong: find it, the others go on
+            tables = []
+            for item, (_, _, obj, kv_len, _) in zip(items, parts):
+                try:
+                    tables.append(self.store.page_tables([(obj, kv_len)])[0])
+                except Exception as exc:
+                    settled.add(item.call.cid)
+                    self._fail(item.call, exc)
+                    tables.append(None)
+        chunks = [Chunk(tokens, positions, table, kv_len, wanted) for
+                  (tokens, positions, _, kv_len, wanted), table in zip(parts, tables)
+                  if table is not None]
+        return [item for item, table in zip(items, tables) if table is not None], chunks
 
     def _execute(self, chunks: list[Chunk]) -> list[torch.Tensor | Exception]:
         """runner.execute, isolating failures: if the batch raises, its halves run

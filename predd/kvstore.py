@@ -230,11 +230,16 @@ class KVStore:
         idx = np.arange(start, end)
         return pages[idx // ps - first] * ps + idx % ps
 
-    def page_table(self, obj: KVObject, length: int) -> np.ndarray:
-        """The device slots of the pages holding `obj`'s first `length` entries
-        (reserved ones included), in order: what the runner reads a call's context
-        through. They must all be on the device (predd/memory.py brings them in)."""
-        return self.pool.device_slots(obj.pages[:self.pages_for(length)]).astype(np.int32)
+    def page_tables(self, wanted: list[tuple[KVObject, int]]) -> list[np.ndarray]:
+        """For each (object, length): the device slots of the pages holding its first
+        `length` entries (reserved ones included), in order, int32: what the runner reads
+        a call's context through. They must all be on the device (predd/memory.py brings
+        them in). One lookup for a step's calls, not one each."""
+        lists = [obj.pages[:self.pages_for(length)] for obj, length in wanted]
+        flat = self.pool.device_slots(list(itertools.chain.from_iterable(lists)))
+        flat = flat.astype(np.int32)
+        ends = list(itertools.accumulate(len(pages) for pages in lists))
+        return [flat[end - len(pages):end] for pages, end in zip(lists, ends)]
 
     def entries(self, oid: int, start: int = 0, end: int | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:

@@ -75,6 +75,33 @@ def test_a_pass_that_fails_for_one_call_fails_that_call_alone():
     assert h.ok(C, "pred", cap=kv_c, tokens=[1, 2], topk=1)   # the object still serves
 
 
+def test_a_call_whose_page_table_cannot_be_made_fails_alone(monkeypatch):
+    """The step's page tables come from one lookup; where it fails (a bug: a page off
+    the device), each call's is made alone, and only the call it fails for gets EIO."""
+    h = Harness()
+    kv_c = prefilled(h, C, [21, 22, 23, 24, 25], 100)
+    before = (h.entries(kv_c), h.kv_of(kv_c).copy(), h.free_pages())
+    bad_oid = h.engine.caps.lookup(kv_c).oid
+    lookup = h.engine.store.page_tables
+
+    def page_tables(wanted):
+        if any(obj.oid == bad_oid for obj, _ in wanted):
+            raise AssertionError("page table with a page off the device")
+        return lookup(wanted)
+
+    monkeypatch.setattr(h.engine.store, "page_tables", page_tables)
+    rids = start_generates(h)
+    bad = h.send(C, "pred", cap=kv_c, tokens=[1, 2, 3])
+    h.drain()
+    assert h.reply(C, bad) == {"rid": bad, "ok": False, "error": {
+        "code": "EIO", "message": "internal error: AssertionError: page table with a page "
+                                  "off the device"}}
+    check_good_calls(h, rids)
+    assert (h.entries(kv_c), h.free_pages()) == (before[0], before[2] - GOOD_PAGES)
+    monkeypatch.undo()
+    h.clean()
+
+
 def test_a_chunked_prefill_failing_in_its_last_chunk_leaves_nothing_half_done():
     h = Harness(token_budget=16)
     kv_c = prefilled(h, C, [21, 22, 23], 0)

@@ -1178,3 +1178,21 @@ def test_non_finite_k_v_is_found_in_every_dtype():
         assert _finite(ok, dtype)
         for bad in (np.inf, -np.inf, np.nan):
             assert not _finite(np.append(ok, np.array([bad], dtype)), dtype)
+
+
+def test_page_tables_are_each_object_s_device_slots_from_one_lookup():
+    """A step's page tables at once: each object's pages holding its first `length`
+    entries (a reservation included), as device slots, int32; an empty object has none."""
+    w = World(num_pages=32, page_size=4)
+    a = w.filled(10)                             # 3 pages
+    b = w.fork(a)                                # the same pages
+    w.store.reserve(b, 3)                        # a copy of the last page, and one more
+    c = w.store.create()
+    objs = [w.store.get(a), w.store.get(b), c]
+    tables = w.store.page_tables([(objs[0], 10), (objs[1], 13), (objs[2], 0)])
+    pool = w.store.pool
+    want = [pool.slot[objs[0].pages[:3]], pool.slot[objs[1].pages[:4]], []]
+    assert [t.dtype for t in tables] == [np.int32] * 3
+    assert [t.tolist() for t in tables] == [list(x) for x in want]
+    assert tables[0].tolist() != tables[1].tolist()[:3]      # b's third page is its own
+    assert w.store.page_tables([(objs[0], 5)])[0].tolist() == list(want[0][:2])
