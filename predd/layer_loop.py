@@ -131,17 +131,27 @@ class LayerLoop:
         self._cap = 0                        # rows and calls plan_step's arrays hold
         self._addresses: list[int] = []
         self._buffers: tuple[np.ndarray, np.ndarray] | None = None
+        self._rows: dict[str, torch.Tensor] = {}    # delta, h, qkv, attn, gate_up, act
+        self._rows_at: list[int] = []
 
     def _work(self, rows: int) -> tuple[list[int], int]:
         """The addresses of plan_step's 16 arrays of `_cap` int64 (predd/csrc/
         step_plan.c) and of the shared prefixes' prior, for steps of up to `rows` rows and
-        calls: made again only when a step has more."""
+        calls, and the layers' buffers of as many rows (`_rows`, their addresses in
+        Step's order `_rows_at`): made again only when a step has more."""
         if rows > self._cap:
             self._cap = max(rows, 2 * self._cap)
-            heads, _, head_dim, _, _ = self.shape
+            heads, kv_heads, head_dim, hidden, inter = self.shape
             self._buffers = (np.empty((16, self._cap), np.int64),
                              np.empty((self._cap, heads, head_dim + 2), np.float32))
             self._addresses = [row.ctypes.data for row in self._buffers[0]]
+            self._rows = {name: torch.empty(self._cap, width, dtype=self.dtype)
+                          for name, width in (
+                              ("delta", hidden), ("h", hidden),
+                              ("qkv", (heads + 2 * kv_heads) * head_dim),
+                              ("attn", heads * head_dim), ("gate_up", 2 * inter),
+                              ("act", inter))}
+            self._rows_at = [b.data_ptr() for b in self._rows.values()]
         return self._addresses, self._buffers[1].ctypes.data
 
     def takes(self, tables: PageTables) -> bool:
@@ -158,16 +168,18 @@ class LayerLoop:
                  for m in self.quant), default=sys.maxsize))
         return self._limits[1]
 
-    @torch.inference_mode()
     def run(self, tables: PageTables, tokens: torch.Tensor, positions: torch.Tensor,
             out_rows: torch.Tensor) -> torch.Tensor | None:
         """The step's logits as `LlamaModel.forward` returns them, or None (nothing
-        done) where `takes` says no."""
+        done) where `takes` says no. (No autograd to turn off: every op here is a
+        kernel of tensors that need no gradient; the head's torch fallback turns it off
+        itself.)"""
         if not self.takes(tables):
             return None
         heads, kv_heads, head_dim, hidden, inter = self.shape
         page_size = self.cache.page_size
-        w, prior = self._work(max(int(tables.qo_indptr[-1]), len(tables)))
+        T = int(tables.qo_indptr[-1])
+        w, prior = self._work(max(T, len(tables)))
         tile_rows = limits.rows if (limits := self.kernels.block_limits) else 0
         self._plan(len(tables), tables.qo_indptr.ctypes.data, tables.kv_len.ctypes.data,
                    tables.indptr.ctypes.data, tables.indices.ctypes.data, page_size, tile_rows,
@@ -177,14 +189,8 @@ class LayerLoop:
         # the calls on the blocks (where those fail, so would the prefixes' blocks)
         shared = Prefixes(*w[10:14], groups, w[14], prior) if groups else Prefixes()
         x, (cos, sin) = self.model.embed(tokens, positions)
-        T = x.shape[0]
-        buffers = {name: torch.empty(T, width, dtype=x.dtype) for name, width in (
-            ("delta", hidden), ("h", hidden), ("qkv", (heads + 2 * kv_heads) * head_dim),
-            ("attn", heads * head_dim), ("gate_up", 2 * inter), ("act", inter))}
         step = Step(T, hidden, heads, kv_heads, head_dim, inter, self.cache.page_size,
-                    self.eps, head_dim ** -0.5, x.data_ptr(),
-                    *(buffers[name].data_ptr() for name in ("delta", "h", "qkv", "attn",
-                                                            "gate_up", "act")),
+                    self.eps, head_dim ** -0.5, x.data_ptr(), *self._rows_at,
                     cos.data_ptr(), sin.data_ptr(), w[3], tables.indices.ctypes.data,
                     *w[0:3], max_visible, w[5], w[6], calls, *w[7:10], rest,
                     self.kernels.row_span(T, kv_heads), self.kernels.row_span(rest, kv_heads),
@@ -192,7 +198,7 @@ class LayerLoop:
                     self.final_norm)
         if self.run_layers(self.layers, len(self.layers), ctypes.byref(step)) != 0:
             raise MemoryError("paged_attention could not allocate its score buffers (ENOMEM)")
-        h = buffers["h"]                  # every row through the final norm (run_layers)
+        h = self._rows["h"][:T]           # every row through the final norm (run_layers)
         if not len(out_rows):
             return torch.empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
         return self.model.logits(h if _every_row(out_rows, T) else h[out_rows])

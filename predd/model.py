@@ -244,4 +244,7 @@ class LlamaModel(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The logits [R, V] (float32) of rows `h` of the final norm's output."""
         logits = getattr(self.lm_head, "logits", None)    # QuantLinear's: float32 at once
-        return logits(h) if logits is not None else self.lm_head(h).float()
+        if logits is not None:
+            return logits(h)
+        with torch.inference_mode():        # (a caller outside it: the layer loop's head)
+            return self.lm_head(h).float()

@@ -119,7 +119,8 @@ class QuantLinear(nn.Module):
         limit = self.limit if self.limit is not None else self.default_limit(x.dtype)
         if x.dtype == torch.bfloat16 and x.shape[0] <= limit and self.run_logits is not None:
             return self.run_logits(x.contiguous())
-        return self(x).float()
+        with torch.inference_mode():        # (a caller outside it: the layer loop's head)
+            return self(x).float()
 
     def default_limit(self, dtype: torch.dtype) -> int:
         """Up to how many rows of `dtype` the blocks are used before `calibrate`."""
