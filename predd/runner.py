@@ -242,9 +242,8 @@ class Runner:
                                   [c.kv_len for c in chunks], [len(c.tokens) for c in chunks])
         tokens = np.concatenate([c.tokens for c in chunks]).astype(np.int64)
         positions = np.concatenate([c.positions for c in chunks]).astype(np.int64)
-        out_rows = np.concatenate(
-            [c.outputs + start for c, start in zip(chunks, tables.qo_indptr)] if logits
-            else [np.zeros(0, np.int64)]).astype(np.int64)
+        out_rows = np.array([row + start for c, start in zip(chunks, tables.qo_indptr.tolist())
+                             for row in c.outputs.tolist()] if logits else [], dtype=np.int64)
         if self.graphs and logits:
             out = self.graphs.run(tables, tokens, positions, out_rows)
             if out is not None:
