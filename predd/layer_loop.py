@@ -26,7 +26,7 @@ import torch
 
 from predd import cpu_kernels
 from predd.attention import CpuAttention
-from predd.model import LlamaModel, _every_row
+from predd.model import LlamaModel, every_row
 from predd.page_table import PageTables
 from predd.paged_kv import PagedKVCache
 from predd.quant_linear import QuantLinear
@@ -97,6 +97,8 @@ def problem(model: LlamaModel, backend, dtype: torch.dtype, tp: bool) -> str | N
             if not isinstance(m, QuantLinear) or m.blocks.kind not in KINDS:
                 return (f"layer {i}'s {name} is not computed from Q4_1 or Q8_0 blocks "
                         "(--linear quantized)")
+    if model.model.norm.eps != model.cfg.rms_norm_eps:      # run_layers ends with it
+        return "the final norm's eps is not the layers'"
     return None
 
 
@@ -119,10 +121,7 @@ class LayerLoop:
         self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                       cfg.intermediate_size)
         self.eps = cfg.rms_norm_eps
-        norm = model.model.norm
-        if norm.eps != self.eps:
-            raise ValueError(f"the final norm's eps {norm.eps} is not the layers' {self.eps}")
-        self.final_norm = norm.weight.data_ptr()
+        self.final_norm = model.model.norm.weight.data_ptr()   # (its eps: `problem`)
         self.dtype = layers[0].input_layernorm.weight.dtype
         suffix = cpu_kernels.SUFFIX[self.dtype]
         self.run_layers = getattr(self.kernels._lib, f"run_layers_{suffix}")
@@ -201,4 +200,4 @@ class LayerLoop:
         h = self._rows["h"][:T]           # every row through the final norm (run_layers)
         if not len(out_rows):
             return torch.empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
-        return self.model.logits(h if _every_row(out_rows, T) else h[out_rows])
+        return self.model.logits(h if every_row(out_rows, T) else h[out_rows])

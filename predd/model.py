@@ -170,7 +170,7 @@ def fuse(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _every_row(rows: torch.Tensor, count: int) -> bool:
+def every_row(rows: torch.Tensor, count: int) -> bool:
     """Whether `rows` (CPU int64) is 0, 1, .., count - 1."""
     if rows.device.type != "cpu" or rows.numel() != count:
         return False
@@ -236,7 +236,7 @@ class LlamaModel(nn.Module):
         # the wanted rows only, through the layers' own add-and-norm (CpuOps: one kernel
         # call, where torch's RMSNorm took ~10 ops, ~0.12 ms a decode step on 2 cores);
         # every row in order (a step of decodes) needs no copies (~20 us)
-        if not _every_row(out_rows, x.shape[0]):
+        if not every_row(out_rows, x.shape[0]):
             x, delta = x[out_rows], delta[out_rows]
         _, h = self.ops.add_norm(x, delta, self.model.norm)
         return self.logits(h)

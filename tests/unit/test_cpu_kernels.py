@@ -360,13 +360,13 @@ def test_rotary_at_and_embed_look_up_what_the_torch_ops_compute():
 def test_the_head_copies_rows_unless_it_wants_every_row_in_order():
     """LlamaModel.head takes x and delta as they are only for rows 0 .. T - 1 in order (a
     step of decodes); any other set (a subset, a repeat, another order) is gathered."""
-    from predd.model import _every_row
+    from predd.model import every_row
     rows = lambda *r: torch.tensor(r, dtype=torch.int64)   # noqa: E731
-    assert _every_row(rows(0), 1) and _every_row(rows(0, 1), 2)
-    assert _every_row(torch.arange(64), 64) and _every_row(rows(), 0)
+    assert every_row(rows(0), 1) and every_row(rows(0, 1), 2)
+    assert every_row(torch.arange(64), 64) and every_row(rows(), 0)
     for r, count in (((1,), 1), ((0,), 2), ((0, 0), 2), ((1, 0), 2), ((0, 2, 1, 3), 4),
                      ((0, 0, 3, 3), 4), ((0, 1, 1, 3), 4), ((), 1), ((0, 1, 2), 4)):
-        assert not _every_row(rows(*r), count), r
+        assert not every_row(rows(*r), count), r
 
 @pytest.mark.parametrize("rows", [1, 300])
 def test_cpu_ops_in_bfloat16(rows):
