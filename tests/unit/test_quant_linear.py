@@ -3,6 +3,7 @@ from Q4_1 / Q8_0 blocks give F.linear's result on the dequantised weights, are u
 up to QUANT_ROWS rows only, and find their blocks under the model's fused names."""
 from __future__ import annotations
 
+import contextlib
 import numpy as np
 import pytest
 import torch
@@ -102,13 +103,21 @@ def test_bf16_block_kernel_is_the_bf16_weight_times_bf16_rows_rounded_once(
     products summed in float32, the result rounded to bf16 once: the float32 sum of the
     same bf16 values rounded, give or take the last bit (another order of the sum). Both
     kernels: AMX tiles (where the CPU has them) and dot products at every row count."""
+    with _bf16_kernel(tiles):
+        _check_bf16_block_kernel(kind, rows, out, bias, cols)
+
+
+@contextlib.contextmanager
+def _bf16_kernel(tiles: bool):
+    """The bf16 block kernels by AMX tiles (skipped where the CPU has none) or, with the
+    tiles turned off for the block, by dot products at every row count."""
     kernels = cpu_kernels.kernels()
     if tiles and not kernels.bf16_tiles:
         pytest.skip("this CPU has no AMX-BF16 tiles (or the kernel does not grant them)")
     if not tiles:
         kernels.use_bf16_tiles(False)
     try:
-        _check_bf16_block_kernel(kind, rows, out, bias, cols)
+        yield kernels
     finally:
         kernels.use_bf16_tiles(True)
 
@@ -253,19 +262,13 @@ def test_a_bfloat16_model_holds_its_blocks_in_tiles_and_a_float32_one_by_rows():
 
 
 @BF16_DOTS
-@BF16_DOTS
 @pytest.mark.parametrize("rows", [1, 5, 8, 13, 50])   # few rows, many rows, two passes
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tiles", [True, False], ids=["amx", "dots"])
 def test_the_widened_head_kernel_stores_the_bf16_kernel_s_values_as_float32(rows, bias, tiles):
     """A head's logits (bind(widen=True)) are the bf16 kernel's result widened, bit for
     bit, at every row count and by either kernel."""
-    kernels = cpu_kernels.kernels()
-    if tiles and not kernels.bf16_tiles:
-        pytest.skip("this CPU has no AMX-BF16 tiles (or the kernel does not grant them)")
-    if not tiles:
-        kernels.use_bf16_tiles(False)
-    try:
+    with _bf16_kernel(tiles) as kernels:
         blocks, _ = random_blocks("Q8_0", 70, 160, seed=rows)
         gen = torch.Generator().manual_seed(rows)
         x = torch.randn(rows, 160, generator=gen).to(torch.bfloat16)
@@ -273,8 +276,6 @@ def test_the_widened_head_kernel_stores_the_bf16_kernel_s_values_as_float32(rows
         got = kernels.bind(blocks, b, torch.bfloat16, widen=True)(x)
         assert got.dtype == torch.float32 and got.shape == (rows, 70)
         assert torch.equal(got, kernels.bind(blocks, b, torch.bfloat16)(x).float())
-    finally:
-        kernels.use_bf16_tiles(True)
 
 
 def test_the_widened_result_is_refused_for_other_rows_or_blocks():
@@ -305,6 +306,7 @@ def test_a_head_s_logits_are_its_forward_in_float32_from_blocks_up_to_its_limit(
         assert torch.equal(layer.logits(x), inner(x).float())     # limit + 1: the inner
 
 
+@BF16_DOTS
 def test_a_bfloat16_model_with_bf16_dots_takes_them_up_to_its_limit():
     blocks, weight = random_blocks("Q8_0", 6, 64)
     inner = nn.Linear(64, 6, bias=False).to(torch.bfloat16)
