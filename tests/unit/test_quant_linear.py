@@ -288,13 +288,19 @@ def test_the_widened_result_is_refused_for_other_rows_or_blocks():
         kernels.bind(blocks, None, torch.float32, widen=True)
 
 
-@BF16_DOTS
-def test_a_head_s_logits_are_its_forward_in_float32_from_blocks_up_to_its_limit():
+def _q8_0_layer(dtype: torch.dtype = torch.float32):
+    """(a QuantLinear of 6 x 64 Q8_0 blocks in a model of `dtype`, its bf16 inner
+    Linear holding twice the weight, so that the two paths tell apart; the weight)."""
     blocks, weight = random_blocks("Q8_0", 6, 64)
     inner = nn.Linear(64, 6, bias=False).to(torch.bfloat16)
     with torch.no_grad():
-        inner.weight.copy_(torch.from_numpy(weight) * 2)     # tell the two paths apart
-    layer = quant_linear.QuantLinear(inner, blocks, cpu_kernels.kernels(), torch.bfloat16)
+        inner.weight.copy_(torch.from_numpy(weight) * 2)
+    return quant_linear.QuantLinear(inner, blocks, cpu_kernels.kernels(), dtype), inner, weight
+
+
+@BF16_DOTS
+def test_a_head_s_logits_are_its_forward_in_float32_from_blocks_up_to_its_limit():
+    layer, inner, _ = _q8_0_layer(torch.bfloat16)
     limit = quant_linear.BF16_NATIVE_ROWS
     with torch.inference_mode():
         for rows in (1, limit, limit + 1):
@@ -308,11 +314,7 @@ def test_a_head_s_logits_are_its_forward_in_float32_from_blocks_up_to_its_limit(
 
 @BF16_DOTS
 def test_a_bfloat16_model_with_bf16_dots_takes_them_up_to_its_limit():
-    blocks, weight = random_blocks("Q8_0", 6, 64)
-    inner = nn.Linear(64, 6, bias=False).to(torch.bfloat16)
-    with torch.no_grad():
-        inner.weight.copy_(torch.from_numpy(weight) * 2)     # tell the two paths apart
-    layer = quant_linear.QuantLinear(inner, blocks, cpu_kernels.kernels())
+    layer, _, weight = _q8_0_layer()
     limit = quant_linear.BF16_NATIVE_ROWS
     w16 = torch.from_numpy(weight).to(torch.bfloat16).float()
     with torch.inference_mode():
