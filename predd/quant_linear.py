@@ -105,19 +105,21 @@ class QuantLinear(nn.Module):
     @functools.cached_property
     def run_logits(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return (self.kernels.bind(self.blocks, self.bias, torch.bfloat16, widen=True)
-                if self.kernels.bf16_blocks and self.blocks.kind == "Q8_0"
-                and not self.blocks.lanes else None)
+                if self.kernels.bf16_blocks and self.blocks.kind == "Q8_0" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.from_blocks(x) if self.takes(x) else self.inner(x)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether x's rows are computed from the blocks (up to `limit` rows)."""
         limit = self.limit if self.limit is not None else self.default_limit(x.dtype)
-        return self.inner(x) if x.shape[0] > limit else self.from_blocks(x)
+        return x.shape[0] <= limit
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x) in float32 (a model's head): from bf16 rows and Q8_0 blocks the
         kernel stores the bf16 result widened, the same values without a second pass
         (~0.1 ms of a decode step of 8 calls)."""
-        limit = self.limit if self.limit is not None else self.default_limit(x.dtype)
-        if x.dtype == torch.bfloat16 and x.shape[0] <= limit and self.run_logits is not None:
+        if x.dtype == torch.bfloat16 and self.run_logits is not None and self.takes(x):
             return self.run_logits(x.contiguous())
         with torch.inference_mode():        # (a caller outside it: the layer loop's head)
             return self(x).float()
