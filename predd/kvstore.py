@@ -119,7 +119,7 @@ class KVStore:
         start = obj.length + obj.reserved
         ps = self.page_size
         cow = self._needs_copy(obj)
-        fresh = self.pool.alloc(max(self.pages_for(start + n) - len(obj.pages), 0) + cow)
+        fresh = self.pool.alloc(self._fresh(obj, n, cow))
         if cow:
             self._copy_page(obj, start // ps, start % ps, fresh.pop())
         obj.pages.extend(fresh)
@@ -183,8 +183,11 @@ class KVStore:
     def pages_needed(self, oid: int, n: int) -> int:
         """Fresh pages `reserve(oid, n)` would take (copy-on-write included)."""
         obj = self.get(oid)
-        grow = self.pages_for(obj.length + obj.reserved + n) - len(obj.pages)
-        return max(grow, 0) + int(self._needs_copy(obj))
+        return self._fresh(obj, n, self._needs_copy(obj))
+
+    def _fresh(self, obj: KVObject, n: int, cow: bool) -> int:
+        """Fresh pages for n more entries of `obj`, and one for its copy-on-write."""
+        return max(self.pages_for(obj.length + obj.reserved + n) - len(obj.pages), 0) + int(cow)
 
     def commit(self, oid: int, tokens: Sequence[int], positions: Sequence[int]) -> None:
         """The next len(tokens) reserved slots now hold K/V: make them entries (ids and
