@@ -355,13 +355,17 @@ class Kernels:
             return None
         return firsts[:calls], counts[:calls], tuple(a[:int(left[0])] for a in rest)
 
-    def shared_prefix_limits(self) -> tuple[int, int]:
-        """(whole pages, rows) a shared prefix group needs at least (`block_limits`);
-        (0, 0) where none are planned: off (predd --cascade off), or no blocks here."""
+    def plan_limits(self) -> tuple[int, int, int]:
+        """What a step's plan takes from `block_limits` (read once): (the rows from which
+        a call goes to the blocks, 0 where they do not run; the whole pages and the rows
+        a shared prefix group needs at least, 0 and 0 where none are planned: off (predd
+        --cascade off), or no blocks here)."""
         limits = self.block_limits
-        if not (self.shared_prefix and limits):
-            return 0, 0
-        return limits.shared_pages, limits.shared_rows
+        if limits is None:
+            return 0, 0, 0
+        if not self.shared_prefix:
+            return limits.rows, 0, 0
+        return limits.rows, limits.shared_pages, limits.shared_rows
 
     def shared_prefixes(self, indices: np.ndarray, row_pages: np.ndarray,
                         row_visible: np.ndarray, page_size: int) -> SharedPrefixes | None:
@@ -371,7 +375,7 @@ class Kernels:
         (`block_limits`; the rows are grouped by their first page; a group's prefix is
         what all its rows share). None: no such group, or the blocks do not run here
         (predd/csrc/step_plan.c: plan_prefixes)."""
-        pages, least = self.shared_prefix_limits()
+        _, pages, least = self.plan_limits()
         n = len(row_pages)
         if not (least and page_size) or n < 2:
             return None

@@ -179,10 +179,9 @@ class LayerLoop:
         page_size = self.cache.page_size
         T = int(tables.qo_indptr[-1])
         w, prior = self._work(max(T, len(tables)))
-        tile_rows = limits.rows if (limits := self.kernels.block_limits) else 0
         self._plan(len(tables), tables.qo_indptr.ctypes.data, tables.kv_len.ctypes.data,
-                   tables.indptr.ctypes.data, tables.indices.ctypes.data, page_size, tile_rows,
-                   *self.kernels.shared_prefix_limits(), w[0], self._cap, self._out.ctypes.data)
+                   tables.indptr.ctypes.data, tables.indices.ctypes.data, page_size,
+                   *self.kernels.plan_limits(), w[0], self._cap, self._out.ctypes.data)
         max_visible, calls, rest, groups = self._out.tolist()
         # the shared prefixes of the row kernel's rows: all rows', or the rest's beside
         # the calls on the blocks (where those fail, so would the prefixes' blocks)
