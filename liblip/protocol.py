@@ -385,7 +385,7 @@ class InfoReply(Reply):
     max_message_bytes: int
     host_pages: int = 0        # the host tier (0: none)
     disk_pages: int = 0        # the disk tier (0: none)
-    linear: str = ""           # the projections: quantized, packed or plain (predd --linear)
+    linear: str = ""           # the projections: int8, quantized, packed or plain (predd --linear)
     linear_reason: str = ""    # why, and where quantized up to how many rows (measured)
     cuda_graphs: bool = False  # decode steps replayed as CUDA graphs (predd --cuda-graphs)
     cuda_graphs_reason: str = ""   # why (on or off)

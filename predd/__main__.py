@@ -6,7 +6,7 @@
           [--max-batch N] [--lease S] [--threads N] [--session-quota PAGES]
           [--uid-quota PAGES] [--latency-factor F] [--auth-keys FILE]
           [--host-pages N] [--disk-pages N] [--swap-dir DIR] [--pin-quota PAGES]
-          [--admit-wait S] [--linear auto|plain|packed|quantized] [--quant-rows N] [--tp N]
+          [--admit-wait S] [--linear auto|plain|packed|quantized|int8] [--quant-rows N] [--tp N]
           [--dist-backend auto|gloo|nccl]
 
 Prints `ready <addr>` on stdout once it serves; progress and logs go to stderr.
@@ -70,13 +70,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--linear", default="auto", choices=LINEAR_CHOICES,
                     help="projections: quantized (packed, and computed from a GGUF's "
-                    "Q4_1/Q8_0 blocks at decode's few rows), packed (float32 weights laid "
-                    "out once for oneDNN) or plain nn.Linear; auto (default): the first "
-                    "of quantized and packed that runs here")
+                    "Q4_1/Q8_0 blocks at decode's few rows), int8 (the same, by int8 dot "
+                    "products over rows quantised per block, as llama.cpp computes; "
+                    "float32 models), packed (float32 weights laid out once for oneDNN) "
+                    "or plain nn.Linear; auto (default): int8 where --dtype auto chose "
+                    "float32 on a CPU with AVX2, else the first of quantized and packed "
+                    "that runs here")
     ap.add_argument("--quant-rows", type=int, default=None, metavar="N",
                     help="with quantized projections: compute from the blocks up to N "
-                    "rows, dense beyond (default: measured at start-up; fix it for "
-                    "the same sums run after run)")
+                    "rows, dense beyond (default: measured on the first start on this "
+                    "machine and kept in the cache dir, so every start sums alike)")
     ap.add_argument("--session-quota", type=int, default=0, metavar="PAGES",
                     help="KV pages one session may hold (0: no limit; EDQUOT beyond)")
     ap.add_argument("--uid-quota", type=int, default=None, metavar="PAGES",

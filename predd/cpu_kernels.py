@@ -41,7 +41,7 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c",
            CSRC / "quant_tiles.c", CSRC / "quant_lanes.c", CSRC / "attention_tiles.c",
-           CSRC / "greedy.c", CSRC / "layer_loop.c", CSRC / "step_plan.c")
+           CSRC / "greedy.c", CSRC / "layer_loop.c", CSRC / "step_plan.c", CSRC / "quant_int8.c")
 HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h", CSRC / "quant_blocks.h",
            CSRC / "amx.h", CSRC / "prefetch.h")
 LIBRARY = "predd-cpu"
@@ -126,7 +126,8 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """/proc/cpuinfo's line of the CPU's flags (else the platform's name for the CPU)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")
@@ -154,13 +155,13 @@ def _build(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEAD
         raise KernelUnavailable(f"{compiler} --version failed: {exc}") from None
     texts = [p.read_text() for p in (*sources, *headers)]
     key = hashlib.sha256("\0".join([*texts, *flags, version, platform.machine(),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+                                    cpu_flags()]).encode()).hexdigest()[:16]
     last_error = ""
     for where in (cache_dir(), Path(tempfile.gettempdir()) / f"symphony-kernels-{os.geteuid()}"):
         target = where / f"{name}-{key}.so"
         try:
             where.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if not _ours(where):     # a library someone else could replace: never load it
+            if not owned_alone(where):     # a library someone else could replace: never load it
                 last_error = f"{where} is not this user's alone"
                 continue
             if target.exists():
@@ -184,7 +185,7 @@ def _build(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEAD
     raise KernelUnavailable(last_error)
 
 
-def _ours(where: Path) -> bool:
+def owned_alone(where: Path) -> bool:
     """Whether `where` is owned by this euid and writable by no one else."""
     st = where.stat()
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
@@ -202,6 +203,7 @@ class Kernels:
             lib = ctypes.CDLL(str(path))
         except OSError as exc:
             raise KernelUnavailable(f"cannot load {path.name}: {exc}") from None
+        self.path = path
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         attention = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i64,
                      ptr, ptr]
@@ -219,6 +221,9 @@ class Kernels:
             "linear_q8_0_bf16": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
             "linear_q8_0_bf16_f32": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
             "linear_q4_1_lanes_bf16": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
+            "linear_q4_1_int8": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
+            "linear_q8_0_int8": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
+            "linear_int8_vector": (ctypes.c_int, []),
             "linear_bf16_native": (ctypes.c_int, []),
             "linear_bf16_tiles": (ctypes.c_int, [ctypes.c_int]),
             "attention_tiles_bf16": (ctypes.c_int, [ctypes.c_int]),
@@ -244,6 +249,9 @@ class Kernels:
         self._lib = lib
         # the block kernels take bfloat16 rows where the CPU has bf16 dot products
         self.bf16_blocks = bool(lib.linear_bf16_native())
+        # how the int8 block kernels (predd/csrc/quant_int8.c) sum: "vnni" (VPDPBUSD),
+        # "avx2" (VPMADDUBSW), or "portable" (C loops, for a CPU without AVX2)
+        self.int8_dots = ("portable", "avx2", "vnni")[lib.linear_int8_vector()]
         self.shared_prefix = True     # `shared_prefixes` plans groups (predd --cascade)
 
     @property
@@ -546,7 +554,7 @@ class Kernels:
         return self.bind(blocks, bias, x.dtype)(x)
 
     def bind(self, blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32,
-             widen: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+             widen: bool = False, int8: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
         """`quant_linear` with `blocks` and `bias` (float32) fixed: their pointers are
         taken once (the closure keeps them alive), so a projection's call costs one
         ctypes call (blocks in the other layout than the kernel's are converted once).
@@ -555,9 +563,13 @@ class Kernels:
         float32, the result rounded once; Q4_1 blocks in lanes: the weights exactly).
         `widen`: bfloat16 rows and Q8_0 blocks (a model's head), the bf16 result
         widened to float32 as the kernel stores it (the same values as `.float()` after,
-        without the second pass)."""
+        without the second pass). `int8`: float32 rows quantised per block of 32 to int8
+        and multiplied by int8 dot products (predd/csrc/quant_int8.c, llama.cpp's
+        arithmetic)."""
         if widen and (dtype != torch.bfloat16 or blocks.kind != "Q8_0"):
             raise ValueError("the widened result is of bfloat16 rows and Q8_0 blocks")
+        if int8 and dtype != torch.float32:
+            raise ValueError("the int8 block kernels take float32 rows")
         _contiguous(bias)
         n, k = blocks.rows(), blocks.columns()
         # the bfloat16 kernels read the blocks in tiles of rows (predd/csrc/quant_blocks.h;
@@ -572,7 +584,7 @@ class Kernels:
                              "bf16 dot products (avx512_bf16)")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the block kernels take float32 or bfloat16 rows, not {dtype}")
-        t = SUFFIX[dtype]
+        t = "int8" if int8 else SUFFIX[dtype]
         if blocks.lanes:
             fn, weight = self._lib.linear_q4_1_lanes_bf16, (
                 blocks.q.ctypes.data, blocks.d.ctypes.data, blocks.m.ctypes.data)
@@ -605,7 +617,8 @@ class Kernels:
                 _contiguous(x, dtype=dtype)
                 raise ValueError(f"x has {x.shape[1]} columns, the weight {k}")
             y = torch.empty(x.shape[0], n, dtype=dtype)
-            fn(x.data_ptr(), x.shape[0], k, *weight, n, b, y.data_ptr())
+            if fn(x.data_ptr(), x.shape[0], k, *weight, n, b, y.data_ptr()):
+                raise MemoryError("no memory for x's int8 blocks (ENOMEM)")
             return y
 
         run.keeps = (blocks, bias)          # the memory behind the pointers
@@ -723,6 +736,33 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0):
     return blocks, blocks.dequantised()
 
 
+def int8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 rows [M, K] quantised per block of 32 as predd/csrc/quant_int8.c does:
+    (q [M, K/32, 32] int8, scale [M, K/32] float32), x ~ q * scale."""
+    v = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(v).max(axis=2)
+    scale = amax / np.float32(127)
+    inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    return np.rint(v * inverse[..., None]).astype(np.int8), scale.astype(np.float32)
+
+
+def int8_reference(x: np.ndarray, blocks, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [M, K] times `blocks` (QuantBlocks, Q4_1 or Q8_0) as the int8 kernels compute it:
+    x quantised by `int8_rows`, each block's integer sum exact, then scaled in float64."""
+    qx, dx = int8_rows(x)
+    b = blocks.in_rows()
+    if b.kind == "Q4_1":
+        qw = np.concatenate([b.q & 15, b.q >> 4], axis=2).astype(np.int64)
+    else:
+        qw = b.q.astype(np.int64)
+    dots = np.einsum("mbj,nbj->mnb", qx.astype(np.int64), qw).astype(np.float64)
+    y = (dots * (b.d.astype(np.float64)[None] * dx.astype(np.float64)[:, None])).sum(2)
+    if b.kind == "Q4_1":
+        sums = qx.astype(np.int64).sum(2) * dx.astype(np.float64)       # [M, B]
+        y += sums @ b.m.astype(np.float64).T
+    return y + (0.0 if bias is None else bias.astype(np.float64))
+
+
 def _probe_quant_linear(lib: Kernels) -> float:
     """Both block kinds against F.linear on their dequantised weights (relative); with
     bf16 dot products also the bf16 kernels against the same sum of bf16 values (Q4_1 in
@@ -736,6 +776,9 @@ def _probe_quant_linear(lib: Kernels) -> float:
         want = torch.nn.functional.linear(x, torch.from_numpy(weight), bias)
         got = lib.quant_linear(x, blocks, bias)
         worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        want = int8_reference(x.numpy(), blocks, bias.numpy())
+        got = lib.bind(blocks, bias, int8=True)(x).numpy()
+        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
         if lib.bf16_blocks:
             x16, w16 = x.to(torch.bfloat16), torch.from_numpy(weight).to(torch.bfloat16)
             want = torch.nn.functional.linear(x16.float(), w16.float(), bias)

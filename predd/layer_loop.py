@@ -34,6 +34,7 @@ from predd.quant_linear import QuantLinear
 i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 KINDS = {"Q4_1": 4, "Q8_0": 8}
 LANES = 5              # Q4_1 blocks in lanes (predd/csrc/quant_lanes.c; bfloat16 only)
+INT8 = 16              # added to a kind: by int8 dot products (predd/csrc/quant_int8.c)
 
 
 class Projection(ctypes.Structure):
@@ -76,7 +77,8 @@ def _projections(layer) -> tuple:
 
 def _projection(m: QuantLinear) -> Projection:
     b = m.blocks               # in the layout of the model's dtype's kernels
-    return Projection(LANES if b.lanes else KINDS[b.kind], b.columns(), b.rows(),
+    return Projection(LANES if b.lanes else KINDS[b.kind] + (INT8 if m.int8 else 0),
+                      b.columns(), b.rows(),
                       b.q.ctypes.data, b.d.ctypes.data,
                       None if b.m is None else b.m.ctypes.data,
                       None if m.bias is None else m.bias.data_ptr())
@@ -195,7 +197,7 @@ class LayerLoop:
                     *((Prefixes(), shared) if calls else (shared, Prefixes())),
                     self.final_norm)
         if self.run_layers(self.layers, len(self.layers), ctypes.byref(step)) != 0:
-            raise MemoryError("paged_attention could not allocate its score buffers (ENOMEM)")
+            raise MemoryError("the layers could not allocate their scratch buffers (ENOMEM)")
         h = self._rows["h"][:T]           # every row through the final norm (run_layers)
         if not len(out_rows):
             return torch.empty(0, self.model.cfg.vocab_size, dtype=torch.float32)

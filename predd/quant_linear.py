@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
+from predd import calibration
 from predd.loader import QuantBlocks
 from predd.model import FUSED
 
@@ -64,8 +66,14 @@ class QuantLinear(nn.Module):
     limits_set = 0      # how many times any one's `limit` was set (LayerLoop caches by it)
 
     def __init__(self, inner: nn.Module, blocks: QuantBlocks, kernels,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, int8: bool = False) -> None:
+        """`int8`: float32 rows are quantised per block to int8 and multiplied by int8
+        dot products (predd/csrc/quant_int8.c, llama.cpp's arithmetic), not by the
+        blocks' exact float32 weights."""
         super().__init__()
+        if int8 and dtype != torch.float32:
+            raise ValueError("int8 dot products take a float32 model's rows")
+        self.int8 = int8
         self.inner = inner
         # in the layout the kernel for the model's `dtype` reads (bfloat16 ones: tiles of
         # rows, predd/csrc/quant_blocks.h; Q4_1 in lanes without AMX tiles,
@@ -86,7 +94,7 @@ class QuantLinear(nn.Module):
     # with the blocks converted then)
     @functools.cached_property
     def run(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        return self.kernels.bind(self.blocks, self.bias)
+        return self.kernels.bind(self.blocks, self.bias, int8=self.int8)
 
     @functools.cached_property
     def run_bf16(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -158,9 +166,10 @@ def blocks_for(name: str, blocks: dict[str, QuantBlocks], tied: bool) -> QuantBl
 
 
 def attach(model: nn.Module, blocks: dict[str, QuantBlocks], kernels, tied: bool,
-           dtype: torch.dtype = torch.float32) -> int:
+           dtype: torch.dtype = torch.float32, int8: bool = False) -> int:
     """Wraps every projection of `model` (of `dtype`) whose weight is in `blocks` (with
-    the shape the projection has) in a QuantLinear; the count."""
+    the shape the projection has) in a QuantLinear (by int8 dot products: `int8`); the
+    count."""
     count = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -171,7 +180,7 @@ def attach(model: nn.Module, blocks: dict[str, QuantBlocks], kernels, tied: bool
             if found is None or found.rows() != child.out_features \
                     or found.columns() != child.in_features:
                 continue
-            setattr(parent, child_name, QuantLinear(child, found, kernels, dtype))
+            setattr(parent, child_name, QuantLinear(child, found, kernels, dtype, int8))
             count += 1
     return count
 
@@ -227,6 +236,42 @@ def calibrate(model: nn.Module, dtype: torch.dtype, reps: int = 3
     return limits, ", ".join(
         f"{rows}: {sum(b for b, _ in t.values()) * 1e3:.1f}/"
         f"{sum(d for _, d in t.values()) * 1e3:.1f}" for rows, t in seen)
+
+
+def calibrated(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, int], str]:
+    """`calibrate`'s limits, measured once per machine and model shape and then read
+    from the cache (predd/calibration.py), so that every start computes the same sums;
+    (limit per kind, where they came from and the timings)."""
+    layers = [(group_of(name), m) for name, m in model.named_modules()
+              if isinstance(m, QuantLinear)]
+    if not layers:
+        return {}, "no projection has blocks"
+    shapes = Counter((group, m.blocks.kind, m.blocks.rows(), m.blocks.columns(), m.int8,
+                      m.blocks.lanes) for group, m in layers)
+    key = calibration.key_of({**calibration.machine(), "dtype": str(dtype),
+                              "rows": CALIBRATION_ROWS, "projections": sorted(
+                                  [*shape, count] for shape, count in shapes.items())})
+    record, problem = calibration.load(key)
+    if not _valid(record, {group for group, _ in layers}):
+        limits, timings = calibrate(model, dtype)
+        record, where = calibration.store(key, {"limits": limits, "timings": timings})
+        if not _valid(record, set(limits)):           # another's, unreadable
+            record, where = {"limits": limits, "timings": timings}, f"not stored: {where}"
+        how = f"measured, {where}"
+    else:
+        how = f"measured {record.get('measured', '?')}, from {calibration.directory()}"
+    if problem:
+        how += f"; {problem}"
+    for group, m in layers:
+        m.limit = record["limits"][group]
+    return dict(record["limits"]), f"{how}; rows: blocks/dense ms a step: {record['timings']}"
+
+
+def _valid(record: dict | None, groups: set[str]) -> bool:
+    limits = record.get("limits") if record else None
+    return (isinstance(limits, dict) and set(limits) == groups
+            and all(type(v) is int and v >= 0 for v in limits.values())
+            and isinstance(record.get("timings"), str))
 
 
 def describe_limits(limits: dict[str, int]) -> str:

@@ -44,7 +44,7 @@ class RunnerConfig:
     cascade: bool = True            # forks' shared pages attended once, in blocks (CPU)
 
 
-LINEAR_CHOICES = ("auto", "plain", "packed", "quantized")
+LINEAR_CHOICES = ("auto", "plain", "packed", "quantized", "int8")
 
 
 @dataclass(frozen=True)
@@ -120,16 +120,21 @@ class Runner:
                  f"x {config.page_size} = {pool.kv.numel() * pool.kv.element_size() / 2**20:.0f} MiB")
 
     def _pack(self, requested: str) -> tuple[str, str]:
-        """(`quantized`, `packed` or `plain`, why) for `--linear requested`: packs the
-        model's projections (predd/linear.py) and gives them their checkpoint's blocks
-        (predd/quant_linear.py) where chosen. `auto` takes the most of the two that runs
-        here. ValueError (EINVAL) when `packed` or `quantized` is asked for and cannot run."""
+        """(`int8`, `quantized`, `packed` or `plain`, why) for `--linear requested`: packs
+        the model's projections (predd/linear.py) and gives them their checkpoint's blocks
+        (predd/quant_linear.py) where chosen. `auto` takes the most that runs here:
+        `int8` where `--dtype auto` chose float32 on a CPU with AVX2 (`_int8`), else
+        `quantized`, else `packed`. ValueError (EINVAL) when
+        `packed`, `quantized` or `int8` is asked for and cannot run."""
         if requested not in LINEAR_CHOICES:
             raise ValueError(f"--linear must be one of {', '.join(LINEAR_CHOICES)}, "
                              f"not {requested!r} (EINVAL)")
         if self.config.quant_rows is not None and self.config.quant_rows < 0:
             raise ValueError(f"--quant-rows must be 0 or more, not {self.config.quant_rows} "
                              f"(EINVAL)")
+        if requested == "int8" and self.dtype != torch.float32:
+            raise ValueError("--linear int8: the int8 dot products take a float32 model, "
+                             f"not {str(self.dtype)[6:]} (EINVAL)")
         if requested == "plain":
             return "plain", "asked for"
         why = "asked for" if requested != "auto" else "auto"
@@ -141,23 +146,42 @@ class Runner:
         packed = f"{linear.pack_linears(self.model)} projections packed for oneDNN"
         if requested == "packed":
             return "packed", f"{why}: {packed}"
-        problem, count = self._quantize()
+        int8, int8_why = self._int8(requested)
+        problem, count = self._quantize(int8)
         if problem:
-            if requested == "quantized":
-                raise ValueError(f"--linear quantized: {problem} (EINVAL)")
+            if requested in ("quantized", "int8"):
+                raise ValueError(f"--linear {requested}: {problem} (EINVAL)")
             return "packed", f"{why}: {packed}; not quantized: {problem}"
         rows = self.config.quant_rows
         if rows is None:
-            limits, timings = quant_linear.calibrate(self.model, self.dtype)
+            limits, how = quant_linear.calibrated(self.model, self.dtype)
             upto = quant_linear.describe_limits(limits)
-            how = f"measured, rows: blocks/dense ms a step: {timings}"
         else:
             quant_linear.set_limit(self.model, rows)
             upto, how = f"<= {rows} rows", "--quant-rows"
         tiles = (" (bf16 rows by AMX tiles)" if self.dtype == torch.bfloat16
                  and cpu_kernels.kernels().bf16_tiles else "")
+        if int8:
+            return "int8", (f"{why}: {packed}, {count} of them computed from the "
+                            f"checkpoint's Q4_1/Q8_0 blocks by int8 dot products "
+                            f"({cpu_kernels.kernels().int8_dots}; {int8_why}) at {upto} ({how})")
         return "quantized", (f"{why}: {packed}, {count} of them computed from the "
                              f"checkpoint's Q4_1/Q8_0 blocks{tiles} at {upto} ({how})")
+
+    def _int8(self, requested: str) -> tuple[bool, str]:
+        """(whether the blocks take int8 dot products, why): asked for, or under `auto`
+        where `--dtype auto` chose float32 (a CPU without bf16 arithmetic) and the
+        kernels have AVX2's integer dot products: the arithmetic llama.cpp uses on such a
+        CPU (x quantised per block of 32, ~0.4% of a block's largest value). A float32
+        model asked for by name keeps float32 rows times the blocks' exact weights, as
+        `--linear quantized` does."""
+        if requested == "int8":         # (a float32 model: `_pack`)
+            return True, "asked for"
+        if requested != "auto" or self.dtype != torch.float32 or self.device.type != "cpu" \
+                or not self.config.dtype_reason.startswith("auto") or cpu_kernels.problem() \
+                or cpu_kernels.kernels().int8_dots == "portable":
+            return False, ""
+        return True, "--dtype auto chose float32; --dtype float32 keeps float32 rows"
 
     def _graphs_note(self) -> str:
         """How decode steps run, for the start-up line (on a GPU; the CPU has none)."""
@@ -206,8 +230,9 @@ class Runner:
             self.graphs_reason = f"auto: not recorded ({what}); steps run eagerly"
             return None
 
-    def _quantize(self) -> tuple[str | None, int]:
-        """(why not, how many): the packed projections given their GGUF blocks."""
+    def _quantize(self, int8: bool = False) -> tuple[str | None, int]:
+        """(why not, how many): the packed projections given their GGUF blocks (to be
+        multiplied by int8 dot products: `int8`)."""
         if self.tp:
             return "not under tensor parallelism", 0
         if self.dtype not in quant_linear.QUANT_ROWS:
@@ -217,7 +242,7 @@ class Runner:
             return f"CPU kernels unavailable: {problem}", 0
         blocks = quantized_blocks(self.config.model_path, self.model_config)
         count = quant_linear.attach(self.model, blocks, cpu_kernels.kernels(),
-                                    self.model_config.tie_word_embeddings, self.dtype)
+                                    self.model_config.tie_word_embeddings, self.dtype, int8)
         if not count:
             return "the checkpoint has no Q4_1 or Q8_0 projections", 0
         return None, count

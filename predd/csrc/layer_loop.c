@@ -28,6 +28,10 @@ int paged_attention_##t(const void *q, int64_t q_stride, void *out, const void *
                         const int64_t *row_start, const float *prior);
 OPS(float, f32)
 OPS(uint16_t, bf16)
+int linear_q4_1_int8(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d,
+                     const float *m, int64_t N, const float *bias, float *y);
+int linear_q8_0_int8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *d,
+                     int64_t N, const float *bias, float *y);
 void linear_q4_1_lanes_bf16(const uint16_t *x, int64_t M, int64_t K, const uint32_t *q,
                             const float *d, const float *m, int64_t N, const float *bias,
                             uint16_t *y);
@@ -58,7 +62,9 @@ struct prefixes {
 };
 
 /* A projection's blocks (predd.loader.QuantBlocks): kind 4 Q4_1, 8 Q8_0, 5 Q4_1 in lanes
- * (quant_lanes.c: bfloat16 only); [n, k] */
+ * (quant_lanes.c: bfloat16 only), 4 + INT8 and 8 + INT8 by int8 dot products
+ * (quant_int8.c: float32 only); [n, k] */
+#define INT8 16
 struct projection {
     int64_t kind, k, n;
     const uint8_t *q;
@@ -101,17 +107,25 @@ struct step {
  * `final_norm`, x takes that too and h is the model's final norm of every row (what
  * predd.model.LlamaModel.head computes of the rows it wants: one kernel call less from
  * Python, whose few ops after the layers cost several times what they cost alone). 0, or
- * -1 where attention could not allocate its scratch (ENOMEM; x is then half-way). */
+ * -1 where attention or an int8 projection could not allocate its scratch (ENOMEM; x
+ * is then half-way). */
 #define LAYERS(E, t, TILES) \
-static void project_##t(const struct projection *p, const E *x, int64_t rows, E *y) \
+static int project_##t(const struct projection *p, const E *x, int64_t rows, E *y) \
 { \
     if (TILES && p->kind == 5) \
         linear_q4_1_lanes_bf16((const uint16_t *)x, rows, p->k, (const uint32_t *)p->q, \
                                p->d, p->m, p->n, p->bias, (uint16_t *)y); \
+    else if (!TILES && p->kind == 4 + INT8) \
+        return linear_q4_1_int8((const float *)x, rows, p->k, p->q, p->d, p->m, p->n, \
+                                p->bias, (float *)y); \
+    else if (!TILES && p->kind == 8 + INT8) \
+        return linear_q8_0_int8((const float *)x, rows, p->k, (const int8_t *)p->q, p->d, \
+                                p->n, p->bias, (float *)y); \
     else if (p->kind == 4) \
         linear_q4_1_##t(x, rows, p->k, p->q, p->d, p->m, p->n, p->bias, y); \
     else \
         linear_q8_0_##t(x, rows, p->k, (const int8_t *)p->q, p->d, p->n, p->bias, y); \
+    return 0; \
 } \
 \
 static int rows_##t(const struct step *s, const void *kv, const int64_t *token, \
@@ -150,17 +164,21 @@ int run_layers_##t(const struct layer *layers, int64_t n, const struct step *s) 
     for (int64_t i = 0; i < n; i++) { \
         const struct layer *l = layers + i; \
         add_rms_norm_##t(x, i ? delta : 0, l->input_norm, h, T, s->C, s->eps); \
-        project_##t(&l->qkv, h, T, qkv); \
+        if (project_##t(&l->qkv, h, T, qkv) != 0) \
+            return -1; \
         rope_##t(qkv, width, s->cos, s->sin, T, H + KV, D); \
         store_entries(l->kv, s->store_rows, T, qkv + H * D, qkv + (H + KV) * D, \
                       width * (int64_t)sizeof(E), KV * D * (int64_t)sizeof(E), s->page_size); \
         if (attend_##t(s, l->kv) != 0) \
             return -1; \
-        project_##t(&l->o, s->attn, T, delta); \
+        if (project_##t(&l->o, s->attn, T, delta) != 0) \
+            return -1; \
         add_rms_norm_##t(x, delta, l->post_norm, h, T, s->C, s->eps); \
-        project_##t(&l->gate_up, h, T, gate_up); \
+        if (project_##t(&l->gate_up, h, T, gate_up) != 0) \
+            return -1; \
         silu_mul_##t(gate_up, s->act, T, s->inter); \
-        project_##t(&l->down, s->act, T, delta); \
+        if (project_##t(&l->down, s->act, T, delta) != 0) \
+            return -1; \
     } \
     if (s->final_norm) \
         add_rms_norm_##t(x, n ? delta : 0, s->final_norm, h, T, s->C, s->eps); \

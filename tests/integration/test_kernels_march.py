@@ -1,7 +1,8 @@
 """predd's CPU kernels as an older x86 CPU builds them ($SYMPHONY_KERNELS_MARCH): the
 kernel tests and the layer-loop tests pass on the AVX2 paths (x86-64-v3: the float32 C
-layer loop, the float32 block kernels, attention 8 lanes wide) and on the plain C paths
-(x86-64-v2), not only on this machine's own build. Each build goes to a cache of its own
+layer loop, the float32 and int8 block kernels, attention 8 lanes wide) and on the plain C
+paths (x86-64-v2), not only on this machine's own build; the int8 kernels give the same
+bits in every build. Each build goes to a cache of its own
 and runs the tests in a process of its own."""
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ import pytest
 from predd import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ["tests/unit/test_cpu_kernels.py", "tests/integration/test_layer_loop.py"]
+TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_int8.py",
+         "tests/integration/test_layer_loop.py"]
+# the int8 kernels' result for fixed blocks and rows, as bytes' digest: the portable
+# build sums in the vector build's lanes and order
+INT8_DIGEST = (
+    "import hashlib, torch; from predd import cpu_kernels as c; k = c.kernels(); "
+    "x = torch.randn(11, 576, generator=torch.Generator().manual_seed(0)); "
+    "print(k.int8_dots, hashlib.sha256(b''.join(k.bind(c.random_blocks(kind, 70, 576)[0], "
+    "None, int8=True)(x).numpy().tobytes() for kind in ('Q4_1', 'Q8_0'))).hexdigest())")
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or shutil.which(os.environ.get("CC", "cc"))
@@ -40,6 +49,20 @@ def test_the_kernels_built_for_an_older_cpu_pass_the_kernel_tests(march, tmp_pat
                          timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout.splitlines()[-1], run.stdout[-2000:]
+
+
+def test_the_int8_kernels_give_the_same_bits_in_every_build(tmp_path):
+    digests = {}
+    for march in ("native", "x86-64-v3", "x86-64-v2"):
+        env = {**os.environ, cpu_kernels.MARCH_ENV: march,
+               "SYMPHONY_CACHE": str(tmp_path / march)}
+        run = subprocess.run([sys.executable, "-c", INT8_DIGEST], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        how, digest = run.stdout.split()
+        digests[march] = digest
+        assert how == {"x86-64-v3": "avx2", "x86-64-v2": "portable"}.get(march, how)
+    assert len(set(digests.values())) == 1, digests
 
 
 def test_a_march_that_is_not_a_name_is_refused(monkeypatch):

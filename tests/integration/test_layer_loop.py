@@ -1,6 +1,7 @@
 """A step's layers in one C call (predd/layer_loop.py): the same logits and the same pool,
 to the bit, as the Python loop, for decodes, chunks by tiles and by rows in one step, in
-float32 and (where the CPU has bf16 blocks) bfloat16; steps it does not take fall back to
+float32 (by the blocks' exact weights and by int8 dot products) and (where the CPU has
+bf16 blocks) bfloat16; steps it does not take fall back to
 the Python loop; and where it cannot run, the runner says why."""
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from predd.runner import Chunk, Runner, RunnerConfig
 PAGE = 16
 
 
-def _runner(gguf_path: str, dtype: str, **kw) -> Runner:
+def _runner(gguf_path: str, dtype: str, linear: str = "quantized", **kw) -> Runner:
     return Runner(RunnerConfig(gguf_path, "cpu", dtype, kv_pages=64, page_size=PAGE,
-                               attention="cpu", linear="quantized", quant_rows=48, **kw))
+                               attention="cpu", linear=linear, quant_rows=48, **kw))
 
 
 def _step(shapes: list[tuple[int, int]], seed: int = 0) -> list[Chunk]:
@@ -48,12 +49,14 @@ def _both(runner: Runner, chunks: list[Chunk]) -> tuple[list, torch.Tensor, list
     return fast, fast_pool, slow, runner.cache.kv.clone()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_loop_in_c_gives_the_python_loops_bits(gguf_path, dtype):
+@pytest.mark.parametrize("dtype, linear", [("float32", "quantized"), ("float32", "int8"),
+                                           ("bfloat16", "quantized")])
+def test_the_loop_in_c_gives_the_python_loops_bits(gguf_path, dtype, linear):
     if dtype == "bfloat16" and not cpu_kernels.kernels().bf16_blocks:
         pytest.skip("no bf16 dot products here: a bf16 model's layers stay in Python")
-    runner = _runner(gguf_path, dtype)
+    runner = _runner(gguf_path, dtype, linear)
     assert runner.layer_loop is not None and runner.layer_loop_reason is None
+    assert runner.linear == linear
     torch.manual_seed(0)                              # a pool with something in it
     runner.cache.kv.copy_(torch.randn(runner.cache.kv.shape).to(runner.cache.kv.dtype))
     # decodes, chunks the tiles take (>= 4 rows: in bf16 where AMX runs), a 2-row

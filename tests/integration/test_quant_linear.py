@@ -1,6 +1,8 @@
 """SmolLM2-135M's Q4_1 / Q8_0 blocks, read for decode by `--linear quantized` (predd's
-default where it runs): the blocks are the weights predd dequantises, to the bit, and a
-runner computing from them gives the packed float32 runner's logits and greedy tokens."""
+default where it runs) and `--linear int8`: the blocks are the weights predd dequantises,
+to the bit; a runner computing from them gives the packed float32 runner's logits and
+greedy tokens (by int8 dot products: its greedy tokens); `auto` takes int8 where
+`--dtype auto` chose float32."""
 from __future__ import annotations
 
 import numpy as np
@@ -55,6 +57,39 @@ def test_quantized_runner_gives_the_packed_runners_tokens(gguf_path):
     assert runs["quantized"][0] == runs["packed"][0]
     worst = max(float(np.abs(a - b).max()) for a, b in zip(runs["quantized"][1], runs["packed"][1]))
     assert worst <= 1e-3, worst
+
+
+@pytest.mark.slow
+def test_int8_runner_gives_the_packed_runners_tokens(gguf_path):
+    """By int8 dot products (x quantised per block) the logits move (here by up to ~0.85
+    of values up to ~20), the greedy tokens of this prompt do not."""
+    prompt = [1, 504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30]
+    runs = {}
+    for mode in ("packed", "int8"):
+        runner = Runner(RunnerConfig(gguf_path, kv_pages=8, linear=mode, quant_rows=1))
+        assert runner.linear == mode
+        with torch.inference_mode():
+            runs[mode] = _greedy(runner, prompt, 24)
+    assert runs["int8"][0] == runs["packed"][0]
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(runs["int8"][1], runs["packed"][1]))
+    assert 1e-3 < worst <= 1.5, worst
+
+
+@pytest.mark.parametrize("reason, linear", [
+    ("auto: the CPU has no avx512_bf16/amx_bf16", "int8"), ("asked for", "quantized")])
+def test_auto_takes_int8_where_dtype_auto_chose_float32(gguf_path, reason, linear):
+    """`--dtype auto` choosing float32 (no bf16 arithmetic) lets `--linear auto` take the
+    int8 dot products where the kernels have AVX2's; float32 asked for by name keeps the
+    blocks' exact weights. `--linear int8` takes a float32 model only."""
+    from predd import cpu_kernels
+    if cpu_kernels.kernels().int8_dots == "portable":
+        linear = "quantized"                  # no AVX2 here: auto keeps the exact blocks
+    runner = Runner(RunnerConfig(gguf_path, kv_pages=8, dtype_reason=reason, quant_rows=4))
+    assert runner.linear == linear, runner.linear_reason
+    assert ("by int8 dot products" in runner.linear_reason) == (linear == "int8")
+    with pytest.raises(ValueError, match="--linear int8: the int8 dot products take a "
+                                         "float32 model, not bfloat16 \\(EINVAL\\)"):
+        Runner(RunnerConfig(gguf_path, dtype="bfloat16", kv_pages=8, linear="int8"))
 
 
 def test_quantized_is_refused_where_it_cannot_run_and_auto_says_why(gguf_path, monkeypatch):
