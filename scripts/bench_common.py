@@ -49,11 +49,20 @@ def machine(requested_dtype: str = "auto") -> str:
     so its daemons are stopped and its mounts unmounted."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from predd import dtype
+    global _AUTO_DTYPE
     chosen, why = dtype.resolve(requested_dtype, "cpu")
+    if requested_dtype == "auto":
+        _AUTO_DTYPE = chosen
     flags = sorted(f for f in dtype.cpu_flags() if f.startswith(("avx", "amx")))
     log(f"bench: dtype {chosen} ({why}); CPU flags: {' '.join(flags)}; "
         f"{hardware()}; load average {load_average()}")
     return chosen
+
+
+# the dtype `machine("auto")` chose: predd is started with `--dtype auto` for it, so that
+# it makes the rest of auto's choices too (int8 dot products on an AVX2 CPU: predd
+# --linear), the dtype being the same
+_AUTO_DTYPE: str | None = None
 
 
 def result(bench: str, metric: str, ours: float, baseline: str, theirs: float,
@@ -100,6 +109,8 @@ def start_predd(*args: str, timeout: float = 600.0):
     and projections it chose."""
     import liblip as lip
     from predd import launch
+    args = tuple("auto" if i and args[i - 1] == "--dtype" and a == _AUTO_DTYPE else a
+                 for i, a in enumerate(args))
     args = (*args, *shlex.split(os.environ.get("SYMPHONY_BENCH_PREDD_ARGS", "")))
     daemon = launch.start(tempfile.mkdtemp(prefix="symphony-bench-"), *args, timeout=timeout)
     lip.connect(daemon.addr)                # closed again before any program forks
