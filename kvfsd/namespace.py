@@ -106,6 +106,8 @@ class Namespace:
             return d
         if name == b"..":
             return self.get(d.parent)
+        if len(name) > NAME_MAX:          # no such name can exist (tmpfs and ext4 say so)
+            raise _err(errno.ENAMETOOLONG)
         ino = d.entries.get(name)
         if ino is None:
             raise _err(errno.ENOENT, show(name))
