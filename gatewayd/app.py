@@ -139,18 +139,27 @@ def create_app(gw: Gateway) -> FastAPI:
                 return True
             except lip.LipError:
                 return False
+        # ok: every part; degraded (still 200): some replicas down while another
+        # serves, with its OpenAI program; down (503): no predd serves, the mount is
+        # gone, or no OpenAI program is ready
         if gw.replicas is None:
             up = {}
         else:
             up = {r.addr: await predd_ok(r) for r in gw.replicas.all}
-        parts = {"predd": all(up.values()) if up else await predd_ok(),
+        serving = any(up.values()) if up else await predd_ok()
+        parts = {"predd": all(up.values()) if up else serving,
                  "kvfs": await asyncio.to_thread(os.path.ismount, gw.mount),
                  "openai": gw.bridge.is_ready()}
-        ok = all(parts.values())
+        if all(parts.values()):
+            status = "ok"
+        elif serving and parts["kvfs"] and gw.bridge.any_ready():
+            status = "degraded"
+        else:
+            status = "down"
         if len(up) > 1:
             parts["replicas"] = up
-        return JSONResponse({"status": "ok" if ok else "degraded", **parts},
-                            status_code=200 if ok else 503)
+        return JSONResponse({"status": status, **parts},
+                            status_code=503 if status == "down" else 200)
 
     @app.get("/metrics")
     async def metrics():

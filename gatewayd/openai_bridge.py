@@ -157,6 +157,10 @@ class OpenAIBridge:
     def is_ready(self) -> bool:
         return self.ready.is_set()
 
+    def any_ready(self) -> bool:
+        """Whether a request can be answered now (the one LIP is ready)."""
+        return self.is_ready()
+
     async def request(self, op: str, body=None, scope: str = "") -> AsyncIterator[dict]:
         """The LIP's reply lines for one request, up to and including `done`. Leaving
         the iteration early (a client that went away) cancels the request."""
@@ -216,6 +220,11 @@ class OpenAIBridges:
 
     def is_ready(self) -> bool:
         return all(b.ready.is_set() for b in self.bridges)
+
+    def any_ready(self) -> bool:
+        """Whether a request can be answered now: some replica up with its LIP ready."""
+        return any(self.replicas.all[i].up and b.ready.is_set()
+                   for i, b in enumerate(self.bridges))
 
     async def start(self) -> None:
         await asyncio.gather(*(b.start() for b in self.bridges))

@@ -178,6 +178,12 @@ def test_a_killed_replica_is_started_again(server, http):
     pid = predd_pid(server.rundir, 1)
     os.kill(pid, signal.SIGKILL)
     eventually(lambda: replica_up(http, a1) == 0.0)
+    # the server still serves: health says degraded, 200, and which replica is down
+    health = http.get("/health")
+    assert health.status_code == 200, health.text
+    assert health.json() | {"openai": None} == {
+        "status": "degraded", "predd": False, "kvfs": True, "openai": None,
+        "replicas": {a0: True, a1: False}}
     # the server still serves: a chat completion (routed to replica 0) answers
     r = http.post("/v1/chat/completions", json={
         "model": "SmolLM2-135M-Instruct", "max_tokens": 2, "temperature": 0,
