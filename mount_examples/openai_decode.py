@@ -174,14 +174,28 @@ class Choice:
         self.step_ms += cost.get("step_ms", 0.0)
 
 
+def without_eos() -> bytes:
+    """A pred mask (bits, least significant first) allowing every token but EOS."""
+    allowed = np.ones(lip.info_cached()["vocab_size"], dtype=bool)
+    allowed[sorted(eos_ids())] = False
+    return np.packbits(allowed, bitorder="little").tobytes()
+
+
 def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int,
-                    sample: dict, stops: list[str], emit=None) -> None:
+                    sample: dict, stops: list[str], emit=None, ignore_eos: bool = False,
+                    min_tokens: int = 0) -> None:
     """predd's own loop (sampling, EOS and stop strings inside predd), GENERATE_CHUNK
     tokens per call: predd cannot abort a running generate, so a cancelled request
-    stops at the end of its chunk."""
-    stop = [*eos_ids(), *stops]
+    stops at the end of its chunk. `ignore_eos`: EOS ends nothing (it is sampled like
+    any token and left out of the text); `min_tokens`: the first that many tokens are
+    sampled with EOS masked out, one `pred_sample` each, as vLLM masks it."""
+    if min_tokens and not ignore_eos:
+        last = _without_eos(req, kv, last, ch, min(min_tokens, max_tokens), sample, emit)
+        if last is None:
+            return
+    stop = [*stops] if ignore_eos else [*eos_ids(), *stops]
     pending, chunk = [last], 0
-    while True:
+    while len(ch.ids) < max_tokens:
         budget = min(GENERATE_CHUNK, max_tokens - len(ch.ids))
         seed = None if sample["seed"] is None else (sample["seed"] * 1_000_003 + chunk) % 2**63
         out = lip.Generated()
@@ -204,29 +218,57 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
         ch.add_cost(out.cost)
         reason = out.finish_reason
         if not reason and out:   # a predd whose last token reply ends the stream
-            reason = "stop" if out[-1] in eos_ids() or ch.out.stopped else \
+            reason = "stop" if (out[-1] in eos_ids() and not ignore_eos) or ch.out.stopped else \
                 "length" if len(out) >= budget else ""
         if reason not in ("stop", "length"):
             raise lip.LipError(reason or "EIO", "generation failed")
         if reason == "stop":
             ch.finish_reason = "stop"
             return
-        if len(ch.ids) >= max_tokens:
-            ch.finish_reason = "length"
-            return
         pending, chunk = [ch.ids[-1]], chunk + 1
+    ch.finish_reason = "length"
+
+
+def _without_eos(req: Request, kv: lip.KV, last: int, ch: Choice, count: int,
+                 sample: dict, emit) -> int | None:
+    """`count` tokens sampled with EOS masked out; the last one (to feed on), or None
+    where a stop string ended the choice."""
+    rng = np.random.default_rng(sample["seed"])
+    mask = without_eos()
+    for _ in range(count):
+        s = lip.pred_sample(kv, [last], {**sample, "seed": int(rng.integers(2**31))},
+                            mask=mask)
+        req.check()
+        ch.add_cost(s.cost)
+        last = s.token
+        ch.ids.append(last)
+        entries = [(last, s.logprob, [])]
+        ch.entries += entries
+        text = ch.out.feed([last]) if emit or ch.out.stops else ch.out.add([last])
+        if emit:
+            emit(text, entries)
+        if ch.out.stopped:
+            ch.finish_reason = "stop"
+            return None
+    return last
 
 
 
 def decode_pred(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int,
-                sample: dict, top: int, matcher=None, emit=None) -> None:
+                sample: dict, top: int, matcher=None, emit=None, ignore_eos: bool = False,
+                min_tokens: int = 0) -> None:
     """A pred per token: predd samples under the grammar's mask, or, for top
-    logprobs, returns the raw (masked) logits and the program samples."""
+    logprobs, returns the raw (masked) logits and the program samples. EOS is masked
+    out of the first `min_tokens` tokens, and ends nothing with `ignore_eos`."""
     rng = np.random.default_rng(sample["seed"])
     nbytes = (lip.info_cached()["vocab_size"] + 7) // 8
+    no_eos = np.frombuffer(without_eos(), np.uint8) if min_tokens and not ignore_eos else None
     pending = [last]
     while len(ch.ids) < max_tokens:
         mask = matcher.compute_bitmask()[:nbytes] if matcher else None
+        if no_eos is not None and len(ch.ids) < min_tokens:
+            mask = (no_eos if mask is None else
+                    np.frombuffer(bytes(mask), np.uint8) & no_eos).tobytes()
         if top:
             d = lip.pred(kv, pending, mask=mask)
             token = d.argmax() if sample["temperature"] < 1e-4 else d.sample(
@@ -256,7 +298,8 @@ def decode_pred(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int
         text = ch.out.feed(new) if emit or ch.out.stops else ch.out.add(new)
         if emit:
             emit(text, entries)
-        if token in eos_ids() or ch.out.stopped or (matcher and matcher.is_stopped()):
+        if (token in eos_ids() and not ignore_eos) or ch.out.stopped \
+                or (matcher and matcher.is_stopped()):
             ch.finish_reason = "stop"
             return
         pending = new

@@ -3,7 +3,10 @@
 
 Supported: model, messages | prompt, max_tokens (max_completion_tokens), temperature,
 top_p, seed, stop, n, logprobs/top_logprobs, response_format (text, json_object,
-json_schema), stream + stream_options.include_usage, echo (completions), user.
+json_schema), stream + stream_options.include_usage, echo (completions), user; and, as
+vLLM and SGLang accept them (their benchmark clients send `ignore_eos`), ignore_eos (go
+on past the model's end-of-sequence token, to max_tokens or a stop string) and
+min_tokens (no end-of-sequence token before that many).
 Fields this server cannot honour (tools, logit_bias, penalties, best_of, suffix) are a
 400 unless they hold their neutral value; unknown fields are ignored, as vLLM does.
 """
@@ -44,6 +47,8 @@ class Completion:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
     @property
     def sample(self) -> dict:
@@ -196,6 +201,10 @@ def parse(body, chat: bool, served: str) -> Completion:
         raise _bad("top_p must be > 0", "top_p")
     c.seed = _int(body, "seed", -(2**63), 2**63 - 1, None)
     c.stop = _stop(body)
+    c.ignore_eos = _bool(body, "ignore_eos")
+    c.min_tokens = _int(body, "min_tokens", 0, 1 << 20, 0)
+    if c.max_tokens is not None and c.min_tokens > c.max_tokens:
+        raise _bad("min_tokens must be at most max_tokens", "min_tokens")
     c.schema = _response_format(body)
     c.stream = _bool(body, "stream")
     opts = body.get("stream_options")

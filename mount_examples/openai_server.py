@@ -176,9 +176,11 @@ class Server:
             sample = {**c.sample, "seed": None if c.seed is None else (c.seed + i) % 2**63}
             if matchers or c.top_logprobs:
                 decode_pred(req, kvs[i], prompt[-1], ch, max_tokens, sample, c.top_logprobs,
-                            matchers[i] if matchers else None, emit)
+                            matchers[i] if matchers else None, emit, c.ignore_eos,
+                            c.min_tokens)
             else:
-                decode_generate(req, kvs[i], prompt[-1], ch, max_tokens, sample, c.stop, emit)
+                decode_generate(req, kvs[i], prompt[-1], ch, max_tokens, sample, c.stop, emit,
+                                c.ignore_eos, c.min_tokens)
 
         run_threads(branch, c.n)
         req.check()

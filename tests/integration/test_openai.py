@@ -84,6 +84,54 @@ def test_chat_is_predds_greedy_decode(client, predd, model):
     assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_ignore_eos_goes_on_to_max_tokens(client, predd, model):
+    """As vLLM and SGLang honour it (their benchmark clients send it): predd's greedy
+    decode past EOS, the EOS ids left out of the text."""
+    tokens = template(predd, QUESTION)
+    short, _ = greedy(predd, tokens, 24)
+    assert short[-1] in EOS and len(short) < 24            # the answer ends by itself
+    kv = predd.call("kv_create")
+    try:
+        ids = predd.call("generate", cap=kv["cap"], tokens=tokens, max_tokens=24, stop=[],
+                         stream=False)["tokens"]
+    finally:
+        predd.call("kv_free", cap=kv["cap"])
+    assert len(ids) == 24 and ids[:len(short)] == short
+    for stream in (False, True):
+        r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24,
+                                           temperature=0, stream=stream,
+                                           extra_body={"ignore_eos": True},
+                                           **({"stream_options": {"include_usage": True}}
+                                              if stream else {}))
+        if stream:
+            chunks = list(r)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            usage = chunks[-1].usage
+        else:
+            text, reason, usage = (r.choices[0].message.content, r.choices[0].finish_reason,
+                                   r.usage)
+        assert (text, reason, usage.completion_tokens) == (
+            predd.call("detokenize", tokens=ids, skip_special=True)["text"], "length", 24)
+
+
+def test_min_tokens_masks_eos_until_then(client, predd, model):
+    tokens = template(predd, QUESTION)
+    short, text = greedy(predd, tokens, 24)
+    least = len(short) + 3
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40,
+                                       temperature=0, extra_body={"min_tokens": least})
+    answer = r.choices[0].message.content
+    assert r.usage.completion_tokens >= least
+    assert answer.startswith(text) and len(answer) > len(text)
+    # the same with top logprobs (a pred per token, the program sampling): the same text
+    r2 = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40,
+                                        temperature=0, logprobs=True, top_logprobs=2,
+                                        extra_body={"min_tokens": least})
+    assert r2.choices[0].message.content == answer
+    assert r2.usage.completion_tokens == r.usage.completion_tokens
+
+
 def test_streamed_chat_reuses_the_cached_conversation(client, predd, model):
     tokens = template(predd, QUESTION)
     ids, text = greedy(predd, tokens, 8)
@@ -209,6 +257,8 @@ def test_chat_top_logprobs(client, model):
      "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"extra_body": {"min_tokens": 3}}, "min_tokens"),        # more than max_tokens
+    ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos"),
 ])
 def test_invalid_requests_are_400(client, model, kwargs, param):
     args = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
