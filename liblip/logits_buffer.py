@@ -1,4 +1,4 @@
-"""The client's half of a logits buffer (predd/logits_buffer.py is predd's): a memfd this
+"""The client's half of a logits buffer (predd/server/logits_buffer.py is predd's): a memfd this
 process creates, sizes to `slots` rows of `slot_bytes`, allocates in full (its pages are
 this process's memory: predd's writes allocate none), seals against resizing and maps
 read-only; `hello` names its descriptor. predd writes a raw `pred`'s one row into the

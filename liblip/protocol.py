@@ -29,7 +29,7 @@ PROTOCOL_VERSION = 1
 RIGHTS = ("r", "rw")
 CAP_HEX_LEN = 32  # 128-bit capabilities, hex
 # Sizes any request field may have, whatever the model (predd's own, smaller, limits
-# follow from its model: see predd/limits.py). Beyond them a request is E2BIG.
+# follow from its model: see predd/server/limits.py). Beyond them a request is E2BIG.
 MAX_ITEMS = 1 << 20      # items of a list field
 MAX_CHARS = 1 << 24      # characters of a str field, bytes of a bytes field
 
@@ -59,7 +59,7 @@ class Hello(Request):
     lease_s: float = 10.0
     token: str = ""          # tcp:// clients: the secret that names their uid
     logits_fd: int = -1      # ipc: a sealed memfd of the client's for pred logits (its fd)
-    logits_slots: int = 0    # ... holding this many rows (predd/logits_buffer.py)
+    logits_slots: int = 0    # ... holding this many rows (predd/server/logits_buffer.py)
     op: ClassVar[str] = "hello"
 
 
@@ -763,7 +763,7 @@ SYSTEM_RUNDIR = "/run/symphony"
 def default_rundir() -> str:
     """$SYMPHONY_RUNDIR, else /run/symphony for root, else a per-user directory under
     $XDG_RUNTIME_DIR or /tmp. predd refuses a rundir it does not own or that others
-    can write (predd/server.py)."""
+    can write (predd/server/loop.py)."""
     import os
     if os.environ.get("SYMPHONY_RUNDIR"):
         return os.environ["SYMPHONY_RUNDIR"]

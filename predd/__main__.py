@@ -21,19 +21,21 @@ import sys
 import torch
 
 from liblip.protocol import default_addr, default_rundir
-from predd.engine import Engine, EngineConfig
-from predd.identity import AuthKeys, check_endpoint
-from predd.loader import default_model_path
-from predd.logits_buffer import raise_open_file_limit
-from predd.memory import MemoryConfig
-from predd.quota import QuotaConfig
-from predd import attention, cuda_graphs, dtype
-from predd import tp as tp_mod
-from predd.dtype import DTYPES
-from predd.runner import LINEAR_CHOICES, Runner, RunnerConfig, TensorParallel
-from predd.scheduler import SchedulerConfig
-from predd.server import Server
-from predd.tokenizer import load_tokenizer
+from predd.engine.core import Engine, EngineConfig
+from predd.server.identity import AuthKeys, check_endpoint
+from predd.model.loader import default_model_path
+from predd.server.logits_buffer import raise_open_file_limit
+from predd.memory.policy import MemoryConfig
+from predd.server.quota import QuotaConfig
+from predd.attention import backends as attention
+from predd.worker import cuda_graphs
+from predd.model import dtype
+from predd.worker import tp as tp_mod
+from predd.model.dtype import DTYPES
+from predd.worker.runner import LINEAR_CHOICES, Runner, RunnerConfig, TensorParallel
+from predd.engine.scheduler import SchedulerConfig
+from predd.server.loop import Server
+from predd.model.tokenizer import load_tokenizer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -201,7 +201,7 @@ class Agents:
     """--agents LIP processes; a task goes to whichever is free."""
 
     def __init__(self, args, env: dict, system_path: str) -> None:
-        from predd.launch import die_with_parent
+        from predd.server.launch import die_with_parent
         self.args = args
         self.procs: list[subprocess.Popen] = []
         self.free: queue.SimpleQueue = queue.SimpleQueue()
@@ -241,7 +241,7 @@ class Agents:
 
     def close(self) -> None:
         """End of input: each LIP frees its handles and exits (else it is stopped)."""
-        from predd.launch import terminate
+        from predd.server.launch import terminate
         for proc in self.procs:
             with contextlib.suppress(OSError):
                 proc.stdin.close()
@@ -465,8 +465,8 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.dtype = machine(args.dtype)
 
-    from predd.loader import default_model_path
-    from predd.tokenizer import load_tokenizer
+    from predd.model.loader import default_model_path
+    from predd.model.tokenizer import load_tokenizer
     work = make_workload(load_tokenizer(default_model_path()), args.seed, args.warmup,
                          args.tasks, args.turns, args.question_tokens,
                          args.observation_tokens)

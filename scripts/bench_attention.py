@@ -3,7 +3,7 @@
 SmolLM2-135M's shape (9 query heads, 3 kv heads, head_dim 64, pages of 16, bfloat16),
 30 layers; best of --reps, with the chunk in blocks of 16 query vectors (on AMX tiles,
 or by bf16 dot products without them) and with every row on the row kernel
-(predd/csrc/paged_attention.c, attention_tiles.c). With --shared N
+(predd/kernels/csrc/paged_attention.c, attention_tiles.c). With --shared N
 the decodes' first N entries (whole pages) are the same pages, forks of one document
 (B2), and a third figure has them attended together in blocks (predd --cascade).
 With --cold MB each layer reads its own pool, and MB of other memory between layers,
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from predd import cpu_kernels  # noqa: E402
+from predd.kernels import cpu_kernels  # noqa: E402
 
 PAGE, KV_HEADS, HEADS, HEAD_DIM, LAYERS = 16, 3, 9, 64, 30
 

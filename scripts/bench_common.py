@@ -1,5 +1,5 @@
 """What every benchmark here shares: the log, the machine line, RESULT lines, and
-starting the daemons (predd through predd.launch, kvfsd on a private mount).
+starting the daemons (predd through predd.server.launch, kvfsd on a private mount).
 
 A bench logs to stderr (`bench: ...`) and prints its results on stdout, one
 `RESULT {json}` line per comparison, each with its ratio against a baseline measured
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# predd's --dtype choices (predd.dtype.DTYPES and auto), without importing torch here
+# predd's --dtype choices (predd.model.dtype.DTYPES and auto), without importing torch here
 DTYPE_CHOICES = ["auto", "bfloat16", "float16", "float32"]
 
 
@@ -48,7 +48,7 @@ def machine(requested_dtype: str = "auto") -> str:
     CPU flags and the load average. Also makes SIGTERM unwind the bench like Ctrl-C,
     so its daemons are stopped and its mounts unmounted."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from predd import dtype
+    from predd.model import dtype
     global _AUTO_DTYPE
     chosen, why = dtype.resolve(requested_dtype, "cpu")
     if requested_dtype == "auto":
@@ -105,10 +105,10 @@ def changed(before: dict, after: dict, key: str, per: float = 1.0) -> str:
 
 def start_predd(*args: str, timeout: float = 600.0):
     """A predd with `args`, then those of $SYMPHONY_BENCH_PREDD_ARGS (e.g. `--linear
-    packed`), in a fresh run directory (predd.launch.Daemon); logs the attention backend
+    packed`), in a fresh run directory (predd.server.launch.Daemon); logs the attention backend
     and projections it chose."""
     import liblip as lip
-    from predd import launch
+    from predd.server import launch
     args = tuple("auto" if i and args[i - 1] == "--dtype" and a == _AUTO_DTYPE else a
                  for i, a in enumerate(args))
     args = (*args, *shlex.split(os.environ.get("SYMPHONY_BENCH_PREDD_ARGS", "")))
@@ -126,7 +126,7 @@ class Mount:
     under /tmp, for a `with` block; unmounted and removed afterwards whatever happens."""
 
     def __init__(self, *addrs: str, timeout: float = 60.0) -> None:
-        from predd.launch import die_with_parent, wait_ready
+        from predd.server.launch import die_with_parent, wait_ready
         self.path = tempfile.mkdtemp(prefix="kvfs-bench-", dir="/tmp")
         os.chmod(self.path, 0o755)
         self.work = tempfile.mkdtemp(prefix="kvfs-bench-state-")
@@ -144,7 +144,7 @@ class Mount:
 
     def close(self) -> None:
         """Stop kvfsd; its state directory and log go too when it exited cleanly."""
-        from predd.launch import terminate
+        from predd.server.launch import terminate
         if terminate(self.proc, 20.0) == 0:
             shutil.rmtree(self.work, ignore_errors=True)
         self.proc.stdout.close()

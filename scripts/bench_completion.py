@@ -258,7 +258,7 @@ def transformers_model(dtype: str):
     except bench_vllm.Unavailable:
         pass
     from bench_export import llama_config
-    from predd.loader import default_model_path, load_weights
+    from predd.model.loader import default_model_path, load_weights
     cfg, weights = load_weights(default_model_path(), torch_dtype)
     model = transformers.LlamaForCausalLM(llama_config(cfg)).to(torch_dtype)
     model.load_state_dict(weights, strict=False)
@@ -334,7 +334,7 @@ def main() -> int:
                     help="programs as separate processes, as threads of one process, or both")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                    help="auto: the machine's best (predd.dtype); every system uses it")
+                    help="auto: the machine's best (predd.model.dtype); every system uses it")
     ap.add_argument("--modes", default="generate,pred_loop,pred_sample",
                     help="of generate, pred_loop, pred_sample")
     ap.add_argument("--baselines", default="vllm_offline,vllm_server,transformers")

@@ -46,8 +46,8 @@ def export(model: str, out: str) -> None:
     import torch
     import transformers
     from safetensors.torch import save_file
-    from predd.loader import load_weights
-    from predd.tokenizer import load_tokenizer
+    from predd.model.loader import load_weights
+    from predd.model.tokenizer import load_tokenizer
 
     cfg, weights = load_weights(model, torch.float32)
     tokenizer = load_tokenizer(model)
@@ -74,7 +74,7 @@ def check(model: str, out: str) -> list[str]:
     import torch
     import transformers
     import liblip as lip
-    from predd import launch
+    from predd.server import launch
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -108,7 +108,7 @@ def main() -> int:
     ap.add_argument("--no-check", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from predd.loader import default_model_path
+    from predd.model.loader import default_model_path
     model = args.model or default_model_path()
     out = os.path.abspath(args.dir)
     tmp = out + ".tmp"                      # the directory appears whole, or not at all

@@ -123,7 +123,7 @@ def ask(proc: subprocess.Popen, line: str) -> dict:
 
 
 def measure(args, rundir: str, latency_factor: float, tokens: int, repeat: int) -> dict:
-    from predd import launch
+    from predd.server import launch
     daemon = launch.start(os.path.join(rundir, f"f{latency_factor:g}"), "--dtype", args.dtype,
                           "--device", args.device, "--latency-factor", str(latency_factor),
                           "--threads", str(args.threads))

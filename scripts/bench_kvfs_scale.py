@@ -46,7 +46,7 @@ def log(msg: str) -> None:
 
 
 def start_kvfsd(addr: str, mount: str, state: str) -> subprocess.Popen:
-    from predd.launch import die_with_parent, wait_ready
+    from predd.server.launch import die_with_parent, wait_ready
     proc = subprocess.Popen([sys.executable, "-m", "kvfsd", mount, "--predd", addr,
                              "--state", state, "--names-per-uid", "0"],
                             stdout=subprocess.PIPE, stderr=open(f"{state}.log", "ab"),
@@ -129,8 +129,8 @@ def main() -> int:
     args = ap.parse_args()
 
     import liblip
-    from predd import launch
-    from predd.launch import terminate
+    from predd.server import launch
+    from predd.server.launch import terminate
 
     tmp = tempfile.mkdtemp(prefix="bench-kvfs-")
     mount = tempfile.mkdtemp(prefix="kvfs-mnt-", dir="/tmp")

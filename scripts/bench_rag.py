@@ -67,7 +67,7 @@ class LipProcess:
 
     def __init__(self, env: dict, *args: str) -> None:
         self.report = tempfile.mktemp(prefix="rag-report-", suffix=".json")
-        from predd.launch import die_with_parent
+        from predd.server.launch import die_with_parent
         self.proc = subprocess.Popen(
             [sys.executable, LIP, *args, "--report", self.report], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT, preexec_fn=die_with_parent)

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from predd.loader import default_model_path  # noqa: E402
-from predd.runner import Chunk, Runner, RunnerConfig  # noqa: E402
+from predd.model.loader import default_model_path  # noqa: E402
+from predd.worker.runner import Chunk, Runner, RunnerConfig  # noqa: E402
 
 PAGE = 16
 

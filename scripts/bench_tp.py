@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_common import log, machine  # noqa: E402
 from bench_overhead import measure  # noqa: E402
-from predd import launch  # noqa: E402
+from predd.server import launch  # noqa: E402
 
 
 def step_ms(row: dict) -> float:

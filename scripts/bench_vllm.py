@@ -301,7 +301,7 @@ def warm(dtype: str = "auto") -> None:
     """One tiny offline run: proves vLLM starts here and fills the compile cache (for
     the dtype the bench will use: `auto` is predd's choice for this machine)."""
     if dtype == "auto":
-        from predd.dtype import resolve
+        from predd.model.dtype import resolve
         dtype, _ = resolve("auto", "cpu")
     prompts = [[1, 504, 2365, 6354, 16438], [1, 9690, 42, 253, 1789]]
     (_, outs), = offline([prompts], 8, dtype, 16384, 64, 2048, 1)

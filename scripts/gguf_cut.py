@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gguf  # noqa: E402
 
-from predd.loader import default_model_path  # noqa: E402
+from predd.model.loader import default_model_path  # noqa: E402
 
 # written by GGUFWriter itself
 OWN_KEYS = ("GGUF.", "general.architecture")

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 
-from predd.loader import default_model_path  # noqa: E402
+from predd.model.loader import default_model_path  # noqa: E402
 
 
 @dataclass(frozen=True)

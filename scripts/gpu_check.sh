@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh graphs [OUT]   # there: the CUDA graphs' checks and timings
 #   bash scripts/gpu_check.sh buffer [OUT]   # there: bf16 graphs, the pred loop's buffer
 #
-# `prepare` downloads flashinfer-python (the version predd/attention_flashinfer.py is
+# `prepare` downloads flashinfer-python (the version predd/attention/flashinfer_backend.py is
 # written against) with the two packages such a machine lacks (apache-tvm-ffi for its
 # bindings, pyzmq and gguf for predd), for CPython 3.12, and writes SmolLM2-135M cut to
 # its first 4 layers (scripts/gguf_cut.py): the whole GGUF is 98 MB, over what one
@@ -89,7 +89,7 @@ run() {
     stage "kernels, 4 q heads a kv head (tensor-core decode)" 240 "${pytest[@]}" -k "gqa4 and fp16"
 }
 
-# The decode step's CUDA graphs (predd/cuda_graphs.py): graphs against eager steps (the
+# The decode step's CUDA graphs (predd/worker/cuda_graphs.py): graphs against eager steps (the
 # model's logits, fp16 first, bf16 last: each dtype is a JIT compile), a serving predd
 # with them, then the whole model's shape timed with graphs off and on: decode steps, a
 # serving predd's generate and pred loop, a SmolLM2-1.7B-shaped step.

@@ -39,7 +39,7 @@ missing_debs() {
         command -v getfattr >/dev/null 2>&1 || missing+=(attr)
     fi
     # pyfuse3 ships as a source distribution: building it needs a C compiler, and so
-    # does predd's CPU attention kernel (built on first use, predd/cpu_kernels.py).
+    # does predd's CPU attention kernel (built on first use, predd/kernels/cpu_kernels.py).
     command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
     echo "${missing[*]}"
 }

@@ -6,15 +6,15 @@ import os
 
 import pytest
 
-from predd import launch
-from predd.launch import Daemon
+from predd.server import launch
+from predd.server.launch import Daemon
 
 ROOT = launch.ROOT
 
 
 def start_predd(rundir: str, *args: str, env: dict | None = None,
                 timeout: float = 120.0) -> Daemon:
-    """A serving predd (`predd.launch.start`), float32 unless the caller names a dtype:
+    """A serving predd (`predd.server.launch.start`), float32 unless the caller names a dtype:
     tests compare with transformers' float32 logits and tokens."""
     if "--dtype" not in args:
         args = ("--dtype", "float32", *args)

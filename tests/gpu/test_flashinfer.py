@@ -8,7 +8,7 @@ without CUDA, and skipped saying so where the flashinfer package is not installe
 * the real model (SmolLM2-135M, fp16) over a fixed schedule that mixes chunked prefill
   with batched decode: torch's greedy tokens fed to flashinfer too, the same logits
   within a tolerance and the same argmax where it is not a near-tie;
-* CUDA graphs of the decode step (predd/cuda_graphs.py): the same schedule with
+* CUDA graphs of the decode step (predd/worker/cuda_graphs.py): the same schedule with
   graphs on and off, the same tokens fed to both: every logit within a tolerance, the
   same argmax where it is not a near-tie, and the pure decode steps replayed;
 * the daemon: `predd --attention flashinfer` serves (with its CUDA graphs, `auto`), says
@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 
-from predd.attention import TorchAttention
-from predd.paged_kv import PagedKVCache
-from predd.page_table import PageTables
+from predd.attention.backends import TorchAttention
+from predd.worker.paged_kv import PagedKVCache
+from predd.attention.page_table import PageTables
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +59,7 @@ def random_pool(heads, kv_heads, head_dim, dtype, layers=2, pages=64):
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (32, 8, 128)],
                          ids=["smollm2-shape", "gqa4-tensor-cores"])
 def test_kernels_match_the_torch_backend(flashinfer, heads, kv_heads, head_dim, dtype):
-    from predd.attention_flashinfer import FlashInferAttention
+    from predd.attention.flashinfer_backend import FlashInferAttention
     free = list(np.random.default_rng(1).permutation(64))
     pages = [np.array([free.pop() for _ in range(-(-kv // PS))]) for kv, _ in STEP]
     tables = PageTables.build(PS, pages, [kv for kv, _ in STEP], [n for _, n in STEP])
@@ -91,7 +91,7 @@ def test_kernels_match_the_torch_backend(flashinfer, heads, kv_heads, head_dim, 
 def model_path():
     """$SYMPHONY_GPU_MODEL where set (scripts/gpu_check.sh brings a GGUF cut to its
     first layers: the device transfer is size-limited), else SmolLM2-135M."""
-    from predd.loader import default_model_path
+    from predd.model.loader import default_model_path
     if os.environ.get("SYMPHONY_GPU_MODEL"):
         return os.environ["SYMPHONY_GPU_MODEL"]
     try:
@@ -119,7 +119,7 @@ class Greedy:
         self.forced = forced
 
     def chunk(self, i: int, n: int):
-        from predd.runner import Chunk
+        from predd.worker.runner import Chunk
         start, end = self.done[i], self.done[i] + n
         while len(self.pages[i]) * self.ps < end:
             self.pages[i].append(int(self.free.pop()))
@@ -166,7 +166,7 @@ def test_real_model_greedy_tokens_match(flashinfer, model_path):
     """torch's greedy run, then flashinfer fed the same tokens: every logit of every
     step within LOGIT_TOLERANCE, and the same argmax wherever torch's top two are
     further apart than twice that (a closer pair is a tie either may break)."""
-    from predd.runner import Runner, RunnerConfig
+    from predd.worker.runner import Runner, RunnerConfig
     prompts = prompts_of(model_path)
     runs = {}
     for name in ("torch", "flashinfer"):
@@ -182,7 +182,7 @@ def test_real_model_greedy_tokens_match(flashinfer, model_path):
 
 
 def prompts_of(model_path) -> list[list[int]]:
-    from predd.tokenizer import load_tokenizer
+    from predd.model.tokenizer import load_tokenizer
     tok = load_tokenizer(model_path)
     return [tok.encode(text) for text in (
         "The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -215,7 +215,7 @@ def test_cuda_graphs_compute_what_eager_steps_do(flashinfer, model_path, dtype):
     tokens: the same logits (LOGIT_TOLERANCE; in bf16 four times that, its ulp being
     8x fp16's), the pure decode steps replayed from graphs (3 steps of A and B: the
     graph of 2; then two that C's chunks mix in; then 19 of A, B, C: the graph of 4)."""
-    from predd.runner import Runner, RunnerConfig
+    from predd.worker.runner import Runner, RunnerConfig
     prompts = prompts_of(model_path)
     runs = {}
     for graphs in ("off", "on"):

@@ -27,7 +27,7 @@ def kvfs(predd, lip, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def gguf_path() -> str:
-    from predd.loader import default_model_path
+    from predd.model.loader import default_model_path
     try:
         return default_model_path()
     except FileNotFoundError as exc:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from liblip.client import Client
-from predd.launch import die_with_parent, terminate, wait_ready
+from predd.server.launch import die_with_parent, terminate, wait_ready
 from tests.conftest import ROOT
 from tests.integration.kvfs_fixtures import eventually as poll_until
 from tests.integration.kvfs_fixtures import force_unmount, is_mounted, make_mountpoint

@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from predd.launch import die_with_parent, terminate, wait_ready
+from predd.server.launch import die_with_parent, terminate, wait_ready
 from tests.conftest import ROOT
 
 
@@ -197,7 +197,7 @@ def pred_logits(lip, path: str, token: int):
 def tiled_export(blob: bytes, times: int) -> bytes:
     """A predd export whose entries are `blob`'s repeated `times` times, at positions
     0..n-1: a long cache without the minutes a CPU takes to prefill one. Knows the
-    export layout of predd/kvstore.py (magic, u32 header length, msgpack, raw K/V,
+    export layout of predd/memory/kvstore.py (magic, u32 header length, msgpack, raw K/V,
     u32 CRC-32 of all that)."""
     import zlib
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from predd import cpu_kernels
+from predd.kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_int8.py",
@@ -23,7 +23,7 @@ TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_int8.py",
 # the int8 kernels' result for fixed blocks and rows, as bytes' digest: the portable
 # build sums in the vector build's lanes and order
 INT8_DIGEST = (
-    "import hashlib, torch; from predd import cpu_kernels as c; k = c.kernels(); "
+    "import hashlib, torch; from predd.kernels import cpu_kernels as c; k = c.kernels(); "
     "x = torch.randn(11, 576, generator=torch.Generator().manual_seed(0)); "
     "print(k.int8_dots, hashlib.sha256(b''.join(k.bind(c.random_blocks(kind, 70, 576)[0], "
     "None, int8=True)(x).numpy().tobytes() for kind in ('Q4_1', 'Q8_0'))).hexdigest())")
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(
 def test_the_kernels_built_for_an_older_cpu_pass_the_kernel_tests(march, tmp_path):
     env = {**os.environ, cpu_kernels.MARCH_ENV: march, "SYMPHONY_CACHE": str(tmp_path)}
     probe = subprocess.run(
-        [sys.executable, "-c", "from predd import cpu_kernels as c; k = c.kernels(); "
+        [sys.executable, "-c", "from predd.kernels import cpu_kernels as c; k = c.kernels(); "
          "print(c.problem(), k.bf16_blocks, k.bf16_tiles)"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     # it builds and agrees with torch; no bf16 dot products or tiles below AVX-512

@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from predd.launch import Daemon, die_with_parent, wait_ready
+from predd.server.launch import Daemon, die_with_parent, wait_ready
 from tests.conftest import ROOT
 from tests.integration.kvfs_fixtures import (Kvfs, eventually, finish, make_mountpoint, sh,
                                              start_kvfsd)

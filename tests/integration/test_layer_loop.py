@@ -1,4 +1,4 @@
-"""A step's layers in one C call (predd/layer_loop.py): the same logits and the same pool,
+"""A step's layers in one C call (predd/kernels/layer_loop.py): the same logits and the same pool,
 to the bit, as the Python loop, for decodes, chunks by tiles and by rows in one step, in
 float32 (by the blocks' exact weights and by int8 dot products) and (where the CPU has
 bf16 blocks) bfloat16; steps it does not take fall back to
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from predd import cpu_kernels
-from predd.page_table import PageTables
-from predd.runner import Chunk, Runner, RunnerConfig
+from predd.kernels import cpu_kernels
+from predd.attention.page_table import PageTables
+from predd.worker.runner import Chunk, Runner, RunnerConfig
 
 PAGE = 16
 

@@ -1,4 +1,4 @@
-"""predd.loader and predd.tokenizer against Hugging Face transformers.
+"""predd.model.loader and predd.model.tokenizer against Hugging Face transformers.
 
 The reference is what transformers builds from the same GGUF file (and, for the
 tokenizer, from a directory it saved itself): identical tensors under identical names,
@@ -15,8 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from predd.loader import ModelConfig, load_weights
-from predd.tokenizer import load_tokenizer
+from predd.model.loader import ModelConfig, load_weights
+from predd.model.tokenizer import load_tokenizer
 from tests.unit.helpers import assert_same_weights
 
 TEXTS = [

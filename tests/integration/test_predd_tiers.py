@@ -1,5 +1,5 @@
 """Memory tiers with the real model: a predd whose device pool holds a quarter of the
-caches a program keeps, with host and disk tiers below it (predd/memory.py).
+caches a program keeps, with host and disk tiers below it (predd/memory/policy.py).
 
 Caches of 250 entries take 16 pages; the device pool has 32."""
 from __future__ import annotations

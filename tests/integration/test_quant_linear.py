@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from predd.loader import load_weights, quantized_blocks
-from predd.quant_linear import QuantLinear
-from predd.runner import Chunk, Runner, RunnerConfig
+from predd.model.loader import load_weights, quantized_blocks
+from predd.model.quant_linear import QuantLinear
+from predd.worker.runner import Chunk, Runner, RunnerConfig
 
 
 def test_the_blocks_are_the_loaded_weights_to_the_bit(gguf_path):
@@ -81,7 +81,7 @@ def test_auto_takes_int8_where_dtype_auto_chose_float32(gguf_path, reason, linea
     """`--dtype auto` choosing float32 (no bf16 arithmetic) lets `--linear auto` take the
     int8 dot products where the kernels have AVX2's; float32 asked for by name keeps the
     blocks' exact weights. `--linear int8` takes a float32 model only."""
-    from predd import cpu_kernels
+    from predd.kernels import cpu_kernels
     if cpu_kernels.kernels().int8_dots == "portable":
         linear = "quantized"                  # no AVX2 here: auto keeps the exact blocks
     runner = Runner(RunnerConfig(gguf_path, kv_pages=8, dtype_reason=reason, quant_rows=4))
@@ -93,7 +93,7 @@ def test_auto_takes_int8_where_dtype_auto_chose_float32(gguf_path, reason, linea
 
 
 def test_quantized_is_refused_where_it_cannot_run_and_auto_says_why(gguf_path, monkeypatch):
-    from predd import cpu_kernels
+    from predd.kernels import cpu_kernels
     monkeypatch.setattr(cpu_kernels, "problem", lambda: "no C compiler (cc) on PATH")
     with pytest.raises(ValueError) as err:
         Runner(RunnerConfig(gguf_path, kv_pages=8, linear="quantized"))
@@ -105,7 +105,7 @@ def test_quantized_is_refused_where_it_cannot_run_and_auto_says_why(gguf_path, m
 
 @pytest.mark.parametrize("rows", [0, 5])
 def test_quant_rows_fixes_the_limit_without_measuring(gguf_path, rows, monkeypatch):
-    from predd import quant_linear
+    from predd.model import quant_linear
     monkeypatch.setattr(quant_linear, "calibrate", lambda *a, **k: pytest.fail("measured"))
     runner = Runner(RunnerConfig(gguf_path, kv_pages=8, quant_rows=rows))
     assert runner.linear == "quantized"

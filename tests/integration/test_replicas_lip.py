@@ -102,7 +102,7 @@ def test_kvfsd_keeps_files_on_a_tcp_predd_with_a_trusted_token(tmp_path):
     """A replica on another host, here on loopback: predd on tcp with --auth-keys, kvfsd
     with that predd's trusted token in $SYMPHONY_TOKEN. With a plain token kvfsd may not
     keep caches there (persistent capabilities are for trusted sessions): EPERM."""
-    from predd.tp import free_port
+    from predd.worker.tp import free_port
     from tests.conftest import start_predd
     trusted, plain = "a-trusted-token-for-kvfsd", "a-plain-token-of-a-user"
     keys = tmp_path / "keys.tsv"

@@ -1,4 +1,4 @@
-"""Tensor parallelism (predd/tp.py) on gloo: SmolLM2-135M (9 query heads, 3 KV heads)
+"""Tensor parallelism (predd/worker/tp.py) on gloo: SmolLM2-135M (9 query heads, 3 KV heads)
 at `--tp 3` against one rank, through the real protocol; a tiny random Llama written
 here at TP 2 and 4 (8 query heads; 4 KV heads, or 2, which at TP 4 each two ranks
 keep; checked through the runners directly, as it has no tokenizer); a TP that does
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import liblip
-from predd import tp
+from predd.worker import tp
 from tests.conftest import start_predd
 
 pytestmark = pytest.mark.slow
@@ -160,7 +160,7 @@ def tiny_llama(path, kv_heads: int) -> None:
 def chunks():
     """A prefill of 11 tokens on page 5 and a one-token decode on pages [0, 7, 3]
     whose first 35 entries the prefill pass of the same runner wrote before."""
-    from predd.runner import Chunk
+    from predd.worker.runner import Chunk
     first = Chunk(np.arange(3, 38), np.arange(35), np.array([0, 7, 3]), 35, np.array([34]))
     prefill = Chunk(np.arange(40, 51), np.arange(11), np.array([5]), 11, np.arange(11))
     decode = Chunk(np.array([9]), np.array([35]), np.array([0, 7, 3]), 36, np.array([0]))
@@ -178,7 +178,7 @@ def rank_main(rank: int, world: int, path: str, port: int, out) -> None:
 def rank_work(rank: int, world: int, path: str, port: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from predd.runner import Runner, RunnerConfig, TensorParallel
+    from predd.worker.runner import Runner, RunnerConfig, TensorParallel
     group = tp.join(world, rank, "cpu")
     runner = Runner(RunnerConfig(path, kv_pages=8, page_size=16),
                     tp=TensorParallel(world, rank, tp.Link(group, torch.device("cpu"))))
@@ -197,7 +197,7 @@ def rank_work(rank: int, world: int, path: str, port: int, out) -> None:
 
 def tp_run(path: str, world: int):
     if world == 1:
-        from predd.runner import Runner, RunnerConfig
+        from predd.worker.runner import Runner, RunnerConfig
         runner = Runner(RunnerConfig(path, kv_pages=8, page_size=16))
         logits = [torch.cat(runner.execute(step)).numpy() for step in chunks()]
         return (logits, runner.cache.read_slots(np.arange(0, 16)),
@@ -248,7 +248,7 @@ def test_two_torchrun_nodes_on_loopback_give_one_ranks_logits(tmp_path):
     second = subprocess.Popen([*node[:5], "--node-rank", "1", *node[5:],
                                "--rundir", str(tmp_path / "two")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    from predd import launch
+    from predd.server import launch
     first = subprocess.Popen([*node[:5], "--node-rank", "0", *node[5:],
                               "--rundir", str(tmp_path / "two")],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)

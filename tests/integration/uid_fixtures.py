@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-from predd.launch import die_with_parent, read_line
+from predd.server.launch import die_with_parent, read_line
 from tests.conftest import ROOT
 
 AGENT = r"""

@@ -18,10 +18,10 @@ import msgpack
 import numpy as np
 import torch
 
-from predd.engine import Engine, EngineConfig
-from predd.identity import Peer
-from predd.page_table import PageTables
-from predd.scheduler import SchedulerConfig
+from predd.engine.core import Engine, EngineConfig
+from predd.server.identity import Peer
+from predd.attention.page_table import PageTables
+from predd.engine.scheduler import SchedulerConfig
 from tests.unit.test_kvstore import LAYERS, FakePages, payload
 
 VOCAB = 64

@@ -16,7 +16,7 @@ def code(fn) -> str:
 
 
 def assert_same_weights(weights: dict, state_dict: dict, tied: bool) -> None:
-    """`weights` (predd.loader's) are transformers' `state_dict`, name for name, to 1e-6;
+    """`weights` (predd.model.loader's) are transformers' `state_dict`, name for name, to 1e-6;
     without `lm_head.weight` when the embeddings are `tied`."""
     expected = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
     assert sorted(weights) == sorted(expected)

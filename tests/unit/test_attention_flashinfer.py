@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from predd import attention, attention_flashinfer
-from predd.attention import TorchAttention, make_backend, resolve
-from predd.attention_flashinfer import FlashInferAttention, split_step
-from predd.paged_kv import PagedKVCache
-from predd.page_table import PageTables
+from predd.attention import backends as attention
+from predd.attention import flashinfer_backend as attention_flashinfer
+from predd.attention.backends import TorchAttention, make_backend, resolve
+from predd.attention.flashinfer_backend import FlashInferAttention, split_step
+from predd.worker.paged_kv import PagedKVCache
+from predd.attention.page_table import PageTables
 from tests.unit.helpers import refused_before_loading
 
 PS = 4

@@ -6,8 +6,8 @@ import re
 import pytest
 
 from liblip.protocol import CAP_HEX_LEN, ProtocolError
-from predd.caps import Capabilities, short
-from predd.sessions import Sessions
+from predd.server.caps import Capabilities, short
+from predd.server.sessions import Sessions
 from tests.unit.helpers import code
 
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from predd import attention, cpu_kernels
-from predd.attention import CpuAttention, TorchAttention, resolve
-from predd.page_table import PageTables
-from predd.paged_kv import PagedKVCache
+from predd.attention import backends as attention
+from predd.kernels import cpu_kernels
+from predd.attention.backends import CpuAttention, TorchAttention, resolve
+from predd.attention.page_table import PageTables
+from predd.worker.paged_kv import PagedKVCache
 
 
 def _step(calls, kv_heads=2, heads=6, head_dim=16, ps=4, pages=64, seed=0,
@@ -292,7 +293,7 @@ def test_choosing_the_cpu_backend():
 
 @pytest.mark.parametrize("rows", [1, 7, 300])       # 300 x 576 floats: split over threads
 def test_cpu_ops_match_torch_ops(rows):
-    from predd.model import RMSNorm, TorchOps
+    from predd.model.llama import RMSNorm, TorchOps
     gen = torch.Generator().manual_seed(rows)
     ours, ref = cpu_kernels.CpuOps(cpu_kernels.kernels()), TorchOps()
     norm = RMSNorm(576, 1e-5)
@@ -328,7 +329,7 @@ def test_rotary_at_and_embed_look_up_what_the_torch_ops_compute():
     a negative one, refused before it gets here, would not wrap around to the end).
     CpuOps.embed: the embedding's rows by a numpy lookup, a new tensor each call; ids
     out of range raise as torch's embedding does."""
-    from predd.model import TorchOps
+    from predd.model.llama import TorchOps
     ours, ref = cpu_kernels.CpuOps(cpu_kernels.kernels()), TorchOps()
     inv_freq = 10000.0 ** (-torch.arange(0, 64, 2).float() / 64)
     last = cpu_kernels.ROTARY_ROWS - 1
@@ -360,7 +361,7 @@ def test_rotary_at_and_embed_look_up_what_the_torch_ops_compute():
 def test_the_head_copies_rows_unless_it_wants_every_row_in_order():
     """LlamaModel.head takes x and delta as they are only for rows 0 .. T - 1 in order (a
     step of decodes); any other set (a subset, a repeat, another order) is gathered."""
-    from predd.model import every_row
+    from predd.model.llama import every_row
     rows = lambda *r: torch.tensor(r, dtype=torch.int64)   # noqa: E731
     assert every_row(rows(0), 1) and every_row(rows(0, 1), 2)
     assert every_row(torch.arange(64), 64) and every_row(rows(), 0)
@@ -374,7 +375,7 @@ def test_cpu_ops_in_bfloat16(rows):
     bf16 ops round them (one rounding each where torch rounds); RoPE and SwiGLU's
     product rounded once where torch rounds every step, so within two units in the last
     place of the tensor's largest value, and most often equal."""
-    from predd.model import RMSNorm, TorchOps
+    from predd.model.llama import RMSNorm, TorchOps
     gen = torch.Generator().manual_seed(rows)
     bf = torch.bfloat16
     ours, ref = cpu_kernels.CpuOps(cpu_kernels.kernels()), TorchOps()
@@ -410,7 +411,7 @@ def test_bfloat16_ops_keep_denormals_as_torch_rounds_them():
     a vector holding one is rounded value by value, so a residual sum (or a rotated
     value, or SwiGLU's product) that lands among the denormals is still the one torch's
     bf16 ops give (not 0)."""
-    from predd.model import RMSNorm, TorchOps
+    from predd.model.llama import RMSNorm, TorchOps
     bf = torch.bfloat16
     ours, ref = cpu_kernels.CpuOps(cpu_kernels.kernels()), TorchOps()
     norm = RMSNorm(576, 1e-5).to(bf)
@@ -437,9 +438,9 @@ def test_bfloat16_ops_keep_denormals_as_torch_rounds_them():
 
 def test_model_with_cpu_ops_gives_torch_ops_logits():
     """A tiny seeded Llama: the same logits (within float32 reordering) whichever ops run."""
-    from predd.attention import TorchAttention
-    from predd.loader import ModelConfig
-    from predd.model import LlamaModel
+    from predd.attention.backends import TorchAttention
+    from predd.model.loader import ModelConfig
+    from predd.model.llama import LlamaModel
     cfg = ModelConfig(name="tiny", vocab_size=97, hidden_size=64, intermediate_size=96,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position=256,
@@ -507,7 +508,7 @@ def test_the_kernel_store_writes_where_index_copy_does_and_declines_other_layout
 
 
 def test_greedy_rows_take_the_kernel_here_and_torch_without_it(monkeypatch):
-    from predd import outputs
+    from predd.engine import outputs
     rows = list(torch.randn(5, 1000, generator=torch.Generator().manual_seed(4)) * 3)
     assert outputs._cpu_kernels() is not None
     tokens, logprobs = outputs._greedy_rows(rows)
@@ -531,7 +532,7 @@ def test_the_cpu_backend_stores_a_layout_the_kernel_declines_with_index_copy():
 # ------------------------------------------------------------------ the step's plan in C
 
 def _numpy_rows(tables: PageTables, calls: list[int]):
-    """CpuAttention.rows as numpy computed it before predd/csrc/step_plan.c."""
+    """CpuAttention.rows as numpy computed it before predd/kernels/csrc/step_plan.c."""
     n = tables.q_len[calls].astype(np.int64)
     row_token = tables.query_rows(calls)
     row_visible = (np.repeat(tables.kv_len[calls].astype(np.int64) - n, n)

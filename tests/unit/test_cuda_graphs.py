@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from predd import cuda_graphs
-from predd.attention_flashinfer import FlashInferAttention
-from predd.cuda_graphs import DecodeGraphs, buckets, pad_step, resolve
-from predd.loader import ModelConfig
-from predd.model import LlamaModel
-from predd.paged_kv import PagedKVCache
-from predd.page_table import PageTables
+from predd.worker import cuda_graphs
+from predd.attention.flashinfer_backend import FlashInferAttention
+from predd.worker.cuda_graphs import DecodeGraphs, buckets, pad_step, resolve
+from predd.model.loader import ModelConfig
+from predd.model.llama import LlamaModel
+from predd.worker.paged_kv import PagedKVCache
+from predd.attention.page_table import PageTables
 from tests.unit.helpers import refused_before_loading
 from tests.unit.test_attention_flashinfer import (  # noqa: F401
     FakeDecode, fake_flashinfer, paged_reference)

@@ -1,7 +1,7 @@
 """`--dtype auto`: bf16 only where the CPU computes it natively."""
 import pytest
 
-from predd import dtype
+from predd.model import dtype
 
 
 def test_auto_on_avx2_only_cpu_is_float32():

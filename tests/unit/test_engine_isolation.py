@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from liblip.protocol import KvTruncate
-from predd.handlers import HANDLERS
-from predd.limits import MAX_POSITION
-from predd.memory import MemoryConfig
+from predd.server.handlers import HANDLERS
+from predd.server.limits import MAX_POSITION
+from predd.memory.policy import MemoryConfig
 from tests.unit.engine_fakes import Harness, still
 
 A, B, C = b"client-a", b"client-b", b"client-c"
@@ -253,7 +253,7 @@ def test_re_predict_refused_for_want_of_a_page_keeps_the_last_entry():
 
 
 def test_re_predict_refused_by_quota_keeps_the_last_entry():
-    from predd.quota import QuotaConfig
+    from predd.server.quota import QuotaConfig
     h = Harness(quota=QuotaConfig(session_pages=2))
     kv = prefilled(h, A, [1, 2, 3, 4, 5, 6], 0)              # 2 pages: at the quota
     other = h.ok(B, "kv_fork", cap=kv)["cap"]                # B's fork shares page 1

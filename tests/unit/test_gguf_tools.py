@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"
 import gguf_cut  # noqa: E402
 import gguf_random  # noqa: E402
 
-from predd.loader import default_model_path, load_weights  # noqa: E402
+from predd.model.loader import default_model_path, load_weights  # noqa: E402
 
 
 def test_names_cut_and_grow():

@@ -1,5 +1,5 @@
 """predd's latency histograms (stats -> /metrics): exact bucket counts."""
-from predd.metrics import HIST_MS, Histogram
+from predd.engine.metrics import HIST_MS, Histogram
 
 
 def test_observations_land_in_the_first_bucket_whose_bound_holds_them():

@@ -1,4 +1,4 @@
-"""predd/huge_pages.py: the pool's zeros and the arena's arrays are exact, aligned and
+"""predd/memory/huge_pages.py: the pool's zeros and the arena's arrays are exact, aligned and
 packed, on 2 MB pages where the kernel gives them (read back from /proc/self/smaps),
 and plain allocations where huge pages are off."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from predd import huge_pages
-from predd.loader import QuantBlocks
+from predd.memory import huge_pages
+from predd.model.loader import QuantBlocks
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 

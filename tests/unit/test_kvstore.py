@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from liblip.protocol import ProtocolError
-from predd.kvstore import EXPORT_MAGIC, KVStore
-from predd.limits import MAX_POSITION
-from predd.pool import Pool
+from predd.memory.kvstore import EXPORT_MAGIC, KVStore
+from predd.server.limits import MAX_POSITION
+from predd.memory.pool import Pool
 
 LAYERS, HEADS, DIM = 2, 1, 4
 VOCAB, MAX_LENGTH = 1 << 16, 1 << 12   # what import_ accepts here
@@ -1168,7 +1168,7 @@ def test_random_operations_keep_every_invariant():
 
 def test_non_finite_k_v_is_found_in_every_dtype():
     """bfloat16 travels as raw uint16 bits: an all-ones exponent is inf or NaN."""
-    from predd.kvstore import _finite
+    from predd.memory.kvstore import _finite
     bf16 = np.array([0x3F80, 0x0000, 0x8000, 0x7F7F, 0x0001], np.uint16)   # 1, ±0, max, tiny
     assert _finite(bf16, "bfloat16")
     for bits in (0x7F80, 0xFF80, 0x7FC0, 0xFFC1):                          # ±inf, NaNs

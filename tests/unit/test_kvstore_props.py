@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from liblip.protocol import ProtocolError
-from predd.kvstore import EXPORT_MAGIC
+from predd.memory.kvstore import EXPORT_MAGIC
 from tests.unit.test_kvstore import DIM, HEADS, LAYERS, World
 
 SETTINGS = settings(max_examples=150, deadline=None,

@@ -1,10 +1,10 @@
-"""predd.launch's bounded waits on a child's stdout, with stand-in children (no model)."""
+"""predd.server.launch's bounded waits on a child's stdout, with stand-in children (no model)."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from predd import launch
+from predd.server import launch
 
 
 def child(code: str) -> subprocess.Popen:

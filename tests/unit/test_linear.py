@@ -1,4 +1,4 @@
-"""predd/linear.py: projections packed once for oneDNN give F.linear's result; every
+"""predd/model/linear.py: projections packed once for oneDNN give F.linear's result; every
 nn.Linear of a model is swapped, a tied head included; where packing cannot run the
 reason says why. (On a torch without oneDNN the packing tests skip, saying so.)"""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from predd import linear
+from predd.model import linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                   reason="this torch build has no oneDNN")

@@ -1,4 +1,4 @@
-"""predd.loader without SmolLM2: the Hugging Face directory path on tiny random models
+"""predd.model.loader without SmolLM2: the Hugging Face directory path on tiny random models
 transformers saved itself (sharded, tied or untied, qwen2 biases, llama3 RoPE scaling),
 llama.cpp's Q/K permutation, and the errors for a missing model."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from predd import loader
-from predd.loader import default_model_path, load_weights
-from predd.tokenizer import load_tokenizer
+from predd.model import loader
+from predd.model.loader import default_model_path, load_weights
+from predd.model.tokenizer import load_tokenizer
 from tests.unit.helpers import assert_same_weights
 
 transformers = pytest.importorskip("transformers")

@@ -15,9 +15,9 @@ import pytest
 
 from liblip.client import LipError
 from liblip.logits_buffer import LogitsBuffer as ClientBuffer
-from predd import logits_buffer as lb
+from predd.server import logits_buffer as lb
 from liblip.logits_buffer import slot_bytes
-from predd.logits_buffer import MAX_SLOTS, LogitsBuffer
+from predd.server.logits_buffer import MAX_SLOTS, LogitsBuffer
 from tests.unit.helpers import code
 
 VOCAB = 1000                       # 4000 bytes a row: one page a slot

@@ -1,4 +1,4 @@
-"""Memory tiers and their policy (predd/memory.py, tiers.py, pool.py) through a real
+"""Memory tiers and their policy (predd/memory/policy.py, tiers.py, pool.py) through a real
 Engine over the fake runner, whose outputs depend on every K/V entry they attend to:
 a page that comes back from the host or the disk changed by one bit changes the logits.
 
@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from predd.memory import MemoryConfig
-from predd.pool import DEVICE, DISK, HOST
+from predd.memory.policy import MemoryConfig
+from predd.memory.pool import DEVICE, DISK, HOST
 from tests.unit.engine_fakes import Harness
 
 A, B = b"client-a", b"client-b"

@@ -1,11 +1,11 @@
-"""`predd.model.fuse`: Hugging Face's q/k/v and gate/up weights become the model's one
+"""`predd.model.llama.fuse`: Hugging Face's q/k/v and gate/up weights become the model's one
 GEMM each, concatenated in that order; a group with a part missing is refused."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from predd.model import fuse
+from predd.model.llama import fuse
 
 
 def weights(prefix: str, bias: bool) -> dict[str, torch.Tensor]:

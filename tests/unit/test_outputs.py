@@ -1,4 +1,4 @@
-"""The step's batched greedy pick (predd/outputs.py `pick_greedy`): which calls it serves
+"""The step's batched greedy pick (predd/engine/outputs.py `pick_greedy`): which calls it serves
 (greedy, unmasked generates and pred_samples), that it gives what each call would have
 picked alone (`sampling.sample`), and the replies built from it; with predd's kernel and
 with torch's fallback."""
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from liblip import protocol as p
-from predd import outputs, sampling
-from predd.calls import Call
+from predd.engine import outputs
+from predd.engine import sampling
+from predd.engine.calls import Call
 
 V = 1000
 COST = p.Cost(computed=1, reused=0, pages=1, queue_ms=0.0, step_ms=1.0)

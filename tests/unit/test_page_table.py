@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from predd.attention import TorchAttention
-from predd.paged_kv import PagedKVCache
-from predd.page_table import PageTables
+from predd.attention.backends import TorchAttention
+from predd.worker.paged_kv import PagedKVCache
+from predd.attention.page_table import PageTables
 
 
 def test_tables_are_flashinfer_csr():

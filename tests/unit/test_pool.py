@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from liblip.protocol import ProtocolError
-from predd.pool import Pool
+from predd.memory.pool import Pool
 
 
 def test_rejects_empty_pool():

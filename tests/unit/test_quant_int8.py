@@ -1,4 +1,4 @@
-"""predd/csrc/quant_int8.c: projections from Q4_1 / Q8_0 blocks by int8 dot products over
+"""predd/kernels/csrc/quant_int8.c: projections from Q4_1 / Q8_0 blocks by int8 dot products over
 rows quantised per block of 32 (`--linear int8`). They give the int8 arithmetic's own
 result (x quantised by `int8_rows`, each block's integer sum exact, scaled once) to
 float32 rounding, exactly the float32 product where x's blocks are already int8 multiples
@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from predd import calibration, cpu_kernels, quant_linear
-from predd.cpu_kernels import int8_reference, int8_rows, random_blocks
+from predd.model import calibration
+from predd.kernels import cpu_kernels
+from predd.model import quant_linear
+from predd.kernels.cpu_kernels import int8_reference, int8_rows, random_blocks
 
 
 def _int8(blocks, bias=None):

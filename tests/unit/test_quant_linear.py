@@ -1,4 +1,4 @@
-"""predd/quant_linear.py and its kernels (predd/csrc/quant_linear.c): projections computed
+"""predd/model/quant_linear.py and its kernels (predd/kernels/csrc/quant_linear.c): projections computed
 from Q4_1 / Q8_0 blocks give F.linear's result on the dequantised weights, are used for
 up to QUANT_ROWS rows only, and find their blocks under the model's fused names."""
 from __future__ import annotations
@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from predd import cpu_kernels, quant_linear
-from predd.cpu_kernels import random_blocks
-from predd.loader import ModelConfig
-from predd.model import LlamaModel
+from predd.kernels import cpu_kernels
+from predd.model import quant_linear
+from predd.kernels.cpu_kernels import random_blocks
+from predd.model.loader import ModelConfig
+from predd.model.llama import LlamaModel
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
@@ -145,7 +146,7 @@ def _check_bf16_block_kernel(kind, rows, out, bias, cols=128):
 @pytest.mark.parametrize("rows", [5, 16, 70])        # one short tile, one whole, 4 + a tail
 def test_blocks_in_tiles_are_the_same_blocks_as_the_bf16_kernels_index_them(kind, rows):
     """QuantBlocks.in_tiles: block b of weight row n at ((n // 16) * blocks + b) * 16 +
-    n % 16 (tile_block in predd/csrc/quant_blocks.h), the last tile padded with zero
+    n % 16 (tile_block in predd/kernels/csrc/quant_blocks.h), the last tile padded with zero
     rows; in_rows gives the blocks back, and both dequantise to the same weight."""
     blocks, weight = random_blocks(kind, rows, 160)
     tiles = blocks.in_tiles()
@@ -209,7 +210,7 @@ def test_blocks_in_lanes_hold_each_weight_where_the_lanes_kernel_reads_it(rows):
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_lanes_kernel_is_bf16_rows_times_the_exact_weights_rounded_once(
         rows, out, cols, bias):
-    """predd/csrc/quant_lanes.c: the checkpoint's weights exactly (d q + m, not rounded to
+    """predd/kernels/csrc/quant_lanes.c: the checkpoint's weights exactly (d q + m, not rounded to
     bf16) times bf16 rows, summed in float32, rounded once: the exact result's bf16
     rounding, give or take float32 rounding at the scale of the terms summed (q + 128
     and the m term apart), and nearly always that rounding to the bit; each row's bits
@@ -349,7 +350,7 @@ TINY_SIZES = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64),
 @pytest.mark.parametrize("tied", [True, False])
 def test_attach_finds_blocks_under_fused_names_and_a_tied_head(tied):
     """q/k/v stacked into qkv_proj and gate/up into gate_up_proj by rows, in the order
-    predd.model.fuse concatenates the weights; a tied lm_head reads the embedding's."""
+    predd.model.llama.fuse concatenates the weights; a tied lm_head reads the embedding's."""
     model = _tiny(tied)
     blocks, weights, seed = {}, {}, 0
     for layer in range(2):

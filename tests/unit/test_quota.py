@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from predd.kvstore import KVStore
-from predd.pool import Pool
-from predd.quota import QuotaConfig, Quotas
+from predd.memory.kvstore import KVStore
+from predd.memory.pool import Pool
+from predd.server.quota import QuotaConfig, Quotas
 from tests.unit.helpers import code
 from tests.unit.test_kvstore import FakePages, payload
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from liblip.protocol import SampleParams
-from predd import sampling
+from predd.engine import sampling
 from tests.unit.helpers import code
 
 LOGITS = torch.tensor([1.0, 3.0, 2.0, 0.0, -1.0, 2.5, 0.5, -2.0, 1.5, 0.25])  # V = 10

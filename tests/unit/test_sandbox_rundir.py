@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from predd.server import Server
+from predd.server.loop import Server
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
 

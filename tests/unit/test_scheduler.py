@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from predd.calls import Call
-from predd.returns import ReturnTimes
-from predd.scheduler import Plan, PlanItem, Scheduler, SchedulerConfig, StepCost
+from predd.engine.calls import Call
+from predd.engine.returns import ReturnTimes
+from predd.engine.scheduler import Plan, PlanItem, Scheduler, SchedulerConfig, StepCost
 
 
 def make(token_budget=512, max_batch=64, wait_factor=0.5, max_wait_s=0.25,

@@ -9,9 +9,9 @@ import time
 import pytest
 import zmq
 
-from predd import server as server_mod
-from predd.identity import Peer
-from predd.server import Server
+from predd.server import loop as server_mod
+from predd.server.identity import Peer
+from predd.server.loop import Server
 
 
 class FakeEngine:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from predd.calls import Call
+from predd.engine.calls import Call
 from tests.unit.engine_fakes import Harness
 
 

@@ -1,13 +1,13 @@
-"""predd/tp.py without processes: how a model splits over ranks, the loader's part of
+"""predd/worker/tp.py without processes: how a model splits over ranks, the loader's part of
 each weight, and a step's chunks as the int64 array rank 0 broadcasts."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from predd import tp
-from predd.loader import ModelConfig
-from predd.runner import Chunk
+from predd.worker import tp
+from predd.model.loader import ModelConfig
+from predd.worker.runner import Chunk
 from tests.unit.helpers import refused_before_loading
 
 

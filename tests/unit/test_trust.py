@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from liblip.protocol import pack
-from predd.engine import Engine, EngineConfig
-from predd.identity import (NOBODY, AuthKeys, Peer, check_endpoint, is_loopback, peer_of)
-from predd.quota import QuotaConfig
-from predd.runner import RunnerConfig
-from predd.scheduler import SchedulerConfig
+from predd.engine.core import Engine, EngineConfig
+from predd.server.identity import (NOBODY, AuthKeys, Peer, check_endpoint, is_loopback, peer_of)
+from predd.server.quota import QuotaConfig
+from predd.worker.runner import RunnerConfig
+from predd.engine.scheduler import SchedulerConfig
 from tests.unit.helpers import secrets_file
 from tests.unit.test_kvstore import FakePages
 

@@ -1,0 +1,123 @@
+"""What a call's logits become: a pred's reply, a generate's next token, and whether the
+generate stops there.
+
+Stop rules, in order: a stop token (included in the output), a stop string in the
+detokenised output, `max_tokens` reached ("length"), the object full to the context
+("length"); and, when none of these holds, no room for the next token (its errno).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from liblip import protocol as p
+from predd.kernels import cpu_kernels
+from predd.engine import sampling
+from predd.engine.calls import Call
+
+
+def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
+    """The reply to a finished pred: sampled tokens, top-k, or raw logits (one row in
+    the session's logits buffer when the call names a slot, else a frame)."""
+    if call.picks is not None:    # greedy: chosen in a batch with the step's other calls
+        return p.PredSample(tokens=[t for t, _ in call.picks],
+                            logprobs=[lp for _, lp in call.picks], cost=cost)
+    if len(call.logits) == 1:     # one chunk's rows: a view of the step's logits, not a copy
+        logits = call.logits[0]
+    else:
+        logits = (torch.cat(call.logits) if call.logits
+                  else torch.empty(0, 0, dtype=torch.float32))
+    logits = sampling.apply_mask(logits, call.allowed)
+    if call.sample is not None:
+        picks = [sampling.sample(row, call.sample, call.generator) for row in logits]
+        return p.PredSample(tokens=[t for t, _ in picks], logprobs=[lp for _, lp in picks],
+                            cost=cost)
+    if call.topk:
+        picks = [sampling.topk(row, call.topk) for row in logits]
+        return p.PredTopk(topk_ids=[i for i, _ in picks],
+                          topk_logprobs=[lp for _, lp in picks], cost=cost)
+    data = logits.contiguous().numpy()      # sent from this memory (the view keeps it)
+    if (call.buffer is not None and call.into >= 0 and len(data) == 1
+            and call.buffer.write(call.into, data[0])):
+        return p.PredLogits(shape=list(data.shape), data=b"", slot=call.into, cost=cost)
+    return p.PredLogits(shape=list(data.shape), data=memoryview(data.reshape(-1).view(np.uint8)),
+                        cost=cost)
+
+
+def pick_greedy(calls: list[Call]) -> None:
+    """The tokens of every greedy, unmasked generate (its next) and pred_sample (one at
+    each of its outputs) in one batched op (the argmax `sampling.sample` gives and its
+    logprob, as close to exact as sample's float32 log_softmax or closer:
+    predd/kernels/csrc/greedy.c), not 64 small calls. A call it leaves (a failure, a NaN row)
+    picks its own in `next_token` or `pred_reply`."""
+    def greedy(c: Call) -> bool:
+        return c.allowed is None and (c.sample is None
+                                      or c.sample.temperature < sampling.MIN_TEMPERATURE)
+    generates = [c for c in calls if c.generating and greedy(c)]
+    samples = [c for c in calls if not c.generating and c.sample is not None and c.logits
+               and greedy(c)]
+    rows = ([c.logits[-1][-1] for c in generates]
+            + [row for c in samples for block in c.logits for row in block])
+    if not rows:
+        return
+    try:
+        tokens, picked = _greedy_rows(rows)
+    except Exception:
+        return
+    pairs = list(zip(tokens, picked))
+    for call, (token, lp) in zip(generates, pairs):
+        if token >= 0:
+            call.logits.pop()
+            call.picked = (token, lp)
+    at = len(generates)
+    for call in samples:
+        n = sum(len(block) for block in call.logits)
+        mine, at = pairs[at:at + n], at + n
+        if all(token >= 0 for token, _ in mine):
+            call.picks = mine
+
+
+def _greedy_rows(rows: list[torch.Tensor]) -> tuple[list[int], list[float]]:
+    """Each row's argmax and its logprob: predd's CPU kernel where it runs (no copy of
+    the rows, ~1 ms for 64 rows of 49,152 where torch takes ~6), else torch; token -1
+    for a row the kernel leaves to the caller (a NaN)."""
+    kernels = _cpu_kernels()
+    if kernels is not None and rows[0].is_cpu and rows[0].dtype == torch.float32:
+        return kernels.greedy_pick(rows)
+    stacked = torch.stack(rows)                                        # [k, V]
+    tokens = torch.argmax(stacked, dim=-1)
+    logprobs = torch.log_softmax(stacked, dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), logprobs.tolist()
+
+
+@functools.cache
+def _cpu_kernels() -> cpu_kernels.Kernels | None:
+    """predd's CPU kernels where they build and pass their probe here, else None (asked
+    once: a failed build is not retried every step)."""
+    return None if cpu_kernels.problem() else cpu_kernels.kernels()
+
+
+def next_token(call: Call) -> tuple[int, float]:
+    """A generate's next token and its logprob, from its last logits row."""
+    if call.picked is not None:   # chosen in a batch with the step's other calls
+        picked, call.picked = call.picked, None
+        return picked
+    row = sampling.apply_mask(call.logits.pop()[0], call.allowed)
+    params = call.sample or p.SampleParams(temperature=0.0)
+    return sampling.sample(row, params, call.generator)
+
+
+def stop_reason(call: Call, token: int, decode: Callable[[list[int]], str],
+                full: bool) -> str | None:
+    """Why a generate stops after `token` (already in `call.generated`), or None.
+    `full`: its object has no room for another entry within the context."""
+    if token in call.stop:
+        return "stop"
+    if call.stop_text and call.hits_stop_text(decode):
+        return "stop"
+    if len(call.generated) >= call.max_tokens or full:
+        return "length"
+    return None

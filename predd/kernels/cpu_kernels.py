@@ -1,0 +1,883 @@
+"""predd's own CPU kernels (predd/kernels/csrc/*.c), built for this machine on first use.
+
+torch's CPU ops cannot read K and V where they lie in the paged pool: attention over a
+page table costs a gather (a copy of every entry, each layer, each step) before its
+matmuls. `paged_attention` (predd/kernels/csrc/paged_attention.c) reads them in place. And at
+decode's few rows a step, a layer's small ops (RMSNorm, RoPE, SwiGLU's product: some
+twenty torch ops a layer) cost more in dispatch than in arithmetic; predd/kernels/csrc/
+layer_ops.c does each in one pass (`CpuOps`, the same interface as predd.model.llama.TorchOps).
+predd/kernels/csrc/quant_linear.c computes decode's projections from a GGUF's own blocks
+(predd/model/quant_linear.py; predd/kernels/csrc/quant_tiles.c with AMX tiles where the CPU has
+them), and predd/kernels/csrc/greedy.c picks greedy tokens without a
+written-out log-softmax (predd/engine/outputs.py).
+
+The library is compiled here with the machine's C compiler (`$CC`, else `cc`) for this
+CPU (`-march=native`), cached under `$SYMPHONY_CACHE` (default `~/.cache/symphony`) by a
+hash of the sources, the flags, the compiler and the CPU's flags, loaded through ctypes
+and probed against torch. OpenMP in it is the libgomp torch already loaded, so it runs
+on torch's threads (`--threads`). The attention backend `cpu` (predd/attention/backends.py) uses
+it, and a runner with that backend gives its model `CpuOps`.
+
+Where it cannot build or load (no compiler, no OpenMP, a read-only cache and /tmp) or
+its probe disagrees with torch, `problem()` says why and predd keeps the torch backend.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c",
+           CSRC / "quant_tiles.c", CSRC / "quant_lanes.c", CSRC / "attention_tiles.c",
+           CSRC / "greedy.c", CSRC / "layer_loop.c", CSRC / "step_plan.c", CSRC / "quant_int8.c")
+HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h", CSRC / "quant_blocks.h",
+           CSRC / "amx.h", CSRC / "prefetch.h")
+LIBRARY = "predd-cpu"
+# -fno-trapping-math: predd never unmasks floating-point exceptions, and without it GCC
+# will not turn a float compare-and-select (exp_approx's clamp) into a vector blend on
+# AVX2, leaving the softmax's and SwiGLU's exponential loops scalar there.
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+# $SYMPHONY_KERNELS_MARCH names another -march (x86-64-v3: AVX2 and FMA, no AVX-512;
+# x86-64-v2: neither): the library as an older CPU would build it, so that its paths for
+# that CPU can be tested here (tests/integration/test_kernels_march.py)
+MARCH_ENV = "SYMPHONY_KERNELS_MARCH"
+ROTARY_ROWS = 16384     # positions whose RoPE angles CpuOps.rotary_at looks up (4 MB at
+ROTARY_PIECE = 256      # head_dim 64), made this many at a time
+PROBE_TOLERANCE = 1e-4      # float32, another summation order
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}    # the kernels' dtypes
+# a call of this many new tokens or more attends in blocks of 16 query vectors
+# (predd/kernels/csrc/attention_tiles.c, `bind_attention`) where they run: on AMX tiles, SmolLM2's
+# 9 query heads after 400 entries, 30 layers, 2 Sapphire Rapids cores
+# (scripts/bench_attention.py): 2 rows 0.75 ms on tiles against 0.65 on the row kernel,
+# 4 rows 0.93 against 1.13, 41 rows 5.1 against 10.3
+TILE_ROWS = 4
+# rows of the row kernel whose tables begin with the same SHARED_PAGES pages or more (forks
+# of one cached document, B2), SHARED_ROWS of them or more, attend to those pages together
+# in blocks first (`SharedPrefixes`; cascade attention). SmolLM2's shape, 30 layers, 2
+# Sapphire Rapids cores (scripts/bench_attention.py --shared): 8 rows over 26 shared pages
+# 2.30 -> 1.78 ms, 16 rows 4.48 -> 2.76; 4 rows even, 2 rows or 4 pages slower
+SHARED_ROWS = 6
+SHARED_PAGES = 16
+
+
+@dataclass(frozen=True)
+class BlockLimits:
+    """From how many rows of a call (`rows`), and how many rows over how many shared
+    pages (`shared_rows`, `shared_pages`), attention takes the blocks of 16 query vectors
+    rather than the row kernel: by the kind of blocks (`Kernels.attention_blocks`)."""
+    rows: int
+    shared_rows: int
+    shared_pages: int
+
+
+BLOCK_LIMITS = {
+    "tiles": BlockLimits(TILE_ROWS, SHARED_ROWS, SHARED_PAGES),
+    # without AMX, by VDPBF16PS dot products and float32 multiply-adds, the same shape on
+    # 2 Zen 5 cores (scripts/bench_attention.py), blocks against the row kernel: a chunk
+    # of 4 rows after 400 entries 0.53 against 0.61 ms, 8 rows 0.82 / 1.15, 41 rows (and 7
+    # decodes) 4.34 / 6.17; forks over 400 shared entries: 8 rows 1.23 / 1.14 (slower:
+    # the row kernel reads each entry once for a row's 3 query heads already), 16 rows
+    # 2.11 / 2.29, 32 rows 4.44 / 5.40
+    "dots": BlockLimits(4, 16, 16),
+}
+
+
+@dataclass
+class SharedPrefixes:
+    """Groups of the row kernel's rows whose page tables begin with the same pages
+    (`Kernels.shared_prefixes`): group g is rows index[row[g] : row[g] + rows[g]], their
+    first pages[g] pages the same and seen whole by each; `start`, per row, the entries
+    those pages hold (0 for a row in no group). `prior` holds, per row and query head,
+    the prefix's part of the softmax (shared_prefix_tiles_bf16) for the row kernel to
+    finish. All int64 and contiguous."""
+    index: np.ndarray
+    row: np.ndarray
+    rows: np.ndarray
+    pages: np.ndarray
+    start: np.ndarray
+    prior: np.ndarray | None = None      # [rows, heads, head_dim + 2] float32, made by `buffer`
+
+    def buffer(self, heads: int, head_dim: int) -> np.ndarray:
+        shape = (len(self.start), heads, head_dim + 2)
+        if self.prior is None or self.prior.shape != shape:
+            self.prior = np.empty(shape, dtype=np.float32)
+        return self.prior
+
+
+class KernelUnavailable(Exception):
+    """The kernels cannot build, load or agree with torch here; the message says why."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SYMPHONY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "symphony")
+    return Path(root) / "kernels"
+
+
+def cpu_flags() -> str:
+    """/proc/cpuinfo's line of the CPU's flags (else the platform's name for the CPU)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _flags() -> tuple[str, ...]:
+    march = os.environ.get(MARCH_ENV) or "native"
+    if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise KernelUnavailable(f"${MARCH_ENV}={march!r} is not an -march name")
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+
+
+def _build(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS,
+           name: str = LIBRARY) -> Path:
+    flags = _flags()
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise KernelUnavailable(f"no C compiler ({compiler}) on PATH")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"{compiler} --version failed: {exc}") from None
+    texts = [p.read_text() for p in (*sources, *headers)]
+    key = hashlib.sha256("\0".join([*texts, *flags, version, platform.machine(),
+                                    cpu_flags()]).encode()).hexdigest()[:16]
+    last_error = ""
+    for where in (cache_dir(), Path(tempfile.gettempdir()) / f"symphony-kernels-{os.geteuid()}"):
+        target = where / f"{name}-{key}.so"
+        try:
+            where.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not owned_alone(where):     # a library someone else could replace: never load it
+                last_error = f"{where} is not this user's alone"
+                continue
+            if target.exists():
+                return target
+            fd, partial = tempfile.mkstemp(suffix=".so", dir=where)
+            os.close(fd)
+        except OSError as exc:
+            last_error = f"cannot write {where}: {exc.strerror}"
+            continue
+        try:
+            done = subprocess.run([compiler, *flags, "-o", partial, *map(str, sources)],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise KernelUnavailable(f"{compiler} failed on {LIBRARY}: "
+                                        f"{(done.stderr or done.stdout).strip()[-400:]}")
+            os.replace(partial, target)      # atomic: racing builders write the same file
+            return target
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    raise KernelUnavailable(last_error)
+
+
+def owned_alone(where: Path) -> bool:
+    """Whether `where` is owned by this euid and writable by no one else."""
+    st = where.stat()
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+class Kernels:
+    """The loaded library, on CPU tensors: paged attention (`attend`, `bind_attention`)
+    and the step's K/V store (`bind_store`), a layer's small ops (`add_rms_norm`,
+    `rope`, `silu_mul`), all in float32 or bfloat16; projections from quantised blocks
+    (`quant_linear`, `bind`: float32 rows, bfloat16 where `bf16_blocks`); the greedy
+    pick of logits rows (`greedy_pick`, float32)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise KernelUnavailable(f"cannot load {path.name}: {exc}") from None
+        self.path = path
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        attention = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i64,
+                     ptr, ptr]
+        typed = {   # one function per dtype in SUFFIX: name_f32, name_bf16
+            "paged_attention": (ctypes.c_int, attention),
+            "add_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i64, f32]),
+            "rope": (None, [ptr, i64, ptr, ptr, i64, i64, i64]),
+            "silu_mul": (None, [ptr, ptr, i64, i64]),
+        }
+        signatures = {
+            **{f"{op}_{t}": sig for op, sig in typed.items() for t in SUFFIX.values()},
+            "linear_q4_1_f32": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
+            "linear_q8_0_f32": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
+            "linear_q4_1_bf16": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
+            "linear_q8_0_bf16": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
+            "linear_q8_0_bf16_f32": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
+            "linear_q4_1_lanes_bf16": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
+            "linear_q4_1_int8": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
+            "linear_q8_0_int8": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
+            "linear_int8_vector": (ctypes.c_int, []),
+            "linear_bf16_native": (ctypes.c_int, []),
+            "linear_bf16_tiles": (ctypes.c_int, [ctypes.c_int]),
+            "attention_tiles_bf16": (ctypes.c_int, [ctypes.c_int]),
+            "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),
+            "paged_attention_tiles_bf16": (ctypes.c_int, attention[:12] + [ptr, ptr, i64, i64, f32]),
+            "shared_prefix_tiles_bf16": (ctypes.c_int, [ptr, i64, ptr, i64, i64, i64, i64, ptr,
+                                                         ptr, ptr, ptr, ptr, ptr, ptr, i64, f32,
+                                                         ptr]),
+            "store_entries": (None, [ptr, ptr, i64, ptr, ptr, i64, i64, i64]),
+            "plan_rows": (i64, [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr]),
+            "plan_tiles": (i64, [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]),
+            "plan_prefixes": (i64, [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
+                                    ptr]),
+            "plan_step": (None, [i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr]),
+            "run_layers_f32": (ctypes.c_int, [ptr, i64, ptr]),
+            "run_layers_bf16": (ctypes.c_int, [ptr, i64, ptr]),
+        }
+        for name, (restype, argtypes) in signatures.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        self._typed = {(op, dtype): getattr(lib, f"{op}_{t}")
+                       for op in typed for dtype, t in SUFFIX.items()}
+        self._lib = lib
+        # the block kernels take bfloat16 rows where the CPU has bf16 dot products
+        self.bf16_blocks = bool(lib.linear_bf16_native())
+        # how the int8 block kernels (predd/kernels/csrc/quant_int8.c) sum: "vnni" (VPDPBUSD),
+        # "avx2" (VPMADDUBSW), or "portable" (C loops, for a CPU without AVX2)
+        self.int8_dots = ("portable", "avx2", "vnni")[lib.linear_int8_vector()]
+        self.shared_prefix = True     # `shared_prefixes` plans groups (predd --cascade)
+
+    @property
+    def bf16_tiles(self) -> bool:
+        """Whether the bf16 block kernels multiply 2 rows or more with AMX tiles (the CPU
+        has them, the OS granted them, and they are not turned off)."""
+        return self.bf16_blocks and bool(self._lib.linear_bf16_tiles(-1))
+
+    @property
+    def bf16_lanes(self) -> bool:
+        """Whether a bfloat16 model holds its Q4_1 blocks in lanes (`QuantBlocks.in_lanes`)
+        for predd/kernels/csrc/quant_lanes.c: where the CPU has bf16 dot products and the block
+        kernels no AMX tiles (which read the tiles' own layout)."""
+        return self.bf16_blocks and not self.bf16_tiles
+
+    def use_bf16_tiles(self, use: bool) -> bool:
+        """Turns the AMX tiles of the bf16 block kernels on or off for this process (off:
+        the dot-product kernel at every row count), and attention's blocks with them
+        (off: the row kernel for every row); whether the tiles are used now."""
+        self._lib.linear_bf16_tiles(int(use))
+        self._lib.attention_tiles_bf16(int(use))
+        return self.bf16_tiles
+
+    @property
+    def attention_blocks(self) -> str | None:
+        """How attention computes blocks of 16 query vectors (chunks, shared prefixes):
+        "tiles" (AMX), "dots" (AVX-512 bf16 dot products), or None (not here, or turned
+        off: the row kernel for every row)."""
+        return {2: "tiles", 1: "dots"}.get(self._lib.attention_tiles_bf16(-1))
+
+    @property
+    def block_limits(self) -> BlockLimits | None:
+        """The limits of this process's kind of attention blocks (None: no blocks)."""
+        return BLOCK_LIMITS.get(self.attention_blocks or "")
+
+    def attend(self, q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor,
+               indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
+               row_visible: np.ndarray, max_visible: int) -> None:
+        """Row r of the query rows (`row_token[r]`, a token of q [T, H, D] and of out, a
+        contiguous [T, H, D]) attends to the first `row_visible[r]` entries of the page
+        table starting at `indices[row_pages[r]]`, in `paged` [P, 2, ps, Hkv, D] (one
+        layer of the pool). The arrays are int32 (indices) and int64, contiguous."""
+        self.bind_attention(indices, row_token, row_pages, row_visible, max_visible)(q, out, paged)
+
+    def bind_attention(self, indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
+                       row_visible: np.ndarray, max_visible: int,
+                       call_rows: np.ndarray | None = None, page_size: int = 0
+                       ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+        """`attend` with one step's rows fixed (their pointers taken once), for every
+        layer: `run(q, out, paged)`. `call_rows`: how many rows each call has, in row
+        order (each call's rows consecutive tokens); a call of `block_limits.rows` or
+        more then takes the block kernel (predd/kernels/csrc/attention_tiles.c: AMX tiles or bf16
+        dot products) where it runs: bf16, pages of 16, head_dim a multiple of 64.
+        `page_size` (the pool's): the other rows' shared prefixes (`shared_prefixes`) go
+        to the blocks first."""
+        split = self.tile_calls(call_rows, row_token, row_pages, row_visible)
+        if split is None:
+            return self._bind_rows(indices, row_token, row_pages, row_visible, max_visible,
+                                   page_size)
+        # where the chunks' tiles fail at run time, every row takes the row kernel, with
+        # no shared prefixes (those tiles would fail too)
+        vector = self._bind_rows(indices, row_token, row_pages, row_visible, max_visible)
+        call_row, chunk_rows, rest = split
+        others = (self._bind_rows(indices, *rest, max_visible, page_size) if len(rest[0])
+                  else None)
+        tables = (indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
+                  row_visible.ctypes.data, call_row.ctypes.data, chunk_rows.ctypes.data,
+                  len(chunk_rows), max_visible)
+        tiles = self._lib.paged_attention_tiles_bf16
+
+        def run(q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor) -> None:
+            _, _, page_size, kv_heads, head_dim = paged.shape
+            if (q.dtype == torch.bfloat16 and out.dtype == q.dtype and paged.dtype == q.dtype
+                    and q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous()
+                    and paged.is_contiguous() and q.is_cpu
+                    and tiles(q.data_ptr(), q.stride(0), out.data_ptr(), paged.data_ptr(),
+                              page_size, kv_heads, q.shape[1], head_dim, *tables,
+                              head_dim ** -0.5) == 0):
+                if others is not None:
+                    others(q, out, paged)
+                return
+            vector(q, out, paged)            # not a shape the tiles take: every row here
+
+        run.keeps = (vector, others, call_row, chunk_rows, indices, row_token, row_pages,
+                     row_visible)
+        return run
+
+    def tile_calls(self, call_rows: np.ndarray | None, row_token: np.ndarray,
+                   row_pages: np.ndarray, row_visible: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]] | None:
+        """The calls of `call_rows` (rows each, in row order) that the block kernel takes
+        (`block_limits.rows` or more, where the blocks run: on AMX tiles or by dot
+        products): (their first rows, their row counts, (row_token, row_pages,
+        row_visible) of the rows left to the row kernel); None where it takes none. Every
+        array int64 and contiguous (predd/kernels/csrc/step_plan.c: plan_tiles)."""
+        limits = self.block_limits
+        if call_rows is None or limits is None:
+            return None
+        call_rows = np.ascontiguousarray(call_rows, dtype=np.int64)
+        rows = [np.ascontiguousarray(a, dtype=np.int64) for a in (row_token, row_pages,
+                                                                   row_visible)]
+        firsts, counts = np.empty(len(call_rows), np.int64), np.empty(len(call_rows), np.int64)
+        rest, left = [np.empty(len(rows[0]), np.int64) for _ in range(3)], np.zeros(1, np.int64)
+        calls = self._lib.plan_tiles(call_rows.ctypes.data, len(call_rows), limits.rows,
+                                     *(a.ctypes.data for a in rows), firsts.ctypes.data,
+                                     counts.ctypes.data, *(a.ctypes.data for a in rest),
+                                     left.ctypes.data)
+        if not calls:
+            return None
+        return firsts[:calls], counts[:calls], tuple(a[:int(left[0])] for a in rest)
+
+    def plan_limits(self) -> tuple[int, int, int]:
+        """What a step's plan takes from `block_limits` (read once): (the rows from which
+        a call goes to the blocks, 0 where they do not run; the whole pages and the rows
+        a shared prefix group needs at least, 0 and 0 where none are planned: off (predd
+        --cascade off), or no blocks here)."""
+        limits = self.block_limits
+        if limits is None:
+            return 0, 0, 0
+        if not self.shared_prefix:
+            return limits.rows, 0, 0
+        return limits.rows, limits.shared_pages, limits.shared_rows
+
+    def shared_prefixes(self, indices: np.ndarray, row_pages: np.ndarray,
+                        row_visible: np.ndarray, page_size: int) -> SharedPrefixes | None:
+        """The groups of these rows (the row kernel's) that attend to a shared prefix
+        first: rows whose page tables begin with the same pages, `shared_pages` whole
+        pages or more before each one's last entry, `shared_rows` rows or more
+        (`block_limits`; the rows are grouped by their first page; a group's prefix is
+        what all its rows share). None: no such group, or the blocks do not run here
+        (predd/kernels/csrc/step_plan.c: plan_prefixes)."""
+        _, pages, least = self.plan_limits()
+        n = len(row_pages)
+        if not (least and page_size) or n < 2:
+            return None
+        row_pages = np.ascontiguousarray(row_pages, dtype=np.int64)
+        row_visible = np.ascontiguousarray(row_visible, dtype=np.int64)
+        index, row, rows, held, start, order = (np.empty(n, np.int64) for _ in range(6))
+        groups = self._lib.plan_prefixes(
+            np.ascontiguousarray(indices, dtype=np.int32).ctypes.data, row_pages.ctypes.data,
+            row_visible.ctypes.data, n, page_size, pages, least, index.ctypes.data,
+            row.ctypes.data, rows.ctypes.data, held.ctypes.data, start.ctypes.data,
+            order.ctypes.data)
+        if not groups:
+            return None
+        return SharedPrefixes(index[:int(row[groups - 1] + rows[groups - 1])],
+                              row[:groups], rows[:groups], held[:groups], start)
+
+    def plan_rows(self, qo_indptr: np.ndarray, kv_len: np.ndarray, indptr: np.ndarray,
+                  calls: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For `calls` of a step's tables (PageTables' int32 arrays): (new tokens each,
+        then per query row: its token, where its call's page table starts in
+        `indices`, the entries it sees), int64 (predd/kernels/csrc/step_plan.c: plan_rows)."""
+        at = np.asarray(calls, dtype=np.int64)
+        rows = int(sum(qo_indptr[c + 1] - qo_indptr[c] for c in calls))
+        n = np.empty(len(at), np.int64)
+        token, pages, visible = (np.empty(rows, np.int64) for _ in range(3))
+        most = np.zeros(1, np.int64)
+        arrays = [np.ascontiguousarray(a, dtype=np.int32) for a in (qo_indptr, kv_len, indptr)]
+        self._lib.plan_rows(*(a.ctypes.data for a in arrays), at.ctypes.data, len(at),
+                            token.ctypes.data, pages.ctypes.data, visible.ctypes.data,
+                            n.ctypes.data, most.ctypes.data)
+        return n, token, pages, visible
+
+    def attend_shared(self, shared: SharedPrefixes, q: int, q_stride: int, paged: int,
+                      page_size: int, kv_heads: int, heads: int, head_dim: int,
+                      indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray
+                      ) -> tuple[int | None, int | None]:
+        """shared_prefix_tiles_bf16 for `shared`'s groups (q and paged: addresses of
+        bf16 data): the row kernel's last two arguments, (start, prior), None and None
+        where the tiles did not run."""
+        prior = shared.buffer(heads, head_dim)
+        if self._lib.shared_prefix_tiles_bf16(
+                q, q_stride, paged, page_size, kv_heads, heads, head_dim, indices.ctypes.data,
+                row_token.ctypes.data, row_pages.ctypes.data, shared.index.ctypes.data,
+                shared.row.ctypes.data, shared.rows.ctypes.data, shared.pages.ctypes.data,
+                len(shared.rows), head_dim ** -0.5, prior.ctypes.data) != 0:
+            return None, None
+        return shared.start.ctypes.data, prior.ctypes.data
+
+    @staticmethod
+    def row_span(rows: int, kv_heads: int) -> int:
+        """The row kernel's kv heads a task: all of them (each entry read once) when
+        there are rows enough for the threads, else one (a task per row and kv head)."""
+        return kv_heads if rows >= 2 * torch.get_num_threads() else 1
+
+    def _bind_rows(self, indices: np.ndarray, row_token: np.ndarray, row_pages: np.ndarray,
+                   row_visible: np.ndarray, max_visible: int, page_size: int = 0
+                   ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+        """bind_attention by paged_attention.c (a task per row), after their shared
+        prefixes on tiles where there are any."""
+        rows = len(row_token)
+        shared = self.shared_prefixes(indices, row_pages, row_visible, page_size)
+        tables = (indices.ctypes.data, row_token.ctypes.data, row_pages.ctypes.data,
+                  row_visible.ctypes.data, rows, max_visible)
+
+        def run(q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor) -> None:
+            _, _, page_size, kv_heads, head_dim = paged.shape
+            if (q.dtype not in SUFFIX or out.dtype != q.dtype or paged.dtype != q.dtype
+                    or q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous()
+                    or not paged.is_contiguous() or not q.is_cpu):
+                raise ValueError("paged_attention takes float32 or bfloat16 rows of "
+                                 "contiguous heads, out and pool of the same dtype")
+            span = self.row_span(rows, kv_heads)
+            start = prior = None
+            if shared is not None and q.dtype == torch.bfloat16:
+                start, prior = self.attend_shared(
+                    shared, q.data_ptr(), q.stride(0), paged.data_ptr(), page_size, kv_heads,
+                    q.shape[1], head_dim, indices, row_token, row_pages)
+            status = self._op("paged_attention", q.dtype)(
+                q.data_ptr(), q.stride(0), out.data_ptr(), paged.data_ptr(), page_size,
+                kv_heads, q.shape[1], head_dim, *tables, head_dim ** -0.5, span, start, prior)
+            if status != 0:
+                raise MemoryError("paged_attention could not allocate its score buffers "
+                                  "(ENOMEM)")
+
+        run.keeps = (indices, row_token, row_pages, row_visible, shared)   # behind the pointers
+        return run
+
+    def bind_store(self, rows: np.ndarray, page_size: int
+                   ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool]:
+        """`store(paged, k, v)`: the step's new K and V ([T, Hkv, D], rows may be strided,
+        heads contiguous; one dtype with the pool) into the K rows `rows` (int64, one
+        per new token; predd.worker.paged_kv.PagedKVCache.rows) of `paged` [P, 2, ps, Hkv, D]
+        and the V rows page_size after them. False (nothing stored) for tensors of
+        another layout: the caller stores them its own way."""
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        at, n = rows.ctypes.data, len(rows)
+
+        def store(paged: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+            entry = paged.shape[-2] * paged.shape[-1]
+            if (k.shape != v.shape or k.shape[0] != n or k.shape[1] * k.shape[2] != entry
+                    or k.stride(2) != 1 or k.stride(1) != k.shape[2] or k.stride() != v.stride()
+                    or k.dtype != paged.dtype or v.dtype != paged.dtype
+                    or not paged.is_contiguous() or not (k.is_cpu and v.is_cpu and paged.is_cpu)):
+                return False
+            size = paged.element_size()
+            self._lib.store_entries(paged.data_ptr(), at, n, k.data_ptr(), v.data_ptr(),
+                                    k.stride(0) * size, entry * size, page_size)
+            return True
+
+        store.keeps = rows
+        return store
+
+    def _op(self, name: str, dtype: torch.dtype):
+        """The kernel `name` for `dtype` (looked up once, at load)."""
+        fn = self._typed.get((name, dtype))
+        if fn is None:
+            raise ValueError(f"{name} takes float32 or bfloat16, not {dtype}")
+        return fn
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += delta in place (when given), then RMSNorm(x) * weight as a new tensor;
+        x, delta [T, C] contiguous, all three of one dtype."""
+        _contiguous(x, delta, weight, dtype=x.dtype)
+        out = torch.empty_like(x)
+        self._op("add_rms_norm", x.dtype)(
+            x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+            out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def rope(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotates the first `heads` heads of x [T, n, D] (rows may be strided, heads
+        contiguous) in place by cos, sin [T, D/2]."""
+        _contiguous(cos, sin)
+        t, _, d = x.shape
+        if x.stride(2) != 1 or x.stride(1) != d:
+            raise ValueError("rope takes rows of contiguous heads")
+        self._op("rope", x.dtype)(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                                  t, heads, d)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [T, 2n] = (gate | up) -> [T, n]."""
+        _contiguous(gate_up, dtype=gate_up.dtype)
+        t, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(t, n, dtype=gate_up.dtype)
+        self._op("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), t, n)
+        return out
+
+
+    def greedy_pick(self, rows: list[torch.Tensor]) -> tuple[list[int], list[float]]:
+        """Each float32 logits row's argmax (the first of ties) and its logprob, without
+        concatenating the rows; token -1 (logprob NaN) for a row with a NaN or no
+        finite logit. Rows: contiguous float32 CPU vectors of one length."""
+        _contiguous(*rows)
+        n, v = len(rows), rows[0].numel() if rows else 0
+        if any(r.numel() != v for r in rows):
+            raise ValueError("greedy_pick takes rows of one length")
+        at = np.array([r.data_ptr() for r in rows], np.int64)
+        tokens, logprobs = np.empty(n, np.int64), np.empty(n, np.float32)
+        self._lib.greedy_pick_f32(at.ctypes.data, n, v, tokens.ctypes.data,
+                                  logprobs.ctypes.data)
+        return tokens.tolist(), logprobs.tolist()
+
+    def quant_linear(self, x: torch.Tensor, blocks, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] (float32, or bfloat16 where `bf16_blocks`) times the weight held as
+        `blocks` (predd.model.loader.QuantBlocks: Q4_1 or Q8_0, [N, K/32, ...]) transposed,
+        plus bias (float32) -> [M, N] of x's dtype."""
+        return self.bind(blocks, bias, x.dtype)(x)
+
+    def bind(self, blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32,
+             widen: bool = False, int8: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`quant_linear` with `blocks` and `bias` (float32) fixed: their pointers are
+        taken once (the closure keeps them alive), so a projection's call costs one
+        ctypes call (blocks in the other layout than the kernel's are converted once).
+        `dtype` is the rows' and the result's: float32, or bfloat16 where `bf16_blocks`
+        (the weights rounded to bf16 as a bf16 model holds them, bf16 products summed in
+        float32, the result rounded once; Q4_1 blocks in lanes: the weights exactly).
+        `widen`: bfloat16 rows and Q8_0 blocks (a model's head), the bf16 result
+        widened to float32 as the kernel stores it (the same values as `.float()` after,
+        without the second pass). `int8`: float32 rows quantised per block of 32 to int8
+        and multiplied by int8 dot products (predd/kernels/csrc/quant_int8.c, llama.cpp's
+        arithmetic)."""
+        if widen and (dtype != torch.bfloat16 or blocks.kind != "Q8_0"):
+            raise ValueError("the widened result is of bfloat16 rows and Q8_0 blocks")
+        if int8 and dtype != torch.float32:
+            raise ValueError("the int8 block kernels take float32 rows")
+        _contiguous(bias)
+        n, k = blocks.rows(), blocks.columns()
+        # the bfloat16 kernels read the blocks in tiles of rows (predd/kernels/csrc/quant_blocks.h;
+        # Q4_1 in lanes, predd/kernels/csrc/quant_lanes.c, where they come so), the float32 ones by
+        # rows: converted here where they come another way
+        if dtype != torch.bfloat16:
+            blocks = blocks.in_rows()
+        elif not blocks.lanes:
+            blocks = blocks.in_tiles()
+        if dtype == torch.bfloat16 and not self.bf16_blocks:
+            raise ValueError("the block kernels take bfloat16 rows only where the CPU has "
+                             "bf16 dot products (avx512_bf16)")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the block kernels take float32 or bfloat16 rows, not {dtype}")
+        t = "int8" if int8 else SUFFIX[dtype]
+        if blocks.lanes:
+            fn, weight = self._lib.linear_q4_1_lanes_bf16, (
+                blocks.q.ctypes.data, blocks.d.ctypes.data, blocks.m.ctypes.data)
+        elif blocks.kind == "Q4_1":
+            fn, weight = getattr(self._lib, f"linear_q4_1_{t}"), (
+                blocks.q.ctypes.data, blocks.d.ctypes.data, blocks.m.ctypes.data)
+        elif blocks.kind == "Q8_0":
+            fn, weight = getattr(self._lib, f"linear_q8_0_{t}"), (blocks.q.ctypes.data,
+                                                                 blocks.d.ctypes.data)
+        else:
+            raise ValueError(f"no kernel for {blocks.kind} blocks")
+        b = None if bias is None else bias.data_ptr()
+        if widen:
+            narrow = self.bind(blocks, bias, dtype)
+
+            def widened(x: torch.Tensor) -> torch.Tensor:
+                if x.dtype != dtype or not x.is_contiguous() or x.shape[1] != k:
+                    return narrow(x)            # its error
+                y = torch.empty(x.shape[0], n, dtype=torch.float32)
+                if self._lib.linear_q8_0_bf16_f32(x.data_ptr(), x.shape[0], k, *weight, n,
+                                                  b, y.data_ptr()) != 0:
+                    return narrow(x).float()    # memory short for AMX tiles' bf16 result
+                return y
+
+            widened.keeps = (blocks, bias)
+            return widened
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if x.dtype != dtype or not x.is_contiguous() or x.shape[1] != k:
+                _contiguous(x, dtype=dtype)
+                raise ValueError(f"x has {x.shape[1]} columns, the weight {k}")
+            y = torch.empty(x.shape[0], n, dtype=dtype)
+            if fn(x.data_ptr(), x.shape[0], k, *weight, n, b, y.data_ptr()):
+                raise MemoryError("no memory for x's int8 blocks (ENOMEM)")
+            return y
+
+        run.keeps = (blocks, bias)          # the memory behind the pointers
+        return run
+
+
+def _contiguous(*tensors: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> None:
+    for t in tensors:
+        if t is not None and (t.dtype != dtype or not t.is_contiguous() or not t.is_cpu):
+            raise ValueError(f"the CPU kernels take contiguous {str(dtype)[6:]} CPU tensors "
+                             f"here, not {str(t.dtype)[6:]}{'' if t.is_contiguous() else ' strided'}")
+
+
+@functools.cache
+def kernels() -> Kernels:
+    """The library, built (or found in the cache), loaded and probed; KernelUnavailable
+    with the reason where it cannot run here. Built once per process."""
+    lib = Kernels(_build())
+    error = _probe(lib)
+    if error > PROBE_TOLERANCE:
+        raise KernelUnavailable(f"its probe differs from torch by {error:.2g}")
+    return lib
+
+
+def problem() -> str | None:
+    """Why the kernels cannot run here, or None."""
+    try:
+        kernels()
+    except KernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
+class CpuOps:
+    """predd.model.llama.TorchOps in one kernel call each: the residual add and RMSNorm
+    together, RoPE in place on q and k, silu and the product together."""
+
+    def __init__(self, lib: Kernels) -> None:
+        self.lib = lib
+        self._rows: tuple[torch.Tensor, np.ndarray | None] | None = None   # embed
+        self._table: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None   # rotary_at
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As TorchOps.add_norm, but x takes delta in place (x is the model's own
+        residual stream, made by the embedding lookup)."""
+        return x, self.lib.add_rms_norm(x, delta, norm.weight, norm.eps)
+
+    def rotary(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return freqs.cos().contiguous(), freqs.sin().contiguous()     # [T, D/2] each
+
+    # A step's few torch ops around the C layers cost ~10-40 us each there (several
+    # times what they cost alone): the embedding and RoPE's angles, ~0.1 ms of a decode
+    # step of 8 on 2 Zen 5 cores, are looked up in numpy instead (~10 us).
+
+    def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """TorchOps.embed by a numpy lookup: the rows themselves, a new tensor."""
+        at = ids.numpy()
+        if self._rows is None or self._rows[0] is not weight:
+            ints = {2: torch.int16, 4: torch.int32}.get(weight.element_size())
+            self._rows = (weight, None if ints is None or not weight.is_contiguous()
+                          else weight.detach().view(ints).numpy())
+        rows = self._rows[1]
+        if rows is None or (at.size and (at.min() < 0 or at.max() >= len(rows))):
+            return torch.nn.functional.embedding(ids, weight)   # (raises out of range)
+        return torch.from_numpy(rows[at]).view(weight.dtype)
+
+    def rotary_at(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rotary of the positions' angles, looked up below ROTARY_ROWS: the cos and sin
+        of those positions made once, by the same float32 ops (the same values)."""
+        at = positions.numpy()
+        if self._table is None or self._table[0] is not inv_freq:
+            freqs = torch.arange(ROTARY_ROWS).float()[:, None] * inv_freq[None, :]
+            # in pieces of a step's size: none split over torch's threads (where a split
+            # leaves a tail to scalar code, its last bit may differ)
+            pieces = [self.rotary(f, dtype) for f in freqs.split(ROTARY_PIECE)]
+            self._table = (inv_freq, torch.cat([c for c, _ in pieces]).numpy(),
+                           torch.cat([s for _, s in pieces]).numpy())
+        _, cos, sin = self._table
+        if at.size and (at.max() >= ROTARY_ROWS or at.min() < 0):   # outside the table
+            return self.rotary(positions.float()[:, None] * inv_freq[None, :], dtype)
+        return torch.from_numpy(cos[at]), torch.from_numpy(sin[at])
+
+    def rope(self, qkv: torch.Tensor, heads: int, rotary: tuple[torch.Tensor, torch.Tensor]
+             ) -> torch.Tensor:
+        """Turns q and k where they are, in qkv; returns qkv (its first `heads` heads)."""
+        self.lib.rope(qkv, heads, *rotary)
+        return qkv
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.lib.silu_mul(gate_up)
+
+
+def _probe(lib: Kernels) -> float:
+    """The largest difference from torch over every kernel on small random cases."""
+    with torch.inference_mode():
+        return max(_probe_attention(lib), _probe_layer_ops(lib), _probe_quant_linear(lib),
+                   _probe_greedy(lib))
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0):
+    """Random QuantBlocks of `kind` for a [rows, cols] weight, and that weight dequantised
+    as the loader does it (numpy, float32)."""
+    from predd.model.loader import QuantBlocks
+    rng = np.random.default_rng(seed)
+    shape = (rows, cols // 32)
+    d = (rng.random(shape) * 0.02).astype(np.float16).astype(np.float32)
+    if kind == "Q4_1":
+        q = rng.integers(0, 256, (*shape, 16), dtype=np.uint8)
+        m = (-rng.random(shape) * 0.1).astype(np.float16).astype(np.float32)
+        blocks = QuantBlocks(kind, q, d, m)
+    else:
+        blocks = QuantBlocks(kind, rng.integers(-128, 128, (*shape, 32), dtype=np.int8), d, None)
+    return blocks, blocks.dequantised()
+
+
+def int8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 rows [M, K] quantised per block of 32 as predd/kernels/csrc/quant_int8.c does:
+    (q [M, K/32, 32] int8, scale [M, K/32] float32), x ~ q * scale."""
+    v = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(v).max(axis=2)
+    scale = amax / np.float32(127)
+    inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    return np.rint(v * inverse[..., None]).astype(np.int8), scale.astype(np.float32)
+
+
+def int8_reference(x: np.ndarray, blocks, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [M, K] times `blocks` (QuantBlocks, Q4_1 or Q8_0) as the int8 kernels compute it:
+    x quantised by `int8_rows`, each block's integer sum exact, then scaled in float64."""
+    qx, dx = int8_rows(x)
+    b = blocks.in_rows()
+    if b.kind == "Q4_1":
+        qw = np.concatenate([b.q & 15, b.q >> 4], axis=2).astype(np.int64)
+    else:
+        qw = b.q.astype(np.int64)
+    dots = np.einsum("mbj,nbj->mnb", qx.astype(np.int64), qw).astype(np.float64)
+    y = (dots * (b.d.astype(np.float64)[None] * dx.astype(np.float64)[:, None])).sum(2)
+    if b.kind == "Q4_1":
+        sums = qx.astype(np.int64).sum(2) * dx.astype(np.float64)       # [M, B]
+        y += sums @ b.m.astype(np.float64).T
+    return y + (0.0 if bias is None else bias.astype(np.float64))
+
+
+def _probe_quant_linear(lib: Kernels) -> float:
+    """Both block kinds against F.linear on their dequantised weights (relative); with
+    bf16 dot products also the bf16 kernels against the same sum of bf16 values (Q4_1 in
+    lanes: of bf16 rows and the exact weights), beyond one bf16 rounding of the result
+    (2^-8 relative)."""
+    worst = 0.0
+    for kind in ("Q4_1", "Q8_0"):
+        blocks, weight = random_blocks(kind, 19, 96)
+        x = torch.randn(11, 96, generator=torch.Generator().manual_seed(1))
+        bias = torch.randn(19, generator=torch.Generator().manual_seed(2))
+        want = torch.nn.functional.linear(x, torch.from_numpy(weight), bias)
+        got = lib.quant_linear(x, blocks, bias)
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        want = int8_reference(x.numpy(), blocks, bias.numpy())
+        got = lib.bind(blocks, bias, int8=True)(x).numpy()
+        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+        if lib.bf16_blocks:
+            x16, w16 = x.to(torch.bfloat16), torch.from_numpy(weight).to(torch.bfloat16)
+            want = torch.nn.functional.linear(x16.float(), w16.float(), bias)
+            got = lib.quant_linear(x16, blocks, bias).float()
+            error = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
+            worst = max(worst, max(0.0, error - 2.0 ** -8))
+        if lib.bf16_blocks and kind == "Q4_1":       # in lanes: the weights exactly
+            want = torch.nn.functional.linear(x16.float(), torch.from_numpy(weight), bias)
+            got = lib.quant_linear(x16, blocks.in_lanes(), bias).float()
+            error = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
+            worst = max(worst, max(0.0, error - 2.0 ** -8))
+    return worst
+
+
+def _probe_greedy(lib: Kernels) -> float:
+    """greedy_pick against argmax and log_softmax on random rows, one of them with its
+    largest value twice (the first must win); a wrong token counts as infinite."""
+    rows = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)) * 4
+    rows[1, 700] = rows[1, 300] = rows[1].max() + 1
+    tokens, logprobs = lib.greedy_pick(list(rows))
+    if tokens != torch.argmax(rows, -1).tolist():
+        return float("inf")
+    want = torch.log_softmax(rows, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    return float((torch.tensor(logprobs) - want).abs().max())
+
+
+def _probe_layer_ops(lib: Kernels) -> float:
+    """CpuOps against TorchOps on a random layer's worth of rows (relative to scale), in
+    float32, and in bfloat16 beyond two units in the last place of each tensor's
+    largest value (the two round at different steps, RoPE's terms before they cancel)."""
+    return max(_layer_ops_error(lib, torch.float32), _layer_ops_error(lib, torch.bfloat16))
+
+
+def _layer_ops_error(lib: Kernels, dtype: torch.dtype) -> float:
+    from predd.model.llama import RMSNorm, TorchOps
+    gen = torch.Generator().manual_seed(0)
+    ours, ref = CpuOps(lib), TorchOps()
+    norm = RMSNorm(48, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48, generator=gen) + 0.5)
+    norm.to(dtype)
+    x = torch.randn(5, 48, generator=gen).to(dtype)
+    delta = torch.randn(5, 48, generator=gen).to(dtype)
+    freqs = torch.rand(5, 8, generator=gen) * 50
+    qkv = torch.randn(5, 4, 16, generator=gen).to(dtype)
+    gate_up = (torch.randn(5, 64, generator=gen) * 8).to(dtype)
+    x_ref, h_ref = ref.add_norm(x, delta, norm)
+    x_got, h_got = ours.add_norm(x.clone(), delta, norm)
+    turned = ref.rope(qkv, 3, ref.rotary(freqs, dtype))
+    got = ours.rope(qkv.clone(), 3, ours.rotary(freqs, dtype))
+    ulps = 0.0 if dtype == torch.float32 else 2.0 ** -6
+
+    def error(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> float:
+        a, b = a.detach().float(), b.detach().float()
+        return float((a - b).abs().max() - b.abs().max() * ulps) / scale
+
+    return max(error(x_got, x_ref), error(h_got, h_ref), error(got[:, :3], turned),
+               error(ours.silu_mul(gate_up), ref.silu_mul(gate_up), 8))
+
+
+def _probe_attention(lib: Kernels) -> float:
+    """The largest difference from plain softmax attention on a small random case: three
+    rows over 1, 19 and 40 entries of scattered pages, two query heads per kv head; in
+    float32, and in bfloat16 beyond what rounding the output to bf16 explains (half a
+    unit in its last place, 2^-8 relative)."""
+    errors = [_attention_error(lib, torch.float32),
+              _attention_error(lib, torch.bfloat16, 2.0 ** -8)]
+    if lib.attention_blocks:   # a chunk of 6 rows after 34 entries: the block kernel
+        errors.append(_attention_error(lib, torch.bfloat16, 2.0 ** -8, chunk=6))
+    return max(errors)
+
+
+def _attention_error(lib: Kernels, dtype: torch.dtype, rounding: float = 0.0,
+                     chunk: int = 0) -> float:
+    """Three rows over 1, 19 and 40 entries (pages of 4, head_dim 16); or, with `chunk`,
+    one call's `chunk` rows seeing 35.. entries (pages of 16, head_dim 64: the tiles)."""
+    gen = torch.Generator().manual_seed(0)
+    ps, kv_heads, heads, d = (16, 2, 4, 64) if chunk else (4, 2, 4, 16)
+    paged = torch.randn(16, 2, ps, kv_heads, d, generator=gen).to(dtype)
+    rows = chunk or 3
+    q = torch.randn(rows, heads, d, generator=gen).to(dtype)
+    out = torch.zeros(rows, heads, d, dtype=dtype)
+    indices = np.random.default_rng(0).permutation(16).astype(np.int32)
+    if chunk:
+        visible = np.arange(35, 35 + chunk, dtype=np.int64)
+        starts = np.zeros(chunk, np.int64)
+    else:
+        visible = np.array([1, 19, 40], np.int64)
+        starts = np.array([0, 1, 6], np.int64)
+    lib.bind_attention(indices, np.arange(rows, dtype=np.int64), starts, visible,
+                       int(visible.max()), np.array([chunk], np.int64) if chunk else None)(
+                           q, out, paged)
+    paged, q, out = paged.float(), q.float(), out.float()
+    worst = 0.0
+    for r in range(rows):
+        pages = torch.from_numpy(indices[starts[r]:].astype(np.int64))[:-(-visible[r] // ps)]
+        k = paged[pages, 0].flatten(0, 1)[:visible[r]].repeat_interleave(heads // kv_heads, 1)
+        v = paged[pages, 1].flatten(0, 1)[:visible[r]].repeat_interleave(heads // kv_heads, 1)
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", q[r], k) * d ** -0.5, dim=-1)
+        want = torch.einsum("hl,lhd->hd", probs, v)
+        worst = max(worst, float(((want - out[r]).abs() - want.abs() * rounding).max()))
+    return worst

@@ -1,0 +1,142 @@
+"""predd's loop: a ZeroMQ ROUTER socket feeding the engine, one thread.
+
+Each turn drains waiting messages — at most DRAIN_MAX of them or DRAIN_S seconds'
+worth, so that a flood of requests cannot starve stepping — then either runs a step
+(the scheduler says launch), or sleeps on the socket until a message arrives or the
+adaptive-launch hold ends. Leases are checked twice a second, against the last moment
+the socket was seen empty: a ping still waiting in it (behind a long step or a flood)
+keeps its session alive. SIGTERM/SIGINT end the loop cleanly.
+
+Every message is handed to the engine with its sender's `Peer` (on ipc the kernel's
+uid/gid/pid, which libzmq attaches to each frame as `Peer-Address`). ZeroMQ limits:
+an inbound frame larger than the engine's largest legitimate request (a kv_import of a
+uid's whole page quota) disconnects its sender; at most HWM messages queue per peer in
+each direction — a peer that does not read its replies loses the excess (ROUTER drops
+them; it never blocks the loop), and one that sends faster than predd drains is held
+back by its own socket. libzmq fair-queues input across peers.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import sys
+import time
+
+import zmq
+
+from liblip.protocol import pack
+from predd.engine.core import Engine
+from predd.server.identity import peer_of, transport_of
+
+IDLE_POLL_S = 0.25
+ROOM_POLL_S = 0.01   # how often calls waiting for memory are offered it again
+LEASE_CHECK_S = 0.5
+DRAIN_MAX = 256      # messages handled per turn before the scheduler gets a look in
+DRAIN_S = 0.005
+HWM = 1024           # messages queued per peer, each direction
+
+
+class Server:
+    def __init__(self, addr: str, engine_factory, log=None) -> None:
+        self.addr = addr
+        self.log = log or (lambda msg: print(f"predd: {msg}", file=sys.stderr, flush=True))
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.setsockopt(zmq.SNDHWM, HWM)
+        self.sock.setsockopt(zmq.RCVHWM, HWM)
+        self.transport = transport_of(addr)
+        self.engine: Engine = engine_factory(self.send, self.log)
+        # Before bind: connections copy the socket's options when they are made.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.engine.max_message_bytes)
+        self._bind(addr)
+        self.running = True
+        self.emptied_at = 0.0   # every message that arrived before this has been handled
+
+    def _bind(self, addr: str) -> None:
+        if addr.startswith("ipc://"):
+            path = addr[len("ipc://"):]
+            rundir = os.path.dirname(os.path.abspath(path))
+            os.makedirs(os.path.dirname(rundir), exist_ok=True)
+            try:
+                os.mkdir(rundir, 0o755)
+                os.chmod(rundir, 0o755)   # whatever the umask: clients must reach the socket
+            except FileExistsError:
+                pass
+            st = os.lstat(rundir)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                # Someone else's (or a shared) directory could swap our socket for theirs.
+                self.log(f"EPERM: run directory {rundir} must be a directory owned by uid "
+                         f"{os.geteuid()} and not writable by group or others (it is "
+                         f"{'a link' if stat.S_ISLNK(st.st_mode) else oct(st.st_mode & 0o7777)}, "
+                         f"uid {st.st_uid}); refusing to start")
+                raise SystemExit(2)
+            if os.path.lexists(path):
+                os.unlink(path)   # a stale socket of a dead predd
+        self.sock.bind(addr)
+        if addr.startswith("ipc://"):
+            os.chmod(addr[len("ipc://"):], 0o666)   # peers are told apart by SO_PEERCRED
+        if addr.endswith(":0"):
+            self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def send(self, identity: bytes, header: dict, frames: list[bytes]) -> None:
+        try:
+            self.sock.send_multipart([identity, pack(header), *frames], copy=False)
+        except zmq.ZMQError as exc:   # the peer is gone: nothing to tell
+            self.log(f"reply dropped: {exc}")
+
+    def stop(self, *_args) -> None:
+        self.running = False
+
+    def serve(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        print(f"ready {self.addr}", flush=True)
+        engine, sched = self.engine, self.engine.scheduler
+        next_lease_check = 0.0
+        while self.running:
+            self._drain()
+            now = time.monotonic()
+            if now >= next_lease_check:
+                engine.expire_sessions(self.emptied_at)
+                engine.runner.keepalive()
+                next_lease_check = now + LEASE_CHECK_S
+            wait = sched.wait_time(now)
+            if wait == 0.0:
+                if engine.step():
+                    continue
+                wait = ROOM_POLL_S   # every queued call waits for room on the device
+            timeout = IDLE_POLL_S if wait is None else min(wait, IDLE_POLL_S)
+            self.sock.poll(timeout * 1e3, zmq.POLLIN)
+            if wait is not None:
+                sched.note_wait(min(time.monotonic() - now, wait))
+        self.close()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + DRAIN_S
+        for _ in range(DRAIN_MAX):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self.emptied_at = time.monotonic()
+                return
+            try:
+                address = frames[-1].get("Peer-Address")
+            except zmq.ZMQError:   # no such property on this transport
+                address = None
+            now = time.monotonic()
+            self.engine.handle(frames[0].bytes, [f.bytes for f in frames[1:]], now,
+                               peer_of(self.transport, address))
+            if now > deadline:
+                return
+
+    def close(self) -> None:
+        self.log("stopping")
+        self.sock.close(0)
+        if self.addr.startswith("ipc://"):
+            try:
+                os.unlink(self.addr[len("ipc://"):])
+            except FileNotFoundError:
+                pass
