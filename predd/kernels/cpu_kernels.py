@@ -1,36 +1,27 @@
-"""predd's own CPU kernels (predd/kernels/csrc/*.c), built for this machine on first use.
+"""predd's own CPU kernels on CPU tensors (`Kernels`), and `kernels()`: the library built
+for this machine (predd/kernels/build.py), loaded and typed (bindings.py) and checked
+against torch (probes.py), once per process.
 
 torch's CPU ops cannot read K and V where they lie in the paged pool: attention over a
 page table costs a gather (a copy of every entry, each layer, each step) before its
-matmuls. `paged_attention` (predd/kernels/csrc/paged_attention.c) reads them in place. And at
-decode's few rows a step, a layer's small ops (RMSNorm, RoPE, SwiGLU's product: some
-twenty torch ops a layer) cost more in dispatch than in arithmetic; predd/kernels/csrc/
-layer_ops.c does each in one pass (`CpuOps`, the same interface as predd.model.llama.TorchOps).
-predd/kernels/csrc/quant_linear.c computes decode's projections from a GGUF's own blocks
-(predd/model/quant_linear.py; predd/kernels/csrc/quant_tiles.c with AMX tiles where the CPU has
-them), and predd/kernels/csrc/greedy.c picks greedy tokens without a
-written-out log-softmax (predd/engine/outputs.py).
+matmuls. `paged_attention` (csrc/paged_attention.c) reads them in place. And at decode's
+few rows a step, a layer's small ops (RMSNorm, RoPE, SwiGLU's product: some twenty torch
+ops a layer) cost more in dispatch than in arithmetic; csrc/layer_ops.c does each in one
+pass (`CpuOps`, the same interface as predd.model.llama.TorchOps). csrc/quant_linear.c,
+quant_tiles.c, quant_lanes.c and quant_int8.c compute decode's projections from a GGUF's
+own blocks (predd/model/quant_linear.py), and csrc/greedy.c picks greedy tokens without a
+written-out log-softmax (predd/engine/outputs.py). OpenMP in the library is the libgomp
+torch already loaded, so it runs on torch's threads (`--threads`). The attention backend
+`cpu` (predd/attention/backends.py) uses it, and a runner with that backend gives its
+model `CpuOps`.
 
-The library is compiled here with the machine's C compiler (`$CC`, else `cc`) for this
-CPU (`-march=native`), cached under `$SYMPHONY_CACHE` (default `~/.cache/symphony`) by a
-hash of the sources, the flags, the compiler and the CPU's flags, loaded through ctypes
-and probed against torch. OpenMP in it is the libgomp torch already loaded, so it runs
-on torch's threads (`--threads`). The attention backend `cpu` (predd/attention/backends.py) uses
-it, and a runner with that backend gives its model `CpuOps`.
-
-Where it cannot build or load (no compiler, no OpenMP, a read-only cache and /tmp) or
-its probe disagrees with torch, `problem()` says why and predd keeps the torch backend.
+Where it cannot build or load (no compiler, no OpenMP, a read-only cache and /tmp), its
+structs disagree with the bindings, or its probe disagrees with torch, `problem()` says
+why and predd keeps the torch backend.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,24 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.c", CSRC / "layer_ops.c", CSRC / "quant_linear.c",
-           CSRC / "quant_tiles.c", CSRC / "quant_lanes.c", CSRC / "attention_tiles.c",
-           CSRC / "greedy.c", CSRC / "layer_loop.c", CSRC / "step_plan.c", CSRC / "quant_int8.c")
-HEADERS = (CSRC / "exp_approx.h", CSRC / "bf16.h", CSRC / "lanes.h", CSRC / "quant_blocks.h",
-           CSRC / "amx.h", CSRC / "prefetch.h")
-LIBRARY = "predd-cpu"
-# -fno-trapping-math: predd never unmasks floating-point exceptions, and without it GCC
-# will not turn a float compare-and-select (exp_approx's clamp) into a vector blend on
-# AVX2, leaving the softmax's and SwiGLU's exponential loops scalar there.
-FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
-# $SYMPHONY_KERNELS_MARCH names another -march (x86-64-v3: AVX2 and FMA, no AVX-512;
-# x86-64-v2: neither): the library as an older CPU would build it, so that its paths for
-# that CPU can be tested here (tests/integration/test_kernels_march.py)
-MARCH_ENV = "SYMPHONY_KERNELS_MARCH"
+from predd.kernels import bindings, build, probes
+
 ROTARY_ROWS = 16384     # positions whose RoPE angles CpuOps.rotary_at looks up (4 MB at
 ROTARY_PIECE = 256      # head_dim 64), made this many at a time
-PROBE_TOLERANCE = 1e-4      # float32, another summation order
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}    # the kernels' dtypes
 # a call of this many new tokens or more attends in blocks of 16 query vectors
 # (predd/kernels/csrc/attention_tiles.c, `bind_attention`) where they run: on AMX tiles, SmolLM2's
@@ -116,81 +93,6 @@ class SharedPrefixes:
         return self.prior
 
 
-class KernelUnavailable(Exception):
-    """The kernels cannot build, load or agree with torch here; the message says why."""
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SYMPHONY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "symphony")
-    return Path(root) / "kernels"
-
-
-def cpu_flags() -> str:
-    """/proc/cpuinfo's line of the CPU's flags (else the platform's name for the CPU)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _flags() -> tuple[str, ...]:
-    march = os.environ.get(MARCH_ENV) or "native"
-    if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise KernelUnavailable(f"${MARCH_ENV}={march!r} is not an -march name")
-    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
-
-
-def _build(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS,
-           name: str = LIBRARY) -> Path:
-    flags = _flags()
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise KernelUnavailable(f"no C compiler ({compiler}) on PATH")
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelUnavailable(f"{compiler} --version failed: {exc}") from None
-    texts = [p.read_text() for p in (*sources, *headers)]
-    key = hashlib.sha256("\0".join([*texts, *flags, version, platform.machine(),
-                                    cpu_flags()]).encode()).hexdigest()[:16]
-    last_error = ""
-    for where in (cache_dir(), Path(tempfile.gettempdir()) / f"symphony-kernels-{os.geteuid()}"):
-        target = where / f"{name}-{key}.so"
-        try:
-            where.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if not owned_alone(where):     # a library someone else could replace: never load it
-                last_error = f"{where} is not this user's alone"
-                continue
-            if target.exists():
-                return target
-            fd, partial = tempfile.mkstemp(suffix=".so", dir=where)
-            os.close(fd)
-        except OSError as exc:
-            last_error = f"cannot write {where}: {exc.strerror}"
-            continue
-        try:
-            done = subprocess.run([compiler, *flags, "-o", partial, *map(str, sources)],
-                                  capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise KernelUnavailable(f"{compiler} failed on {LIBRARY}: "
-                                        f"{(done.stderr or done.stdout).strip()[-400:]}")
-            os.replace(partial, target)      # atomic: racing builders write the same file
-            return target
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
-    raise KernelUnavailable(last_error)
-
-
-def owned_alone(where: Path) -> bool:
-    """Whether `where` is owned by this euid and writable by no one else."""
-    st = where.stat()
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
 class Kernels:
     """The loaded library, on CPU tensors: paged attention (`attend`, `bind_attention`)
     and the step's K/V store (`bind_store`), a layer's small ops (`add_rms_norm`,
@@ -199,53 +101,10 @@ class Kernels:
     pick of logits rows (`greedy_pick`, float32)."""
 
     def __init__(self, path: Path) -> None:
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise KernelUnavailable(f"cannot load {path.name}: {exc}") from None
+        lib = bindings.load(path)
         self.path = path
-        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-        attention = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i64,
-                     ptr, ptr]
-        typed = {   # one function per dtype in SUFFIX: name_f32, name_bf16
-            "paged_attention": (ctypes.c_int, attention),
-            "add_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i64, f32]),
-            "rope": (None, [ptr, i64, ptr, ptr, i64, i64, i64]),
-            "silu_mul": (None, [ptr, ptr, i64, i64]),
-        }
-        signatures = {
-            **{f"{op}_{t}": sig for op, sig in typed.items() for t in SUFFIX.values()},
-            "linear_q4_1_f32": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
-            "linear_q8_0_f32": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
-            "linear_q4_1_bf16": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
-            "linear_q8_0_bf16": (None, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
-            "linear_q8_0_bf16_f32": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
-            "linear_q4_1_lanes_bf16": (None, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
-            "linear_q4_1_int8": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
-            "linear_q8_0_int8": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
-            "linear_int8_vector": (ctypes.c_int, []),
-            "linear_bf16_native": (ctypes.c_int, []),
-            "linear_bf16_tiles": (ctypes.c_int, [ctypes.c_int]),
-            "attention_tiles_bf16": (ctypes.c_int, [ctypes.c_int]),
-            "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),
-            "paged_attention_tiles_bf16": (ctypes.c_int, attention[:12] + [ptr, ptr, i64, i64, f32]),
-            "shared_prefix_tiles_bf16": (ctypes.c_int, [ptr, i64, ptr, i64, i64, i64, i64, ptr,
-                                                         ptr, ptr, ptr, ptr, ptr, ptr, i64, f32,
-                                                         ptr]),
-            "store_entries": (None, [ptr, ptr, i64, ptr, ptr, i64, i64, i64]),
-            "plan_rows": (i64, [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr]),
-            "plan_tiles": (i64, [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]),
-            "plan_prefixes": (i64, [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
-                                    ptr]),
-            "plan_step": (None, [i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr]),
-            "run_layers_f32": (ctypes.c_int, [ptr, i64, ptr]),
-            "run_layers_bf16": (ctypes.c_int, [ptr, i64, ptr]),
-        }
-        for name, (restype, argtypes) in signatures.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
         self._typed = {(op, dtype): getattr(lib, f"{op}_{t}")
-                       for op in typed for dtype, t in SUFFIX.items()}
+                       for op in bindings.TYPED for dtype, t in SUFFIX.items()}
         self._lib = lib
         # the block kernels take bfloat16 rows where the CPU has bf16 dot products
         self.bf16_blocks = bool(lib.linear_bf16_native())
@@ -634,12 +493,12 @@ def _contiguous(*tensors: torch.Tensor | None, dtype: torch.dtype = torch.float3
 
 @functools.cache
 def kernels() -> Kernels:
-    """The library, built (or found in the cache), loaded and probed; KernelUnavailable
+    """The library, built (or found in the cache), loaded and probed; build.KernelUnavailable
     with the reason where it cannot run here. Built once per process."""
-    lib = Kernels(_build())
-    error = _probe(lib)
-    if error > PROBE_TOLERANCE:
-        raise KernelUnavailable(f"its probe differs from torch by {error:.2g}")
+    lib = Kernels(build.build())
+    error = probes.probe(lib, CpuOps)
+    if error > probes.PROBE_TOLERANCE:
+        raise build.KernelUnavailable(f"its probe differs from torch by {error:.2g}")
     return lib
 
 
@@ -647,7 +506,7 @@ def problem() -> str | None:
     """Why the kernels cannot run here, or None."""
     try:
         kernels()
-    except KernelUnavailable as exc:
+    except build.KernelUnavailable as exc:
         return str(exc)
     return None
 
@@ -711,173 +570,3 @@ class CpuOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.lib.silu_mul(gate_up)
-
-
-def _probe(lib: Kernels) -> float:
-    """The largest difference from torch over every kernel on small random cases."""
-    with torch.inference_mode():
-        return max(_probe_attention(lib), _probe_layer_ops(lib), _probe_quant_linear(lib),
-                   _probe_greedy(lib))
-
-
-def random_blocks(kind: str, rows: int, cols: int, seed: int = 0):
-    """Random QuantBlocks of `kind` for a [rows, cols] weight, and that weight dequantised
-    as the loader does it (numpy, float32)."""
-    from predd.model.loader import QuantBlocks
-    rng = np.random.default_rng(seed)
-    shape = (rows, cols // 32)
-    d = (rng.random(shape) * 0.02).astype(np.float16).astype(np.float32)
-    if kind == "Q4_1":
-        q = rng.integers(0, 256, (*shape, 16), dtype=np.uint8)
-        m = (-rng.random(shape) * 0.1).astype(np.float16).astype(np.float32)
-        blocks = QuantBlocks(kind, q, d, m)
-    else:
-        blocks = QuantBlocks(kind, rng.integers(-128, 128, (*shape, 32), dtype=np.int8), d, None)
-    return blocks, blocks.dequantised()
-
-
-def int8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 rows [M, K] quantised per block of 32 as predd/kernels/csrc/quant_int8.c does:
-    (q [M, K/32, 32] int8, scale [M, K/32] float32), x ~ q * scale."""
-    v = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-    amax = np.abs(v).max(axis=2)
-    scale = amax / np.float32(127)
-    inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
-    return np.rint(v * inverse[..., None]).astype(np.int8), scale.astype(np.float32)
-
-
-def int8_reference(x: np.ndarray, blocks, bias: np.ndarray | None = None) -> np.ndarray:
-    """x [M, K] times `blocks` (QuantBlocks, Q4_1 or Q8_0) as the int8 kernels compute it:
-    x quantised by `int8_rows`, each block's integer sum exact, then scaled in float64."""
-    qx, dx = int8_rows(x)
-    b = blocks.in_rows()
-    if b.kind == "Q4_1":
-        qw = np.concatenate([b.q & 15, b.q >> 4], axis=2).astype(np.int64)
-    else:
-        qw = b.q.astype(np.int64)
-    dots = np.einsum("mbj,nbj->mnb", qx.astype(np.int64), qw).astype(np.float64)
-    y = (dots * (b.d.astype(np.float64)[None] * dx.astype(np.float64)[:, None])).sum(2)
-    if b.kind == "Q4_1":
-        sums = qx.astype(np.int64).sum(2) * dx.astype(np.float64)       # [M, B]
-        y += sums @ b.m.astype(np.float64).T
-    return y + (0.0 if bias is None else bias.astype(np.float64))
-
-
-def _probe_quant_linear(lib: Kernels) -> float:
-    """Both block kinds against F.linear on their dequantised weights (relative); with
-    bf16 dot products also the bf16 kernels against the same sum of bf16 values (Q4_1 in
-    lanes: of bf16 rows and the exact weights), beyond one bf16 rounding of the result
-    (2^-8 relative)."""
-    worst = 0.0
-    for kind in ("Q4_1", "Q8_0"):
-        blocks, weight = random_blocks(kind, 19, 96)
-        x = torch.randn(11, 96, generator=torch.Generator().manual_seed(1))
-        bias = torch.randn(19, generator=torch.Generator().manual_seed(2))
-        want = torch.nn.functional.linear(x, torch.from_numpy(weight), bias)
-        got = lib.quant_linear(x, blocks, bias)
-        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
-        want = int8_reference(x.numpy(), blocks, bias.numpy())
-        got = lib.bind(blocks, bias, int8=True)(x).numpy()
-        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
-        if lib.bf16_blocks:
-            x16, w16 = x.to(torch.bfloat16), torch.from_numpy(weight).to(torch.bfloat16)
-            want = torch.nn.functional.linear(x16.float(), w16.float(), bias)
-            got = lib.quant_linear(x16, blocks, bias).float()
-            error = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
-            worst = max(worst, max(0.0, error - 2.0 ** -8))
-        if lib.bf16_blocks and kind == "Q4_1":       # in lanes: the weights exactly
-            want = torch.nn.functional.linear(x16.float(), torch.from_numpy(weight), bias)
-            got = lib.quant_linear(x16, blocks.in_lanes(), bias).float()
-            error = float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
-            worst = max(worst, max(0.0, error - 2.0 ** -8))
-    return worst
-
-
-def _probe_greedy(lib: Kernels) -> float:
-    """greedy_pick against argmax and log_softmax on random rows, one of them with its
-    largest value twice (the first must win); a wrong token counts as infinite."""
-    rows = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)) * 4
-    rows[1, 700] = rows[1, 300] = rows[1].max() + 1
-    tokens, logprobs = lib.greedy_pick(list(rows))
-    if tokens != torch.argmax(rows, -1).tolist():
-        return float("inf")
-    want = torch.log_softmax(rows, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    return float((torch.tensor(logprobs) - want).abs().max())
-
-
-def _probe_layer_ops(lib: Kernels) -> float:
-    """CpuOps against TorchOps on a random layer's worth of rows (relative to scale), in
-    float32, and in bfloat16 beyond two units in the last place of each tensor's
-    largest value (the two round at different steps, RoPE's terms before they cancel)."""
-    return max(_layer_ops_error(lib, torch.float32), _layer_ops_error(lib, torch.bfloat16))
-
-
-def _layer_ops_error(lib: Kernels, dtype: torch.dtype) -> float:
-    from predd.model.llama import RMSNorm, TorchOps
-    gen = torch.Generator().manual_seed(0)
-    ours, ref = CpuOps(lib), TorchOps()
-    norm = RMSNorm(48, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(48, generator=gen) + 0.5)
-    norm.to(dtype)
-    x = torch.randn(5, 48, generator=gen).to(dtype)
-    delta = torch.randn(5, 48, generator=gen).to(dtype)
-    freqs = torch.rand(5, 8, generator=gen) * 50
-    qkv = torch.randn(5, 4, 16, generator=gen).to(dtype)
-    gate_up = (torch.randn(5, 64, generator=gen) * 8).to(dtype)
-    x_ref, h_ref = ref.add_norm(x, delta, norm)
-    x_got, h_got = ours.add_norm(x.clone(), delta, norm)
-    turned = ref.rope(qkv, 3, ref.rotary(freqs, dtype))
-    got = ours.rope(qkv.clone(), 3, ours.rotary(freqs, dtype))
-    ulps = 0.0 if dtype == torch.float32 else 2.0 ** -6
-
-    def error(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> float:
-        a, b = a.detach().float(), b.detach().float()
-        return float((a - b).abs().max() - b.abs().max() * ulps) / scale
-
-    return max(error(x_got, x_ref), error(h_got, h_ref), error(got[:, :3], turned),
-               error(ours.silu_mul(gate_up), ref.silu_mul(gate_up), 8))
-
-
-def _probe_attention(lib: Kernels) -> float:
-    """The largest difference from plain softmax attention on a small random case: three
-    rows over 1, 19 and 40 entries of scattered pages, two query heads per kv head; in
-    float32, and in bfloat16 beyond what rounding the output to bf16 explains (half a
-    unit in its last place, 2^-8 relative)."""
-    errors = [_attention_error(lib, torch.float32),
-              _attention_error(lib, torch.bfloat16, 2.0 ** -8)]
-    if lib.attention_blocks:   # a chunk of 6 rows after 34 entries: the block kernel
-        errors.append(_attention_error(lib, torch.bfloat16, 2.0 ** -8, chunk=6))
-    return max(errors)
-
-
-def _attention_error(lib: Kernels, dtype: torch.dtype, rounding: float = 0.0,
-                     chunk: int = 0) -> float:
-    """Three rows over 1, 19 and 40 entries (pages of 4, head_dim 16); or, with `chunk`,
-    one call's `chunk` rows seeing 35.. entries (pages of 16, head_dim 64: the tiles)."""
-    gen = torch.Generator().manual_seed(0)
-    ps, kv_heads, heads, d = (16, 2, 4, 64) if chunk else (4, 2, 4, 16)
-    paged = torch.randn(16, 2, ps, kv_heads, d, generator=gen).to(dtype)
-    rows = chunk or 3
-    q = torch.randn(rows, heads, d, generator=gen).to(dtype)
-    out = torch.zeros(rows, heads, d, dtype=dtype)
-    indices = np.random.default_rng(0).permutation(16).astype(np.int32)
-    if chunk:
-        visible = np.arange(35, 35 + chunk, dtype=np.int64)
-        starts = np.zeros(chunk, np.int64)
-    else:
-        visible = np.array([1, 19, 40], np.int64)
-        starts = np.array([0, 1, 6], np.int64)
-    lib.bind_attention(indices, np.arange(rows, dtype=np.int64), starts, visible,
-                       int(visible.max()), np.array([chunk], np.int64) if chunk else None)(
-                           q, out, paged)
-    paged, q, out = paged.float(), q.float(), out.float()
-    worst = 0.0
-    for r in range(rows):
-        pages = torch.from_numpy(indices[starts[r]:].astype(np.int64))[:-(-visible[r] // ps)]
-        k = paged[pages, 0].flatten(0, 1)[:visible[r]].repeat_interleave(heads // kv_heads, 1)
-        v = paged[pages, 1].flatten(0, 1)[:visible[r]].repeat_interleave(heads // kv_heads, 1)
-        probs = torch.softmax(torch.einsum("hd,lhd->hl", q[r], k) * d ** -0.5, dim=-1)
-        want = torch.einsum("hl,lhd->hd", probs, v)
-        worst = max(worst, float(((want - out[r]).abs() - want.abs() * rounding).max()))
-    return worst

@@ -25,45 +25,15 @@ import numpy as np
 import torch
 
 from predd.kernels import cpu_kernels
+from predd.kernels.bindings import INT8, Layer, Prefixes, Projection, Step
 from predd.attention.backends import CpuAttention
 from predd.model.llama import LlamaModel, every_row
 from predd.attention.page_table import PageTables
 from predd.worker.paged_kv import PagedKVCache
 from predd.model.quant_linear import QuantLinear
 
-i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 KINDS = {"Q4_1": 4, "Q8_0": 8}
 LANES = 5              # Q4_1 blocks in lanes (predd/kernels/csrc/quant_lanes.c; bfloat16 only)
-INT8 = 16              # added to a kind: by int8 dot products (predd/kernels/csrc/quant_int8.c)
-
-
-class Projection(ctypes.Structure):
-    _fields_ = [("kind", i64), ("k", i64), ("n", i64), ("q", ptr), ("d", ptr), ("m", ptr),
-                ("bias", ptr)]
-
-
-class Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ptr), ("post_norm", ptr), ("qkv", Projection),
-                ("o", Projection), ("gate_up", Projection), ("down", Projection), ("kv", ptr)]
-
-
-class Prefixes(ctypes.Structure):
-    """cpu_kernels.SharedPrefixes of a set of rows (groups 0: none)"""
-    _fields_ = [("index", ptr), ("row", ptr), ("rows", ptr), ("pages", ptr), ("groups", i64),
-                ("start", ptr), ("prior", ptr)]
-
-
-class Step(ctypes.Structure):
-    _fields_ = [(name, i64) for name in ("T", "C", "heads", "kv_heads", "head_dim", "inter",
-                                         "page_size")] + [
-        ("eps", f32), ("scale", f32),
-        *((name, ptr) for name in ("x", "delta", "h", "qkv", "attn", "gate_up", "act",
-                                   "cos", "sin", "store_rows", "indices", "row_token",
-                                   "row_pages", "row_visible")),
-        ("max_visible", i64), ("call_row", ptr), ("call_rows", ptr),
-        ("calls", i64), ("rest_token", ptr), ("rest_pages", ptr), ("rest_visible", ptr),
-        ("rest", i64), ("span_rows", i64), ("span_rest", i64), ("shared_rows", Prefixes),
-        ("shared_rest", Prefixes), ("final_norm", ptr)]
 
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # in Layer's order

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from predd.kernels import cpu_kernels
+from predd.kernels import build, cpu_kernels
 
 
 def directory() -> Path:
-    return cpu_kernels.cache_dir().parent / "calibration"
+    return build.cache_dir().parent / "calibration"
 
 
 def cpu_model() -> str:
@@ -45,7 +45,7 @@ def cpu_model() -> str:
 
 def machine() -> dict:
     """What a timing on this machine depends on, besides the model."""
-    return {"cpu": cpu_model(), "flags": sorted(cpu_kernels.cpu_flags().split(":", 1)[-1].split()),
+    return {"cpu": cpu_model(), "flags": sorted(build.cpu_flags().split(":", 1)[-1].split()),
             "kernels": cpu_kernels.kernels().path.name, "torch": torch.__version__,
             "threads": torch.get_num_threads()}
 
@@ -59,7 +59,7 @@ def load(key: str) -> tuple[dict | None, str]:
     where = directory()
     path = where / f"{key}.json"
     try:
-        if not cpu_kernels.owned_alone(where):
+        if not build.owned_alone(where):
             return None, f"{where} is not this user's alone"
         with open(path) as f:
             record = json.load(f)
@@ -79,7 +79,7 @@ def store(key: str, record: dict) -> tuple[dict, str]:
     record = {**record, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         where.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if not cpu_kernels.owned_alone(where):
+        if not build.owned_alone(where):
             return record, f"not stored: {where} is not this user's alone"
         fd, partial = tempfile.mkstemp(suffix=".json", dir=where)
         try:

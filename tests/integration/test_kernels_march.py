@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from predd.kernels import cpu_kernels
+from predd.kernels import build
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_int8.py",
@@ -23,9 +23,9 @@ TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_int8.py",
 # the int8 kernels' result for fixed blocks and rows, as bytes' digest: the portable
 # build sums in the vector build's lanes and order
 INT8_DIGEST = (
-    "import hashlib, torch; from predd.kernels import cpu_kernels as c; k = c.kernels(); "
+    "import hashlib, torch; from predd.kernels import cpu_kernels as c, probes as p; k = c.kernels(); "
     "x = torch.randn(11, 576, generator=torch.Generator().manual_seed(0)); "
-    "print(k.int8_dots, hashlib.sha256(b''.join(k.bind(c.random_blocks(kind, 70, 576)[0], "
+    "print(k.int8_dots, hashlib.sha256(b''.join(k.bind(p.random_blocks(kind, 70, 576)[0], "
     "None, int8=True)(x).numpy().tobytes() for kind in ('Q4_1', 'Q8_0'))).hexdigest())")
 
 pytestmark = pytest.mark.skipif(
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])
 def test_the_kernels_built_for_an_older_cpu_pass_the_kernel_tests(march, tmp_path):
-    env = {**os.environ, cpu_kernels.MARCH_ENV: march, "SYMPHONY_CACHE": str(tmp_path)}
+    env = {**os.environ, build.MARCH_ENV: march, "SYMPHONY_CACHE": str(tmp_path)}
     probe = subprocess.run(
         [sys.executable, "-c", "from predd.kernels import cpu_kernels as c; k = c.kernels(); "
          "print(c.problem(), k.bf16_blocks, k.bf16_tiles)"],
@@ -54,7 +54,7 @@ def test_the_kernels_built_for_an_older_cpu_pass_the_kernel_tests(march, tmp_pat
 def test_the_int8_kernels_give_the_same_bits_in_every_build(tmp_path):
     digests = {}
     for march in ("native", "x86-64-v3", "x86-64-v2"):
-        env = {**os.environ, cpu_kernels.MARCH_ENV: march,
+        env = {**os.environ, build.MARCH_ENV: march,
                "SYMPHONY_CACHE": str(tmp_path / march)}
         run = subprocess.run([sys.executable, "-c", INT8_DIGEST], env=env, cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
@@ -66,6 +66,6 @@ def test_the_int8_kernels_give_the_same_bits_in_every_build(tmp_path):
 
 
 def test_a_march_that_is_not_a_name_is_refused(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "native -o /tmp/x")
-    with pytest.raises(cpu_kernels.KernelUnavailable, match="is not an -march name"):
-        cpu_kernels._flags()
+    monkeypatch.setenv(build.MARCH_ENV, "native -o /tmp/x")
+    with pytest.raises(build.KernelUnavailable, match="is not an -march name"):
+        build.flags()

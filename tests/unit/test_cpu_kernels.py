@@ -3,6 +3,8 @@ on the same steps, the layer ops against torch's, and how they are built and cho
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from predd.attention import backends as attention
-from predd.kernels import cpu_kernels
+from predd.kernels import bindings, build, cpu_kernels, probes
 from predd.attention.backends import CpuAttention, TorchAttention, resolve
 from predd.attention.page_table import PageTables
 from predd.worker.paged_kv import PagedKVCache
@@ -235,12 +237,12 @@ def test_probe_and_cache(tmp_path, monkeypatch):
     """A build lands in $SYMPHONY_CACHE under a name keyed by source, flags, compiler
     and CPU; the next one finds it; the probe agrees with torch."""
     monkeypatch.setenv("SYMPHONY_CACHE", str(tmp_path))
-    built = cpu_kernels._build()
+    built = build.build()
     assert built.parent == tmp_path / "kernels" and built.name.startswith("predd-cpu-")
     stamp = built.stat().st_mtime_ns
-    assert cpu_kernels._build() == built
+    assert build.build() == built
     assert built.stat().st_mtime_ns == stamp
-    assert cpu_kernels._probe(cpu_kernels.Kernels(built)) < cpu_kernels.PROBE_TOLERANCE
+    assert probes.probe(cpu_kernels.Kernels(built), cpu_kernels.CpuOps) < probes.PROBE_TOLERANCE
 
 
 def test_a_cache_others_can_write_is_never_loaded(tmp_path, monkeypatch):
@@ -252,8 +254,8 @@ def test_a_cache_others_can_write_is_never_loaded(tmp_path, monkeypatch):
     monkeypatch.setenv("SYMPHONY_CACHE", str(shared))
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", None)    # re-read TMPDIR
-    built = cpu_kernels._build()
+    monkeypatch.setattr(build.tempfile, "tempdir", None)    # re-read TMPDIR
+    built = build.build()
     assert built.parent == tmp_path / "tmp" / f"symphony-kernels-{os.geteuid()}"
     assert list((shared / "kernels").iterdir()) == []
 
@@ -660,3 +662,34 @@ def test_some_forks_steps_have_blocks_and_prefix_groups_to_plan():
         grouped = _numpy_prefixes(step.indices, rest[1], rest[2], 4, 2, 3) is not None
         kinds.add((tiles is not None, grouped))
     assert {(True, True), (False, True), (True, False)} <= kinds
+
+
+def _declared() -> dict[str, int]:
+    """csrc/kernels.h's functions, preprocessed by the C compiler: name -> argument count."""
+    text = subprocess.run([os.environ.get("CC") or "cc", "-E", "-P", "-"], text=True,
+                          input=(build.CSRC / "kernels.h").read_text(), capture_output=True,
+                          check=True).stdout
+    text = re.sub(r"struct \w+ \{.*?\};", "", " ".join(text.split()))
+    found = {}
+    for name, args in re.findall(r"\b(\w+)\(([^()]*)\);", text):
+        found[name] = 0 if args.strip() in ("", "void") else args.count(",") + 1
+    return found
+
+
+def test_the_bindings_table_is_the_headers_functions():
+    """One declaration per function (csrc/kernels.h, included by every .c file) and one
+    table on the Python side: the same names, the same argument counts."""
+    assert _declared() == {name: len(args) for name, (_, args) in bindings.SIGNATURES.items()}
+    for source in build.SOURCES:
+        assert '#include "kernels.h"' in source.read_text(), source.name
+
+
+def test_a_struct_laid_out_otherwise_refuses_the_kernels(monkeypatch):
+    path = cpu_kernels.kernels().path
+    assert bindings.layout()[0] == 56             # struct prefixes: 7 fields of 8 bytes
+    moved = bindings.layout()
+    moved[3] += 8
+    monkeypatch.setattr(bindings, "layout", lambda: moved)
+    with pytest.raises(build.KernelUnavailable, match="lays its structs out otherwise than "
+                       r"predd/kernels/bindings.py \(value 3 of \d+: 16 against 24\)"):
+        bindings.load(path)

@@ -17,7 +17,7 @@ from torch import nn
 from predd.model import calibration
 from predd.kernels import cpu_kernels
 from predd.model import quant_linear
-from predd.kernels.cpu_kernels import int8_reference, int8_rows, random_blocks
+from predd.kernels.probes import int8_reference, int8_rows, random_blocks
 
 
 def _int8(blocks, bias=None):

@@ -12,7 +12,7 @@ from torch import nn
 
 from predd.kernels import cpu_kernels
 from predd.model import quant_linear
-from predd.kernels.cpu_kernels import random_blocks
+from predd.kernels.probes import random_blocks
 from predd.model.loader import ModelConfig
 from predd.model.llama import LlamaModel
 

@@ -47,6 +47,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "kernels.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -518,7 +520,7 @@ int paged_attention_tiles_bf16(TILE_ARGS)
     return status;
 }
 
-struct prefixes {
+struct prefix_job {
     const uint16_t *q;
     float *prior;
     int64_t q_stride, heads, G, D;
@@ -529,7 +531,7 @@ struct prefixes {
 
 static void fill_prefix(const void *args, int64_t t, struct block *blk, uint16_t *qa)
 {
-    const struct prefixes *a = args;
+    const struct prefix_job *a = args;
     int64_t g, h, b;
     task_of(a->first, a->blocks, t, &g, &h, &b);
     const int64_t G = a->G, D = a->D;
@@ -560,7 +562,7 @@ int shared_prefix_tiles_bf16(SHARED_ARGS)
         return -1;
     for (int64_t g = 0; g < groups; g++)
         most = group_pages[g] > most ? group_pages[g] : most;
-    const struct prefixes a = {q, prior, q_stride, heads, G, head_dim, indices, row_token,
+    const struct prefix_job a = {q, prior, q_stride, heads, G, head_dim, indices, row_token,
                                row_pages, group_index, group_row, group_rows, group_pages,
                                first, blocks};
     const struct job j = {first[groups], most * PAGE, kv_heads, head_dim, kv, scale, 1,

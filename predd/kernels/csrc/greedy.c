@@ -13,6 +13,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 #include "exp_approx.h"
 
 #if defined(__AVX512F__)

@@ -7,100 +7,10 @@
  * loop's own time, ~10 calls a layer through Python, ctypes and torch's allocator, while
  * the other threads wait (a third of a decode step of 8 calls on 2 cores).
  */
+#include <stddef.h>
 #include <stdint.h>
 
-/* the kernels this calls, from the other files of the library */
-#define OPS(T, t) \
-void add_rms_norm_##t(T *x, const T *delta, const T *weight, T *out, int64_t rows, int64_t n, \
-                      float eps); \
-void rope_##t(T *x, int64_t stride, const float *cos, const float *sin, int64_t rows, \
-              int64_t heads, int64_t d); \
-void silu_mul_##t(const T *gu, T *out, int64_t rows, int64_t n); \
-void linear_q4_1_##t(const T *x, int64_t M, int64_t K, const uint8_t *q, const float *d, \
-                     const float *m, int64_t N, const float *bias, T *y); \
-void linear_q8_0_##t(const T *x, int64_t M, int64_t K, const int8_t *q, const float *d, \
-                     int64_t N, const float *bias, T *y); \
-int paged_attention_##t(const void *q, int64_t q_stride, void *out, const void *kv, \
-                        int64_t page_size, int64_t kv_heads, int64_t heads, int64_t head_dim, \
-                        const int32_t *indices, const int64_t *row_token, \
-                        const int64_t *row_pages, const int64_t *row_visible, int64_t rows, \
-                        int64_t max_visible, float scale, int64_t span, \
-                        const int64_t *row_start, const float *prior);
-OPS(float, f32)
-OPS(uint16_t, bf16)
-int linear_q4_1_int8(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d,
-                     const float *m, int64_t N, const float *bias, float *y);
-int linear_q8_0_int8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *d,
-                     int64_t N, const float *bias, float *y);
-void linear_q4_1_lanes_bf16(const uint16_t *x, int64_t M, int64_t K, const uint32_t *q,
-                            const float *d, const float *m, int64_t N, const float *bias,
-                            uint16_t *y);
-void store_entries(void *kv, const int64_t *rows, int64_t n, const void *k, const void *v,
-                   int64_t src_stride, int64_t entry, int64_t page_size);
-int paged_attention_tiles_bf16(const void *q, int64_t q_stride, void *out, const void *kv,
-                               int64_t page_size, int64_t kv_heads, int64_t heads,
-                               int64_t head_dim, const int32_t *indices,
-                               const int64_t *row_token, const int64_t *row_pages,
-                               const int64_t *row_visible, const int64_t *call_row,
-                               const int64_t *call_rows, int64_t calls, int64_t max_visible,
-                               float scale);
-int shared_prefix_tiles_bf16(const void *q, int64_t q_stride, const void *kv, int64_t page_size,
-                             int64_t kv_heads, int64_t heads, int64_t head_dim,
-                             const int32_t *indices, const int64_t *row_token,
-                             const int64_t *row_pages, const int64_t *group_index,
-                             const int64_t *group_row, const int64_t *group_rows,
-                             const int64_t *group_pages, int64_t groups, float scale,
-                             float *prior);
-
-/* Shared prefixes (cpu_kernels.SharedPrefixes) of a set of rows of the row kernel:
- * `groups` groups (none: 0), each row's start, the prior they fill. */
-struct prefixes {
-    const int64_t *index, *row, *rows, *pages;
-    int64_t groups;
-    const int64_t *start;
-    float *prior;
-};
-
-/* A projection's blocks (predd.model.loader.QuantBlocks): kind 4 Q4_1, 8 Q8_0, 5 Q4_1 in lanes
- * (quant_lanes.c: bfloat16 only), 4 + INT8 and 8 + INT8 by int8 dot products
- * (quant_int8.c: float32 only); [n, k] */
-#define INT8 16
-struct projection {
-    int64_t kind, k, n;
-    const uint8_t *q;
-    const float *d, *m, *bias;
-};
-
-/* One decoder layer's weights (the norms' in the model's dtype) and its part of the pool */
-struct layer {
-    const void *input_norm, *post_norm;
-    struct projection qkv, o, gate_up, down;
-    void *kv;
-};
-
-/* A step's rows and where each op writes: x, delta, h [T, C]; qkv [T, (H + 2 KV) D];
- * attn [T, H D]; gate_up [T, 2 I]; act [T, I]. Attention as bind_attention plans it
- * (predd/kernels/cpu_kernels.py): the tiles (bf16) for `calls` calls (none: 0) and the row
- * kernel for the `rest` rows beside them, or for all T rows (every call is on these
- * kernels) where the tiles do not run; each set of rows with its shared prefixes, on
- * tiles first where they run. */
-struct step {
-    int64_t T, C, heads, kv_heads, head_dim, inter, page_size;
-    float eps, scale;
-    void *x, *delta, *h, *qkv, *attn, *gate_up, *act;
-    const float *cos, *sin;
-    const int64_t *store_rows;
-    const int32_t *indices;
-    const int64_t *row_token, *row_pages, *row_visible;
-    int64_t max_visible;
-    const int64_t *call_row, *call_rows;
-    int64_t calls;
-    const int64_t *rest_token, *rest_pages, *rest_visible;
-    int64_t rest;
-    int64_t span_rows, span_rest;    /* the row kernel's kv heads a task, for each set */
-    struct prefixes shared_rows, shared_rest;
-    const void *final_norm;          /* where not NULL: h = the final norm of x + delta */
-};
+#include "kernels.h"
 
 /* The layer loop once per dtype: E the element type, t its suffix. Layers 0 .. n - 1 of
  * a step: x takes each block's output in place, delta holds the last one's; with
@@ -115,10 +25,10 @@ static int project_##t(const struct projection *p, const E *x, int64_t rows, E *
     if (TILES && p->kind == 5) \
         linear_q4_1_lanes_bf16((const uint16_t *)x, rows, p->k, (const uint32_t *)p->q, \
                                p->d, p->m, p->n, p->bias, (uint16_t *)y); \
-    else if (!TILES && p->kind == 4 + INT8) \
+    else if (!TILES && p->kind == 4 + PREDD_INT8) \
         return linear_q4_1_int8((const float *)x, rows, p->k, p->q, p->d, p->m, p->n, \
                                 p->bias, (float *)y); \
-    else if (!TILES && p->kind == 8 + INT8) \
+    else if (!TILES && p->kind == 8 + PREDD_INT8) \
         return linear_q8_0_int8((const float *)x, rows, p->k, (const int8_t *)p->q, p->d, \
                                 p->n, p->bias, (float *)y); \
     else if (p->kind == 4) \
@@ -187,3 +97,32 @@ int run_layers_##t(const struct layer *layers, int64_t n, const struct step *s) 
 
 LAYERS(float, f32, 0)
 LAYERS(uint16_t, bf16, 1)
+
+/* (kernels.h) */
+int64_t kernel_layout(int64_t *out, int64_t cap)
+{
+    const int64_t values[] = {
+#define AT(s, f) (int64_t)offsetof(struct s, f)
+        sizeof(struct prefixes), AT(prefixes, index), AT(prefixes, row), AT(prefixes, rows),
+        AT(prefixes, pages), AT(prefixes, groups), AT(prefixes, start), AT(prefixes, prior),
+        sizeof(struct projection), AT(projection, kind), AT(projection, k), AT(projection, n),
+        AT(projection, q), AT(projection, d), AT(projection, m), AT(projection, bias),
+        sizeof(struct layer), AT(layer, input_norm), AT(layer, post_norm), AT(layer, qkv),
+        AT(layer, o), AT(layer, gate_up), AT(layer, down), AT(layer, kv),
+        sizeof(struct step), AT(step, T), AT(step, C), AT(step, heads), AT(step, kv_heads),
+        AT(step, head_dim), AT(step, inter), AT(step, page_size), AT(step, eps),
+        AT(step, scale), AT(step, x), AT(step, delta), AT(step, h), AT(step, qkv),
+        AT(step, attn), AT(step, gate_up), AT(step, act), AT(step, cos), AT(step, sin),
+        AT(step, store_rows), AT(step, indices), AT(step, row_token), AT(step, row_pages),
+        AT(step, row_visible), AT(step, max_visible), AT(step, call_row), AT(step, call_rows),
+        AT(step, calls), AT(step, rest_token), AT(step, rest_pages), AT(step, rest_visible),
+        AT(step, rest), AT(step, span_rows), AT(step, span_rest), AT(step, shared_rows),
+        AT(step, shared_rest), AT(step, final_norm),
+#undef AT
+    };
+    const int64_t n = (int64_t)(sizeof values / sizeof values[0]);
+    for (int64_t i = 0; i < n && i < cap; i++)
+        out[i + 1] = values[i];
+    out[0] = n;
+    return n;
+}

@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 #include "bf16.h"
 #include "exp_approx.h"
 

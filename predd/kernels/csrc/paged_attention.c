@@ -21,6 +21,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "kernels.h"
 #include <stdlib.h>
 #include <string.h>
 

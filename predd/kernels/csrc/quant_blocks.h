@@ -111,11 +111,10 @@ static inline __m512bh q8_0_bf16(const int8_t *q, float d)
 }
 #endif
 
-/* quant_tiles.c: y = x w^T (+ bias) in bf16 by AMX tiles, the blocks in tiles (above);
- * 0, or -1 where it did nothing (one row, no tiles here, or memory short) */
+/* quant_tiles.c, for quant_linear.c's bf16 entry points: y = x w^T (+ bias) in bf16 by
+ * AMX tiles, the blocks in tiles (above); 0, or -1 where it did nothing (one row, no
+ * tiles here, or memory short) */
 int linear_tiles_bf16(int kind, const uint16_t *x, int64_t M, int64_t K, const uint8_t *q,
                       const float *d, const float *m, int64_t N, const float *bias,
                       uint16_t *y);
-/* quant_tiles.c: 1 where linear_tiles_bf16 multiplies 2 rows or more (-1: asks only) */
-int linear_bf16_tiles(int use);
 #endif

@@ -30,6 +30,8 @@
 
 #include <math.h>
 #include <stdint.h>
+
+#include "kernels.h"
 #include <stdlib.h>
 
 #include "quant_blocks.h"

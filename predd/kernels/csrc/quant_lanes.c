@@ -29,6 +29,8 @@
  * bfloat16, bias float32 or NULL. */
 #include <stdint.h>
 
+#include "kernels.h"
+
 #include "quant_blocks.h"
 
 #if defined(__AVX512BF16__)

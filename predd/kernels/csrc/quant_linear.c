@@ -17,6 +17,8 @@
 #pragma GCC optimize("fp-contract=off")   /* w = d q + m rounded as numpy rounds it */
 
 #include <stdint.h>
+
+#include "kernels.h"
 #include <stdlib.h>
 #include <string.h>
 

@@ -3,6 +3,8 @@
 #pragma GCC optimize("fp-contract=off")   /* the blocks' weights as the loader makes them */
 
 #include <stdint.h>
+
+#include "kernels.h"
 #include <stdlib.h>
 #include <string.h>
 

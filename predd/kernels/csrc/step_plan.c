@@ -12,6 +12,8 @@
  */
 #include <stdint.h>
 
+#include "kernels.h"
+
 /* For calls calls[0 .. n): per query row (in call order, each call's rows in order) its
  * token in the step's flat batch, where its call's page table starts in `indices`, and
  * the entries it sees (row j of a chunk of q after kv - q entries sees kv - q + j + 1);
