@@ -1,7 +1,7 @@
 """The calls that run the model, one call per kind of answer, and the records they return.
 
     pred(kv, tokens)                    -> Distribution   the last token's raw logits
-                                           (DESIGN §2's keywords outputs=/sample=/topk=
+                                           (docs/design.md §2's keywords outputs=/sample=/topk=
                                            are shorthands for the three calls below)
     pred_outputs(kv, tokens, outputs)   -> list[Distribution], one per index in outputs
     pred_sample(kv, tokens, sample)     -> Sampled        predd samples; one int back
@@ -159,7 +159,7 @@ def pred(kv: KV, tokens: Sequence[int], positions: Sequence[int] | None = None,
          mask: Mask | None = None, topk: int = 0):
     """Append `tokens` to `kv`; the next-token distribution after the last of them.
 
-    The system call's other keywords (DESIGN §2: `outputs`, `sample`, `topk`) are
+    The system call's other keywords (docs/design.md §2: `outputs`, `sample`, `topk`) are
     shorthands for the call that has that answer, and return exactly what it returns:
     `outputs=` → `pred_outputs` (list[Distribution]), `sample=` → `pred_sample`
     (Sampled), `topk=k` → `pred_topk` (TopK). Programs should name the call they mean.

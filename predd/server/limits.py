@@ -1,5 +1,5 @@
 """What one request may ask of predd: the bounds that keep a cheap request from one
-client costing everyone else memory or time (DESIGN §9).
+client costing everyone else memory or time (docs/design.md §9).
 
 Each bound caps what a request can make predd allocate, compute or send back, so every
 reply's size follows from what the caller is entitled to. The rule for codes: a list,

@@ -1,5 +1,5 @@
 """kvfsd on a real mount over the shared predd, driven with real coreutils: every row of
-the shell table in DESIGN.md §3, with exact token and page counts and exact errnos."""
+the shell table in docs/design.md §3, with exact token and page counts and exact errnos."""
 import errno
 import os
 import stat

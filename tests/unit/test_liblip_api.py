@@ -138,7 +138,7 @@ def test_each_pred_call_sends_one_kind_of_request_and_returns_one_type(fakes):
     t = lip.pred_topk(kv, [5, 6, 7], 2, outputs=[0, 1])
     assert t.ids == [1, 2] and t.per_output == [([0, 1], [0.0, -1.0]), ([1, 2], [0.0, -1.0])]
 
-    # DESIGN §2's keyword forms of pred are the same requests with the same answers.
+    # docs/design.md §2's keyword forms of pred are the same requests with the same answers.
     assert lip.pred(kv, [5, 6, 7], sample={"temperature": 0.0}) == lip.Sampled(
         12, -0.5, [12], [-0.5], {"computed": 3, "reused": 0})
     ids, logprobs = lip.pred(kv, [5, 6, 7], topk=3)
