@@ -17,7 +17,7 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass, replace
 
-from liblip.protocol import match_secret, read_private_file
+from symphony_protocol import match_secret, read_private_file
 
 MIN_KEY_LEN = 16
 MAX_UID = 2**32 - 2

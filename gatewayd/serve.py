@@ -41,8 +41,8 @@ import uvicorn
 from gatewayd.daemons import Daemon, log_line
 from gatewayd.keys import ApiKeys, Caller, Limits
 from gatewayd.replicas import Replicas, local_addr
-from liblip.descriptor import valid_replica
-from liblip.protocol import default_mount, default_rundir, is_loopback_host
+from symphony_protocol.descriptor import valid_replica
+from symphony_protocol import default_mount, default_rundir, is_loopback_host
 
 DEFAULT_LISTEN = "127.0.0.1:8000"
 ANONYMOUS_UID = 61000       # every run when there are no API keys

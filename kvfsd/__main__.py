@@ -28,7 +28,7 @@ from kvfsd.fs import KvFs
 from kvfsd.namespace import NAMES_PER_UID, Namespace
 from kvfsd.replicas import Replicas
 from kvfsd.state import StateDir, StateDirBusy, default_state_dir
-from liblip.protocol import default_addr, default_mount
+from symphony_protocol import default_addr, default_mount
 
 
 def log(msg: str) -> None:

@@ -48,8 +48,7 @@ from kvfsd.predd_link import PreddError, PreddLink
 from kvfsd.recovery import Recovery
 from kvfsd.replicas import Replicas
 from kvfsd.state import StateDir
-from liblip import descriptor
-
+from symphony_protocol import descriptor
 # A descriptor naming a capability predd does not know (forged, revoked, expired) or
 # cannot fork from is "not a valid descriptor".
 BAD_DESCRIPTOR = ("EBADF", "ENOENT", "EINVAL", "EACCES")

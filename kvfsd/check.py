@@ -25,9 +25,7 @@ from collections import Counter
 from kvfsd.namespace import Namespace
 from kvfsd.node import ROOT, show
 from kvfsd.state import StateDir, StateDirBusy
-from liblip import descriptor
-
-
+from symphony_protocol import descriptor
 def problems(ns: Namespace) -> list[str]:
     out: list[str] = []
     names: dict[int, set[tuple[int, bytes]]] = {}

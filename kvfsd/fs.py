@@ -41,8 +41,7 @@ from kvfsd.handles import Handle
 from kvfsd.namespace import Namespace
 from kvfsd.node import ROOT, Node
 from kvfsd.predd_link import PreddError
-from liblip import descriptor
-
+from symphony_protocol import descriptor
 ENTRY_TIMEOUT = 1.0
 DIR_ATTR_TIMEOUT = 1.0
 FILE_ATTR_TIMEOUT = 0.0      # st_blocks and mtime follow the cache as LIPs extend it

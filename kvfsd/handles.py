@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import pyfuse3
 
 from kvfsd.node import Node
-from liblip import descriptor
-
+from symphony_protocol import descriptor
 MAGIC = descriptor.MAGIC.encode()
 
 

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from kvfsd.predd_link import PreddLink, Timeouts
-from liblip.protocol import same_endpoint_key
+from symphony_protocol import same_endpoint_key
 
 
 class Replicas:

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import errno
 
-from liblip import descriptor
-
+from symphony_protocol import descriptor
 KV_PREFIX = b"user.kv."
 REPLICA = b"user.kv.replica"
 COMPUTED = (b"user.kv.tokens", b"user.kv.bytes", b"user.kv.pages", b"user.kv.model",

@@ -25,9 +25,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from liblip import descriptor
+from symphony_protocol import descriptor
 from liblip.client import Client, LipError
-from liblip.protocol import default_mount, same_endpoint_key
+from symphony_protocol import default_mount, same_endpoint_key
 
 _client: Client | None = None
 _client_lock = threading.Lock()

@@ -28,7 +28,7 @@ import sys
 
 import liblip as lip
 from liblip.client import LipError
-from liblip.protocol import default_addr, default_mount
+from symphony_protocol import default_addr, default_mount
 
 CHAT_PROBE = "\x00probe\x00"
 RUN_SANDBOX_HELP = """\

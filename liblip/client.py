@@ -38,7 +38,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from liblip.logits_buffer import MOST_SLOTS, SLOTS, LogitsBuffer
-from liblip.protocol import (ProtocolError, Reply, decode_reply, default_addr,
+from symphony_protocol import (ProtocolError, Reply, decode_reply, default_addr,
                              default_token, encode_request)
 
 
@@ -215,7 +215,7 @@ class Client:
 
     def ask(self, op: str, frames: tuple[bytes, ...] = (), timeout: float | None = None,
             **fields) -> Reply:
-        """One request's reply as its record (liblip.protocol.REPLIES: a KvReply for
+        """One request's reply as its record (symphony_protocol.REPLIES: a KvReply for
         kv_stat, a PredLogits for a raw pred, ...). Raises LipError."""
         header, extra = self.request(op, frames, timeout, **fields)
         return decode_reply(op, header, extra)

@@ -19,16 +19,10 @@ import threading
 
 import numpy as np
 
+from symphony_protocol.logits_buffer import SEALS, slot_bytes
+
 SLOTS = 16          # rows in flight through the buffer: 3 MiB here (SmolLM2), 8 at 128K
 MOST_SLOTS = 64     # a threaded program's, once 16 were not enough (predd's most)
-PAGE = 4096
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL   # what predd requires
-
-
-def slot_bytes(vocab: int) -> int:
-    """One row of float32 logits, rounded up to whole pages (predd's stride too)."""
-    return -(-vocab * 4 // PAGE) * PAGE
-
 
 class LogitsBuffer:
     def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:

@@ -33,7 +33,7 @@ import uuid
 
 import liblip as lip
 from common import run_threads
-from liblip.protocol import default_mount
+from symphony_protocol import default_mount
 from openai_decode import (Cancelled, Choice, Grammar, Request, decode_generate,
                            decode_pred)
 from openai_format import Formatter

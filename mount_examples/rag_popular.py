@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import liblip as lip
 from common import chat, common_prefix, load_docs, system_prefix, write_report
-from liblip.protocol import default_mount
+from symphony_protocol import default_mount
 
 MAX_REQUESTS = 64
 ENOSPC_RETRIES = 20     # predd's pool is the truth; the count here should match it

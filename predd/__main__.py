@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from liblip.protocol import default_addr, default_rundir
+from symphony_protocol import default_addr, default_rundir
 from predd.engine.core import Engine, EngineConfig
 from predd.server.identity import AuthKeys, check_endpoint
 from predd.model.loader import default_model_path

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from liblip.protocol import Cost, ProtocolError, SampleParams
+from symphony_protocol import Cost, ProtocolError, SampleParams
 from predd.server.limits import MAX_POSITION
 
 if TYPE_CHECKING:

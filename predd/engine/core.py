@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from liblip import protocol as p
-from liblip.protocol import ErrorReply, ProtocolError
+import symphony_protocol as p
+from symphony_protocol import ErrorReply, ProtocolError
 from predd.engine import calls
 from predd.engine import outputs
 from predd.engine.calls import Call

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from liblip import protocol as p
+import symphony_protocol as p
 from predd.server.sessions import Session, Sessions
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from liblip import protocol as p
+import symphony_protocol as p
 from predd.kernels import cpu_kernels
 from predd.engine import sampling
 from predd.engine.calls import Call

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from liblip.protocol import ProtocolError, SampleParams
+from symphony_protocol import ProtocolError, SampleParams
 
 MIN_TEMPERATURE = 1e-4   # below this, sampling is greedy (logits / T would overflow)
 

@@ -31,7 +31,7 @@ from typing import Protocol
 import msgpack
 import numpy as np
 
-from liblip.protocol import ProtocolError
+from symphony_protocol import ProtocolError
 from predd.server.limits import MAX_POSITION
 from predd.memory.pool import Pool
 

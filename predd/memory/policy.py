@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from liblip.protocol import ProtocolError
+from symphony_protocol import ProtocolError
 from predd.memory.kvstore import KVObject, KVStore
 from predd.memory.pool import DEVICE, DISK, HOST, TIER_NAMES
 from predd.memory.tiers import TierStore

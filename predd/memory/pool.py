@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from liblip.protocol import ProtocolError
+from symphony_protocol import ProtocolError
 
 DEVICE, HOST, DISK = 0, 1, 2
 TIER_NAMES = ("device", "host", "disk")

@@ -17,7 +17,7 @@ import tempfile
 
 import numpy as np
 
-from liblip.protocol import ProtocolError
+from symphony_protocol import ProtocolError
 from predd.memory.kvstore import PageData
 from predd.memory.pool import DEVICE, HOST, TIER_NAMES, Pool
 

@@ -19,7 +19,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from liblip.protocol import CAP_HEX_LEN, ProtocolError
+from symphony_protocol import CAP_HEX_LEN, ProtocolError
 
 
 @dataclass

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from liblip.protocol import ProtocolError, is_loopback_host, match_secret, read_private_file
+from symphony_protocol import ProtocolError, is_loopback_host, match_secret, read_private_file
 
 NOBODY = 65534
 MAX_UID = 2**32 - 2          # (uid_t)-1 is "no uid" to the kernel

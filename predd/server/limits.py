@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sized
 from dataclasses import dataclass, replace
 
-from liblip import protocol as p
-from liblip.protocol import ProtocolError
+import symphony_protocol as p
+from symphony_protocol import ProtocolError
 
 MAX_POSITION = 2**31 - 1   # positions are stored as int32: valid ones are [0, MAX_POSITION)
 

@@ -46,8 +46,8 @@ import stat
 
 import numpy as np
 
-from liblip.logits_buffer import SEALS, slot_bytes
-from liblip.protocol import ProtocolError
+from symphony_protocol.logits_buffer import SEALS, slot_bytes
+from symphony_protocol import ProtocolError
 
 MAX_SLOTS = 64
 UID_SHARE = 2                 # one uid holds at most 1/UID_SHARE of the buffers and bytes

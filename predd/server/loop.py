@@ -25,7 +25,7 @@ import time
 
 import zmq
 
-from liblip.protocol import pack
+from symphony_protocol import pack
 from predd.engine.core import Engine
 from predd.server.identity import peer_of, transport_of
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from liblip.protocol import ProtocolError
+from symphony_protocol import ProtocolError
 
 
 @dataclass(frozen=True)

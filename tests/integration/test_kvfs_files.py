@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from liblip import descriptor
+from symphony_protocol import descriptor
 from tests.integration.kvfs_fixtures import (eventually, fill, revoked, saved_state, sh,
                                              syscalls, tiled_export, xattr_int)
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from liblip import descriptor
+from symphony_protocol import descriptor
 from tests.conftest import start_predd
 from tests.integration.kvfs_fixtures import (FD, NOBODY, eventually, fd, fill, finish,
                                              is_mounted, revoked, saved_state, sh, start_kvfsd,

@@ -20,8 +20,7 @@ from predd.server.launch import Daemon, die_with_parent, wait_ready
 from tests.conftest import ROOT
 from tests.integration.kvfs_fixtures import (Kvfs, eventually, finish, make_mountpoint, sh,
                                              start_kvfsd)
-from liblip import descriptor
-
+from symphony_protocol import descriptor
 pytestmark = pytest.mark.slow
 
 PAGES = 256

@@ -1,11 +1,10 @@
-"""Every op's reply from a real predd is exactly its record in liblip/protocol.py: it
+"""Every op's reply from a real predd is exactly its record in symphony_protocol/: it
 decodes (a missing field would be EBADMSG), and the record sends back the very map
 predd sent — no field more, none less. A streamed generate is chunks, then one
 terminal GenerateReply."""
 from __future__ import annotations
 
-from liblip import protocol as p
-
+import symphony_protocol as p
 VOCAB = 49152
 
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from liblip import descriptor
+from symphony_protocol import descriptor
 from liblip.client import Client
 from tests.conftest import ROOT
 from tests.integration.kvfs_fixtures import finish, start_kvfsd

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from liblip.protocol import ProtocolError
+from symphony_protocol import ProtocolError
 
 
 def code(fn) -> str:

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from liblip.protocol import CAP_HEX_LEN, ProtocolError
+from symphony_protocol import CAP_HEX_LEN, ProtocolError
 from predd.server.caps import Capabilities, short
 from predd.server.sessions import Sessions
 from tests.unit.helpers import code

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from liblip.descriptor import MAGIC, MAX_COUNT, MAX_LEN, MODEL_MAX, Descriptor, parse
+from symphony_protocol.descriptor import MAGIC, MAX_COUNT, MAX_LEN, MODEL_MAX, Descriptor, parse
 
 CAP = "0123456789abcdef" * 2
 

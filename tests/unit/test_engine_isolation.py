@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from liblip.protocol import KvTruncate
+from symphony_protocol import KvTruncate
 from predd.server.handlers import HANDLERS
 from predd.server.limits import MAX_POSITION
 from predd.memory.policy import MemoryConfig

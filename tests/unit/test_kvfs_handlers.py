@@ -17,8 +17,7 @@ from kvfsd.handles import Handle
 from kvfsd.namespace import ROOT, Namespace
 from kvfsd.policy import Policy
 from kvfsd.predd_link import PreddError
-from liblip import descriptor
-
+from symphony_protocol import descriptor
 CAP = "0123456789abcdef" * 2
 
 

@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from liblip.protocol import ProtocolError
+from symphony_protocol import ProtocolError
 from predd.memory.kvstore import EXPORT_MAGIC, KVStore
 from predd.server.limits import MAX_POSITION
 from predd.memory.pool import Pool

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from liblip.protocol import ProtocolError
+from symphony_protocol import ProtocolError
 from predd.memory.kvstore import EXPORT_MAGIC
 from tests.unit.test_kvstore import DIM, HEADS, LAYERS, World
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liblip import protocol as p
+import symphony_protocol as p
 from predd.engine import outputs
 from predd.engine import sampling
 from predd.engine.calls import Call

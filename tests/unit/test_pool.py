@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from liblip.protocol import ProtocolError
+from symphony_protocol import ProtocolError
 from predd.memory.pool import Pool
 
 

@@ -7,8 +7,8 @@ import math
 import msgpack
 import pytest
 
-from liblip import protocol as p
-from liblip.protocol import ProtocolError, SampleParams, decode_frames, decode_request
+import symphony_protocol as p
+from symphony_protocol import ProtocolError, SampleParams, decode_frames, decode_request
 from tests.unit.helpers import code
 
 
@@ -186,7 +186,7 @@ def test_decode_request_raises_only_protocol_errors_on_fuzzed_maps():
     for _ in range(2000):
         op = rng.choice(ops)
         cls = p.REQUESTS.get(op)
-        names = [f.name for f in p.dataclasses.fields(cls)] if cls else ["x"]
+        names = [f.name for f in dataclasses.fields(cls)] if cls else ["x"]
         header = {"op": op, "rid": rng.choice([1, 1, 1, None, "1"])}
         for _ in range(rng.randint(0, 3)):
             header[rng.choice(names + ["zzz"])] = rng.choice(values)

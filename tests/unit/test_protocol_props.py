@@ -9,8 +9,9 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from liblip import protocol as p
-from liblip.protocol import ProtocolError, SampleParams, decode_frames, decode_request
+import symphony_protocol as p
+from symphony_protocol import requests as requests_mod
+from symphony_protocol import ProtocolError, SampleParams, decode_frames, decode_request
 
 FIELDS = sorted({f.name for cls in p.REQUESTS.values() for f in dataclasses.fields(cls)})
 
@@ -81,7 +82,7 @@ def request_or_protocol_error(header: dict) -> None:
     assert type(request) is p.REQUESTS[header["op"]]
     hints = typing.get_type_hints(type(request))
     for f in dataclasses.fields(request):
-        assert p._is_instance(getattr(request, f.name), hints[f.name]), f.name
+        assert requests_mod._is_instance(getattr(request, f.name), hints[f.name]), f.name
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liblip.protocol import SampleParams
+from symphony_protocol import SampleParams
 from predd.engine import sampling
 from tests.unit.helpers import code
 

@@ -9,7 +9,8 @@ import struct
 
 import pytest
 
-from liblip import protocol
+import symphony_protocol as protocol
+from symphony_protocol import addresses
 from liblip.sandbox import cgroups, identity, landlock, mounts, seccomp
 from liblip.sandbox.launcher import Request, SandboxError, run
 from liblip.sandbox.limits import Limits, format_size, parse_size
@@ -302,7 +303,7 @@ def test_cgroup_on_a_host_without_cgroups_sets_nothing(tmp_path):
 def test_default_addr_order(monkeypatch, tmp_path):
     monkeypatch.delenv("PREDD_ADDR", raising=False)
     monkeypatch.delenv("SYMPHONY_RUNDIR", raising=False)
-    monkeypatch.setattr(protocol, "SYSTEM_RUNDIR", str(tmp_path / "system"))
+    monkeypatch.setattr(addresses, "SYSTEM_RUNDIR", str(tmp_path / "system"))
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     assert protocol.default_addr() == "ipc:///tmp/symphony-1000/predd.sock"

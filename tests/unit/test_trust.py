@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from liblip.protocol import pack
+from symphony_protocol import pack
 from predd.engine.core import Engine, EngineConfig
 from predd.server.identity import (NOBODY, AuthKeys, Peer, check_endpoint, is_loopback, peer_of)
 from predd.server.quota import QuotaConfig

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from liblip import protocol as p
+import symphony_protocol as p
 from predd.server.handlers import kv, pred, session, text
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from liblip import protocol as p
-from liblip.protocol import ProtocolError
+import symphony_protocol as p
+from symphony_protocol import ProtocolError
 from predd.server.caps import Capability
 from predd.server.identity import MAX_UID
 from predd.server.quota import check_limit

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from liblip import protocol as p
-from liblip.protocol import ProtocolError
+import symphony_protocol as p
+from symphony_protocol import ProtocolError
 from predd.engine import sampling
 from predd.engine.calls import Call
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from liblip import protocol as p
-from liblip.protocol import ProtocolError
+import symphony_protocol as p
+from symphony_protocol import ProtocolError
 from predd.server.logits_buffer import LogitsBuffer
 
 if TYPE_CHECKING:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from liblip import protocol as p
-from liblip.protocol import ProtocolError
+import symphony_protocol as p
+from symphony_protocol import ProtocolError
 
 if TYPE_CHECKING:
     from predd.engine.core import Engine

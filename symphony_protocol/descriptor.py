@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from liblip.protocol import CAP_HEX_LEN, RIGHTS
+from symphony_protocol import CAP_HEX_LEN, RIGHTS
 
 MAGIC = "kvfs 1"
 MAX_LEN = 4096
