@@ -28,7 +28,7 @@ LIBRARY = "predd-cpu"
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 # $SYMPHONY_KERNELS_MARCH names another -march (x86-64-v3: AVX2 and FMA, no AVX-512;
 # x86-64-v2: neither): the library as an older CPU would build it, so that its paths for
-# that CPU can be tested here (tests/integration/test_kernels_march.py)
+# that CPU can be tested here (tests/integration/predd/test_kernels_march.py)
 MARCH_ENV = "SYMPHONY_KERNELS_MARCH"
 
 

@@ -22,7 +22,7 @@ from predd.engine.core import Engine, EngineConfig
 from predd.server.identity import Peer
 from predd.attention.page_table import PageTables
 from predd.engine.scheduler import SchedulerConfig
-from tests.unit.test_kvstore import LAYERS, FakePages, payload
+from tests.unit.predd.kvstore_world import LAYERS, FakePages, payload
 
 VOCAB = 64
 # Every fake client is this process over ipc, as kernel credentials name it: the

@@ -17,9 +17,9 @@ import pytest
 
 from predd.kernels import build
 
-ROOT = Path(__file__).resolve().parents[2]
-TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_int8.py",
-         "tests/integration/test_layer_loop.py"]
+ROOT = Path(__file__).resolve().parents[3]
+TESTS = ["tests/unit/predd/test_cpu_kernels.py", "tests/unit/predd/test_quant_int8.py",
+         "tests/integration/predd/test_layer_loop.py"]
 # the int8 kernels' result for fixed blocks and rows, as bytes' digest: the portable
 # build sums in the vector build's lanes and order
 INT8_DIGEST = (

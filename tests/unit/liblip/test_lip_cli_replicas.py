@@ -1,6 +1,6 @@
 """`lip run --near` and `lip stats` over replicas: which replica the files name, and the
 mount root's replica lines as JSON (kvfsd's xattrs faked here; the real ones are tested
-in tests/integration/test_kvfs_replicas.py)."""
+in tests/integration/kvfsd/test_kvfs_replicas.py)."""
 from __future__ import annotations
 
 import pytest

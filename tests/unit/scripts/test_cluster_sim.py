@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts"))
 from cluster_placement import (CacheAffinity, LeastLoaded, Placement,  # noqa: E402
                                RoundRobin)
 from cluster_sim import Cache, Cluster, Costs, Replica, ReplicaConfig, Run  # noqa: E402

@@ -15,7 +15,7 @@ from gatewayd.programs import Programs, classify, save_upload
 from gatewayd.serve import is_loopback, parse_listen
 from tests.unit.helpers import secrets_file
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "mount_examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "mount_examples"))
 from openai_requests import RequestError, parse  # noqa: E402
 from prefix_cache import common_prefix  # noqa: E402
 

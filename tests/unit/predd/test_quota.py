@@ -9,7 +9,7 @@ from predd.memory.kvstore import KVStore
 from predd.memory.pool import Pool
 from predd.server.quota import QuotaConfig, Quotas
 from tests.unit.helpers import code
-from tests.unit.test_kvstore import FakePages, payload
+from tests.unit.predd.kvstore_world import FakePages, payload
 
 PS = 4          # tokens per page
 ME = 0          # the daemon's own uid in these tests

@@ -21,7 +21,7 @@ from predd.server.quota import QuotaConfig
 from predd.worker.runner import RunnerConfig
 from predd.engine.scheduler import SchedulerConfig
 from tests.unit.helpers import secrets_file
-from tests.unit.test_kvstore import FakePages
+from tests.unit.predd.kvstore_world import FakePages
 
 ME = 0            # predd's own uid in these tests (trusted)
 VOCAB = 32

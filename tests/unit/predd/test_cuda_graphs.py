@@ -19,7 +19,7 @@ from predd.model.llama import LlamaModel
 from predd.worker.paged_kv import PagedKVCache
 from predd.attention.page_table import PageTables
 from tests.unit.helpers import refused_before_loading
-from tests.unit.test_attention_flashinfer import (  # noqa: F401
+from tests.unit.predd.test_attention_flashinfer import (  # noqa: F401
     FakeDecode, fake_flashinfer, paged_reference)
 
 PS = 4

@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.slow        # 16 LIPs decoding at once
 
-LIP = os.path.join(os.path.dirname(__file__), "lips", "greedy.py")
+LIP = os.path.join(os.path.dirname(__file__), "..", "lips", "greedy.py")
 PROMPTS = [f"Tell me fact number {i} about the ocean." for i in range(16)]
 N = 12
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from symphony_protocol import ProtocolError
 from predd.memory.kvstore import EXPORT_MAGIC
-from tests.unit.test_kvstore import DIM, HEADS, LAYERS, World
+from tests.unit.predd.kvstore_world import DIM, HEADS, LAYERS, World
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

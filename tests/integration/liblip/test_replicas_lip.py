@@ -14,7 +14,7 @@ from symphony_protocol import descriptor
 from liblip.client import Client
 from tests.conftest import ROOT
 from tests.integration.kvfs_fixtures import finish, start_kvfsd
-from tests.integration.test_kvfs_replicas import (facts, home, make_on, migrations, on,
+from tests.integration.kvfsd.test_kvfs_replicas import (facts, home, make_on, migrations, on,
                                                   replicas)  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.slow

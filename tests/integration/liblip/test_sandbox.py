@@ -16,7 +16,7 @@ import pytest
 from liblip.sandbox import cgroups, landlock
 from tests.conftest import ROOT
 
-LIPS = os.path.join(os.path.dirname(__file__), "lips")
+LIPS = os.path.join(os.path.dirname(__file__), "..", "lips")
 PROBE = os.path.join(LIPS, "probe_sandbox.py")
 HOSTILE_PY = os.path.join(LIPS, "hostile.py")
 HOSTILE_SH = os.path.join(LIPS, "hostile.sh")

@@ -1,0 +1,1 @@
+"""Integration tests of gatewayd: the gateway's parts, placement and replica metrics."""

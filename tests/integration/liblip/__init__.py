@@ -1,0 +1,1 @@
+"""Integration tests of liblip: the client library, the `lip` command and the sandbox."""

@@ -1,0 +1,1 @@
+"""Unit tests of gatewayd: the gateway's parts, placement and replica metrics."""

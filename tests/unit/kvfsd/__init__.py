@@ -1,0 +1,1 @@
+"""Unit tests of kvfsd: the namespace, its state, handlers, expiry and replicas."""

@@ -1,0 +1,1 @@
+"""Unit tests of liblip: the client library, the `lip` command and the sandbox."""

@@ -1,0 +1,1 @@
+"""Unit tests of the benchmark and simulation scripts' own logic."""
