@@ -144,15 +144,17 @@ def create_app(gw: Gateway) -> FastAPI:
         # gone, or no OpenAI program is ready
         if gw.replicas is None:
             up = {}
-        else:
-            up = {r.addr: await predd_ok(r) for r in gw.replicas.all}
+        else:       # pinged at once: a hung replica costs its timeout once, not each
+            answers = await asyncio.gather(*(predd_ok(r) for r in gw.replicas.all))
+            up = {r.addr: ok for r, ok in zip(gw.replicas.all, answers)}
         serving = any(up.values()) if up else await predd_ok()
         parts = {"predd": all(up.values()) if up else serving,
                  "kvfs": await asyncio.to_thread(os.path.ismount, gw.mount),
                  "openai": gw.bridge.is_ready()}
         if all(parts.values()):
             status = "ok"
-        elif serving and parts["kvfs"] and gw.bridge.any_ready():
+        elif serving and parts["kvfs"] and gw.bridge.any_ready(
+                {addr for addr, ok in up.items() if ok} if up else None):
             status = "degraded"
         else:
             status = "down"

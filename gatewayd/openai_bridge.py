@@ -157,7 +157,7 @@ class OpenAIBridge:
     def is_ready(self) -> bool:
         return self.ready.is_set()
 
-    def any_ready(self) -> bool:
+    def any_ready(self, answering: set[str] | None = None) -> bool:
         """Whether a request can be answered now (the one LIP is ready)."""
         return self.is_ready()
 
@@ -221,9 +221,11 @@ class OpenAIBridges:
     def is_ready(self) -> bool:
         return all(b.ready.is_set() for b in self.bridges)
 
-    def any_ready(self) -> bool:
-        """Whether a request can be answered now: some replica up with its LIP ready."""
+    def any_ready(self, answering: set[str] | None = None) -> bool:
+        """Whether a request can be answered now: some replica up (and among the
+        addresses `answering`, where given) with its LIP ready."""
         return any(self.replicas.all[i].up and b.ready.is_set()
+                   and (answering is None or self.replicas.all[i].addr in answering)
                    for i, b in enumerate(self.bridges))
 
     async def start(self) -> None:

@@ -62,6 +62,12 @@ def _err(code: int, what: str = "") -> OSError:
     return OSError(code, f"{errno.errorcode[code]}{': ' if what else ''}{what}")
 
 
+def _check_length(name: bytes) -> None:
+    """ENAMETOOLONG for a name longer than any name here may be."""
+    if len(name) > NAME_MAX:
+        raise _err(errno.ENAMETOOLONG)
+
+
 class Namespace:
     def __init__(self, root_uid: int = 0, root_gid: int = 0,
                  names_per_uid: int = NAMES_PER_UID) -> None:
@@ -106,8 +112,7 @@ class Namespace:
             return d
         if name == b"..":
             return self.get(d.parent)
-        if len(name) > NAME_MAX:          # no such name can exist (tmpfs and ext4 say so)
-            raise _err(errno.ENAMETOOLONG)
+        _check_length(name)               # no such name can exist (tmpfs and ext4 say so)
         ino = d.entries.get(name)
         if ino is None:
             raise _err(errno.ENOENT, show(name))
@@ -153,8 +158,7 @@ class Namespace:
     def _check_new(self, d: Node, name: bytes) -> None:
         if not name or b"/" in name or name in (b".", b".."):
             raise _err(errno.EINVAL, "bad name")
-        if len(name) > NAME_MAX:
-            raise _err(errno.ENAMETOOLONG)
+        _check_length(name)
         if name in d.entries:
             raise _err(errno.EEXIST, show(name))
 
@@ -272,8 +276,7 @@ class Namespace:
         if old_name in (b".", b"..") or new_name in (b".", b".."):
             raise _err(errno.EBUSY)
         node = self.lookup(old_parent, old_name)
-        if len(new_name) > NAME_MAX:
-            raise _err(errno.ENAMETOOLONG)
+        _check_length(new_name)
         if node.is_dir and self._is_within(dst_dir.ino, node.ino):
             raise _err(errno.EINVAL, "a directory cannot move into itself")
         other_ino = dst_dir.entries.get(new_name)

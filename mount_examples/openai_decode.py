@@ -61,17 +61,27 @@ class Request:
 
 class TextOut:
     """A choice's text as its tokens come: stop strings cut it (and are left out), and
-    text that might begin a stop string or end mid-character is held back."""
+    text that might begin a stop string or end mid-character is held back. With
+    `min_tokens`, as vLLM does, no stop string counts before that many tokens: only one
+    that ends after their text."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], min_tokens: int = 0) -> None:
         self.stops = stops
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
+        self._early = 0 if min_tokens == 0 else None    # chars of the first min_tokens
 
     def _text(self) -> tuple[str, bool]:
         text = lip.detokenize([t for t in self.ids if t not in eos_ids()], skip_special=True)
-        cuts = [text.find(s) for s in self.stops if s in text]
+        if self._early is None:
+            if len(self.ids) < self.min_tokens:
+                return text, False
+            self._early = len(lip.detokenize(
+                [t for t in self.ids[:self.min_tokens] if t not in eos_ids()], skip_special=True))
+        cuts = [at for s in self.stops
+                if (at := text.find(s, max(0, self._early - len(s) + 1))) >= 0]
         return (text[:min(cuts)], True) if cuts else (text, False)
 
     def add(self, ids: list[int]) -> str:
@@ -160,11 +170,11 @@ class Grammar:
 class Choice:
     """One branch's output: ids (EOS included), logprob entries, text, finish reason."""
 
-    def __init__(self, index: int, stops: list[str]) -> None:
+    def __init__(self, index: int, stops: list[str], min_tokens: int = 0) -> None:
         self.index = index
         self.ids: list[int] = []
         self.entries: list[tuple[int, float, list]] = []   # (id, logprob, [(id, lp)])
-        self.out = TextOut(stops)
+        self.out = TextOut(stops, min_tokens)
         self.finish_reason = "length"
         self.text_offset = 0               # completions logprobs: where the next token starts
         self.queue_ms = self.step_ms = 0.0

@@ -6,7 +6,7 @@ top_p, seed, stop, n, logprobs/top_logprobs, response_format (text, json_object,
 json_schema), stream + stream_options.include_usage, echo (completions), user; and, as
 vLLM and SGLang accept them (their benchmark clients send `ignore_eos`), ignore_eos (go
 on past the model's end-of-sequence token, to max_tokens or a stop string) and
-min_tokens (no end-of-sequence token before that many).
+min_tokens (no end-of-sequence token, and no stop string, before that many).
 Fields this server cannot honour (tools, logit_bias, penalties, best_of, suffix) are a
 400 unless they hold their neutral value; unknown fields are ignored, as vLLM does.
 """

@@ -155,7 +155,7 @@ class Server:
         max_tokens = c.max_tokens or min(DEFAULT_MAX_TOKENS, room)
         matchers = [self.grammar.matcher(c.schema) for _ in range(c.n)] if c.schema else None
         cid = ("chatcmpl-" if c.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        choices = [Choice(i, c.stop) for i in range(c.n)]
+        choices = [Choice(i, c.stop, c.min_tokens) for i in range(c.n)]
         if c.stream:
             self.replies.send({"id": req.rid, "status": 200, "stream": True})
             opening = {"role": "assistant", "content": ""} if c.chat else \

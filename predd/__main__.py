@@ -79,9 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "float32 on a CPU with AVX2, else the first of quantized and packed "
                     "that runs here")
     ap.add_argument("--quant-rows", type=int, default=None, metavar="N",
-                    help="with quantized projections: compute from the blocks up to N "
+                    help="with --linear quantized: compute from the blocks up to N "
                     "rows, dense beyond (default: measured on the first start on this "
-                    "machine and kept in the cache dir, so every start sums alike)")
+                    "machine and kept in the cache dir, so every start sums alike; int8 "
+                    "computes every row count from the blocks)")
     ap.add_argument("--session-quota", type=int, default=0, metavar="PAGES",
                     help="KV pages one session may hold (0: no limit; EDQUOT beyond)")
     ap.add_argument("--uid-quota", type=int, default=None, metavar="PAGES",
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                                     file=sys.stderr, flush=True)
     try:
         runner = Runner(RunnerConfig(model_path, args.device, dtype_name, dtype_reason,
-                                     args.kv_pages, args.page_size, backend,
+                                     args.dtype == "auto", args.kv_pages, args.page_size,
+                                     backend,
                                      threads=threads, linear=args.linear,
                                      quant_rows=args.quant_rows,
                                      cuda_graphs=args.cuda_graphs, max_batch=args.max_batch,

@@ -11,14 +11,18 @@ against, in the same run and the same dtype (predd stopped while they run):
   vllm_server  — vLLM's OpenAI server, N concurrent HTTP clients (processes or threads,
                  as the programs) posting /v1/completions with token-id prompts
   transformers — `generate` on the N prompts in one left-padded batch
-vLLM comes from `make bench-setup` (see scripts/bench_vllm.py), with a KV budget equal
-to predd's; if it cannot run, the bench says why and goes on without it. Each figure is
+  llama_cpp    — llama.cpp's `llama-batched-bench` on the same GGUF file: N sequences
+                 of the prompts' mean length, each generating --new-tokens; its time
+                 includes the prompts, as the programs' does (scripts/bench_llama_cpp.py)
+vLLM and llama.cpp come from `make bench-setup` (see scripts/bench_vllm.py and
+bench_llama_cpp.py), vLLM with a KV budget equal to predd's; if one cannot run, the
+bench says why and goes on without it. Each figure is
 the best of --repeat timed runs (shared hosts are noisy). Prints one `RESULT {...}` line
 per comparison: ratios, not timed asserts.
 
     python scripts/bench_completion.py [--programs 1,8,32,64] [--as processes,threads]
         [--new-tokens 64] [--modes generate,pred_loop,pred_sample] [--dtype auto] [--repeat 3]
-        [--baselines vllm_offline,vllm_server,transformers] [--quick]
+        [--baselines vllm_offline,vllm_server,transformers,llama_cpp] [--quick]
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import bench_vllm  # noqa: E402  (scripts/, beside this file)
+import bench_llama_cpp  # noqa: E402  (scripts/, beside this file)
+import bench_vllm  # noqa: E402
 from bench_common import DTYPE_CHOICES, best_of, changed, log, machine, start_predd  # noqa: E402
 from bench_common import result as emit  # noqa: E402
 
@@ -245,6 +250,21 @@ def measure_vllm(args, prompts: list[list[int]]) -> dict:
     return results
 
 
+def measure_llama_cpp(args, prompts: list[list[int]]) -> dict:
+    """N -> (best seconds, None) of llama-batched-bench on N sequences; empty where it
+    cannot run (it computes in the GGUF's own types, whatever --dtype)."""
+    from predd.model.loader import default_model_path
+    mean = round(sum(map(len, prompts)) / len(prompts))
+    try:
+        rows = bench_llama_cpp.batched(default_model_path(), args.programs, mean,
+                                       args.new_tokens, os.cpu_count() or 2, args.repeat,
+                                       log=log)
+    except bench_llama_cpp.Unavailable as e:
+        log(f"bench: llama.cpp baseline unavailable: {e}")
+        return {}
+    return {n: (seconds, None, tg) for n, (seconds, tg) in rows.items()}
+
+
 def transformers_model(dtype: str):
     """LlamaForCausalLM on the same dequantised weights predd serves: the bench-setup
     export if there is one, else built here from predd's loader (transformers' own GGUF
@@ -299,7 +319,7 @@ def result(args, bench: str, ours: float, baseline: str, theirs: float, **extra)
          dtype=args.dtype, new_tokens=args.new_tokens)
 
 
-def report(args, ours: dict, vllm: dict, hf: dict) -> None:
+def report(args, ours: dict, vllm: dict, hf: dict, llama: dict | None = None) -> None:
     def tps(n: int, r) -> float:
         return n * args.new_tokens / r[0]
 
@@ -310,6 +330,10 @@ def report(args, ours: dict, vllm: dict, hf: dict) -> None:
         if n in hf:
             result(args, f"completion_{mode}", tps(n, r), "transformers_generate_batched",
                    tps(n, hf[n]), same_tokens_as_baseline=same(r[1], hf[n][1]), **where)
+        if mode == "generate" and llama and n in llama:
+            result(args, "completion_generate", tps(n, r), "llama_cpp_batched_bench",
+                   tps(n, llama[n]), llama_cpp_generating_tokens_per_s=llama[n][2],
+                   **where)
         if mode == "generate" and ("offline", n) in vllm:
             base = vllm[("offline", n)]
             result(args, "completion_generate", tps(n, r), "vllm_offline_generate",
@@ -337,7 +361,7 @@ def main() -> int:
                     help="auto: the machine's best (predd.model.dtype); every system uses it")
     ap.add_argument("--modes", default="generate,pred_loop,pred_sample",
                     help="of generate, pred_loop, pred_sample")
-    ap.add_argument("--baselines", default="vllm_offline,vllm_server,transformers")
+    ap.add_argument("--baselines", default="vllm_offline,vllm_server,transformers,llama_cpp")
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed runs per figure; the best is kept (noisy hosts)")
     ap.add_argument("--quick", action="store_true",
@@ -351,7 +375,7 @@ def main() -> int:
     args.baselines = [b for b in args.baselines.split(",") if b]
     bad = (set(args.as_) - {"processes", "threads"}) | (set(args.modes) - {
         "generate", "pred_loop", "pred_sample"}) | (set(args.baselines) - {
-        "vllm_offline", "vllm_server", "transformers"})
+        "vllm_offline", "vllm_server", "transformers", "llama_cpp"})
     if bad or min(args.programs) < 1:
         ap.error(f"unknown or bad values: {sorted(bad) or args.programs}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -374,7 +398,8 @@ def main() -> int:
         daemon.stop()
     vllm = measure_vllm(args, prompts)
     hf = measure_transformers(args, prompts) if "transformers" in args.baselines else {}
-    report(args, ours, vllm, hf)
+    llama = measure_llama_cpp(args, prompts) if "llama_cpp" in args.baselines else {}
+    report(args, ours, vllm, hf, llama)
     return 0
 
 

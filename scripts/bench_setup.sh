@@ -11,6 +11,8 @@
 #                          tiny vLLM run here (it compiles for minutes; later starts
 #                          reuse this), which also proves that vLLM runs
 #   libtcmalloc-minimal4   (apt, as root) the allocator vLLM's CPU worker asks for
+#   $BENCH_DIR/llama.cpp   llama.cpp's llama-batched-bench, built with cmake for this CPU
+#                          from the sources in PyPI's llama-cpp-python 0.3.36 sdist
 # BENCH_DIR defaults to ~/.cache/symphony-bench: one copy for every checkout, and never
 # inside .venv. When everything is present it prints "[bench-setup] ok" in a second.
 set -euo pipefail
@@ -117,6 +119,29 @@ elif log "vllm: first start, compiling the model (a few minutes; cached)" \
     did_work=1
 else
     fail "vllm: installed, but it does not run (see above); the benchmarks will run without it"
+fi
+
+# --- llama.cpp: llama-batched-bench from the sources in llama-cpp-python's sdist ----
+# Built for this CPU (scripts/bench_llama_cpp.py); redone for another CPU or pin.
+if BENCH_DIR=$BENCH_DIR "$VENV/bin/python" -c 'import sys; sys.path.insert(0, "scripts")
+import bench_llama_cpp as b
+b.binary()' 2>/dev/null; then
+    :
+else
+    for tool in cmake g++; do
+        if ! command -v "$tool" >/dev/null && [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+            log "apt: installing $tool (to build llama.cpp)"
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                "$tool" </dev/null >/dev/null 2>&1 || { apt-get update -qq && \
+                DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                "$tool" </dev/null >/dev/null 2>&1; } || true
+        fi
+    done
+    if BENCH_DIR=$BENCH_DIR "$VENV/bin/python" scripts/bench_llama_cpp.py build; then
+        did_work=1
+    else
+        fail "llama.cpp: could not build llama-batched-bench (see above); the benchmarks will run without it"
+    fi
 fi
 
 if ((failed)); then

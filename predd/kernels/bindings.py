@@ -66,6 +66,7 @@ class Projection(ctypes.Structure):
                 ("bias", ptr)]
 
 
+LANES = 5              # PREDD_LANES: the kind of Q4_1 blocks in lanes
 INT8 = 16              # PREDD_INT8: added to a projection's kind
 
 
@@ -93,13 +94,13 @@ STRUCTS = (Prefixes, Projection, Layer, Step)     # in kernel_layout's order
 
 
 def layout() -> list[int]:
-    """The structs' sizes and field offsets as ctypes lays them out, in kernel_layout's
-    order (csrc/kernels.h)."""
+    """The structs' sizes and field offsets as ctypes lays them out, then the kind codes,
+    in kernel_layout's order (csrc/kernels.h)."""
     values = []
     for struct in STRUCTS:
         values.append(ctypes.sizeof(struct))
         values += [getattr(struct, name).offset for name, _ in struct._fields_]
-    return values
+    return values + [LANES, INT8]
 
 
 def load(path: Path) -> ctypes.CDLL:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from predd.kernels import cpu_kernels
-from predd.kernels.bindings import INT8, Layer, Prefixes, Projection, Step
+from predd.kernels.bindings import INT8, LANES, Layer, Prefixes, Projection, Step
 from predd.attention.backends import CpuAttention
 from predd.model.llama import LlamaModel, every_row
 from predd.attention.page_table import PageTables
@@ -33,7 +33,6 @@ from predd.worker.paged_kv import PagedKVCache
 from predd.model.quant_linear import QuantLinear
 
 KINDS = {"Q4_1": 4, "Q8_0": 8}
-LANES = 5              # Q4_1 blocks in lanes (predd/kernels/csrc/quant_lanes.c; bfloat16 only)
 
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # in Layer's order

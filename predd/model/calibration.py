@@ -85,13 +85,26 @@ def store(key: str, record: dict) -> tuple[dict, str]:
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f)
-            os.link(partial, target)          # never over another's
+            _place(partial, target)          # whole, and never over another's
         except FileExistsError:
-            stored, _ = load(key)
+            stored, problem = load(key)
             if stored is not None:
                 return stored, str(target)
+            return record, f"not stored: {target} is there and {problem or 'unreadable'}"
         finally:
             os.unlink(partial)
     except OSError as exc:
         return record, f"not stored: {where}: {exc.strerror}"
     return record, str(target)
+
+
+def _place(partial: str, target: Path) -> None:
+    """`partial` (written whole) also at `target`; FileExistsError where one is there.
+    A hard link where the file system has them, else a copy made with O_EXCL."""
+    try:
+        os.link(partial, target)
+    except FileExistsError:
+        raise
+    except OSError:
+        with open(partial, "rb") as src, open(target, "xb") as dst:
+            dst.write(src.read())

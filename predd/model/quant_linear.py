@@ -27,6 +27,7 @@ float32: 1 row 11.0 vs 21.5 ms, 8 rows 19.1 vs 33.4, 16 rows 37.4 vs 47.3, 24 ro
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -279,6 +280,9 @@ def describe_limits(limits: dict[str, int]) -> str:
     if len(set(limits.values())) == 1:
         return f"<= {next(iter(limits.values()))} rows"
     return "<= " + ", ".join(f"{rows} rows ({group})" for group, rows in limits.items())
+
+
+EVERY_ROW = sys.maxsize      # a limit no step reaches: the blocks at every row count
 
 
 def set_limit(model: nn.Module, rows: int) -> None:

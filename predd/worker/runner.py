@@ -36,6 +36,7 @@ class RunnerConfig:
     device: str = "cpu"
     dtype: str = "float32"    # resolved: predd.model.dtype turns `auto` into one of DTYPES
     dtype_reason: str = ""
+    dtype_auto: bool = False  # `--dtype auto` chose it (int8 dot products may follow)
     kv_pages: int = 4096
     page_size: int = 16
     attention: str = "torch"  # a predd.attention.backends.CHOICES name; `auto` is resolved at start
@@ -157,7 +158,18 @@ class Runner:
                 raise ValueError(f"--linear {requested}: {problem} (EINVAL)")
             return "packed", f"{why}: {packed}; not quantized: {problem}"
         rows = self.config.quant_rows
-        if rows is None:
+        if int8:
+            # every row count by the int8 kernels, measured or not: a row's int8 result
+            # is its own alone, where the dense weight (float32 rows) beyond a limit
+            # would make it depend on how many rows share its step; and the dense GEMM
+            # gains nothing here (2 AVX2 Zen 3 cores: the int8 kernels beat it up to
+            # 64-128 rows and tie beyond, both linear in the rows)
+            if rows is not None:
+                raise ValueError("--quant-rows applies to --linear quantized: int8 dot "
+                                 "products compute every row count (EINVAL)")
+            quant_linear.set_limit(self.model, quant_linear.EVERY_ROW)
+            upto, how = "every row count", "a row's result its own, whatever its step"
+        elif rows is None:
             limits, how = quant_linear.calibrated(self.model, self.dtype)
             upto = quant_linear.describe_limits(limits)
         else:
@@ -182,7 +194,7 @@ class Runner:
         if requested == "int8":         # (a float32 model: `_pack`)
             return True, "asked for"
         if requested != "auto" or self.dtype != torch.float32 or self.device.type != "cpu" \
-                or not self.config.dtype_reason.startswith("auto") or cpu_kernels.problem() \
+                or not self.config.dtype_auto or cpu_kernels.problem() \
                 or cpu_kernels.kernels().int8_dots == "portable":
             return False, ""
         return True, "--dtype auto chose float32; --dtype float32 keeps float32 rows"

@@ -2,10 +2,11 @@
  * takes: declared once, here, and included by every .c file of the library (so the
  * compiler checks each definition and each call against one declaration). The Python
  * side binds them in one table (predd/kernels/bindings.py) and compares its ctypes
- * structs with `kernel_layout` at load: a mismatch refuses the kernels, saying why.
+ * structs and kind codes with `kernel_layout` at load: a mismatch refuses the kernels,
+ * saying why. Functions the kernels share among themselves alone are declared in the
+ * headers of those files (amx.h, quant_blocks.h); the other headers hold inline code.
  *
- * (Functions the kernels share among themselves alone are declared in the header of
- * those files: amx.h, quant_blocks.h.) Tensors are passed as pointers to contiguous rows; `t` suffixes name the element type:
+ * Tensors are passed as pointers to contiguous rows; `t` suffixes name the element type:
  * f32 float, bf16 uint16_t (bfloat16 bits). Shapes are in each definition's comment. */
 #ifndef PREDD_KERNELS_H
 #define PREDD_KERNELS_H
@@ -108,9 +109,10 @@ struct prefixes {
     float *prior;
 };
 
-/* A projection's blocks (predd.model.loader.QuantBlocks): kind 4 Q4_1, 8 Q8_0, 5 Q4_1 in
- * lanes (quant_lanes.c: bfloat16 only), 4 + PREDD_INT8 and 8 + PREDD_INT8 by int8 dot products
- * (quant_int8.c: float32 only); [n, k] */
+/* A projection's blocks (predd.model.loader.QuantBlocks): kind 4 Q4_1, 8 Q8_0,
+ * PREDD_LANES Q4_1 in lanes (quant_lanes.c: bfloat16 only), 4 + PREDD_INT8 and
+ * 8 + PREDD_INT8 by int8 dot products (quant_int8.c: float32 only); [n, k] */
+#define PREDD_LANES 5
 #define PREDD_INT8 16
 struct projection {
     int64_t kind, k, n;
@@ -155,7 +157,8 @@ int run_layers_bf16(const struct layer *layers, int64_t n, const struct step *s)
 /* The structs above as this build lays them out, for the bindings to compare with their
  * own: out[0] the count of values written, then for prefixes, projection, layer and step
  * in turn its size and each field's offset in declaration order (the structs nested in
- * layer and step as one field each). Writes at most `cap` values after out[0]. */
+ * layer and step as one field each), then PREDD_LANES and PREDD_INT8. Writes at most
+ * `cap` values after out[0]. */
 int64_t kernel_layout(int64_t *out, int64_t cap);
 
 #endif

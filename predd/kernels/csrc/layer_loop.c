@@ -1,6 +1,7 @@
 /* A step's decoder layers in one call, float32 or bfloat16, for a step that
- * predd/kernels/layer_loop.py found every piece of on these kernels: each projection from its blocks
- * (quant_linear.c), the norms, RoPE and SwiGLU (layer_ops.c), the new K/V stored and
+ * predd/kernels/layer_loop.py found every piece of on these kernels: each projection from
+ * its blocks (quant_linear.c, and quant_lanes.c, quant_tiles.c or quant_int8.c by the
+ * blocks' kind), the norms, RoPE and SwiGLU (layer_ops.c), the new K/V stored and
  * attention over the pages (paged_attention.c, attention_tiles.c). The same functions,
  * with the same arguments in the same order, as the Python loop of predd/model/llama.py
  * makes them one ctypes call at a time: the same bits out. What this saves is that
@@ -22,7 +23,7 @@
 #define LAYERS(E, t, TILES) \
 static int project_##t(const struct projection *p, const E *x, int64_t rows, E *y) \
 { \
-    if (TILES && p->kind == 5) \
+    if (TILES && p->kind == PREDD_LANES) \
         linear_q4_1_lanes_bf16((const uint16_t *)x, rows, p->k, (const uint32_t *)p->q, \
                                p->d, p->m, p->n, p->bias, (uint16_t *)y); \
     else if (!TILES && p->kind == 4 + PREDD_INT8) \
@@ -33,8 +34,10 @@ static int project_##t(const struct projection *p, const E *x, int64_t rows, E *
                                 p->n, p->bias, (float *)y); \
     else if (p->kind == 4) \
         linear_q4_1_##t(x, rows, p->k, p->q, p->d, p->m, p->n, p->bias, y); \
-    else \
+    else if (p->kind == 8) \
         linear_q8_0_##t(x, rows, p->k, (const int8_t *)p->q, p->d, p->n, p->bias, y); \
+    else \
+        return -1;            /* a kind this dtype has no kernel for: never computed */ \
     return 0; \
 } \
 \
@@ -118,6 +121,7 @@ int64_t kernel_layout(int64_t *out, int64_t cap)
         AT(step, calls), AT(step, rest_token), AT(step, rest_pages), AT(step, rest_visible),
         AT(step, rest), AT(step, span_rows), AT(step, span_rest), AT(step, shared_rows),
         AT(step, shared_rest), AT(step, final_norm),
+        PREDD_LANES, PREDD_INT8,
 #undef AT
     };
     const int64_t n = (int64_t)(sizeof values / sizeof values[0]);

@@ -252,6 +252,8 @@ static int linear(const int kind, const float *x, int64_t M, int64_t K, const ui
                   const float *d, const float *m, int64_t N, const float *bias, float *y)
 {
     const int64_t blocks = K / BLOCK, padded = (blocks + 7) & ~(int64_t)7;
+    if (M <= 0)
+        return 0;
     const size_t quantised = (size_t)(M * blocks) * sizeof(struct xblock);
     char *buffer = rows_buffer(quantised + (size_t)(M * padded) * sizeof(float));
     if (!buffer)

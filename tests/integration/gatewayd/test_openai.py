@@ -130,6 +130,13 @@ def test_min_tokens_masks_eos_until_then(client, predd, model):
                                         extra_body={"min_tokens": least})
     assert r2.choices[0].message.content == answer
     assert r2.usage.completion_tokens == r.usage.completion_tokens
+    # a stop string within the first min_tokens tokens does not count (as in vLLM)
+    early = text[:8]
+    assert early and early not in answer[len(text):]
+    r3 = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40,
+                                        temperature=0, stop=[early],
+                                        extra_body={"min_tokens": least})
+    assert r3.choices[0].message.content == answer
 
 
 def test_streamed_chat_reuses_the_cached_conversation(client, predd, model):

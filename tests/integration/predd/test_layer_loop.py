@@ -18,7 +18,8 @@ PAGE = 16
 
 def _runner(gguf_path: str, dtype: str, linear: str = "quantized", **kw) -> Runner:
     return Runner(RunnerConfig(gguf_path, "cpu", dtype, kv_pages=64, page_size=PAGE,
-                               attention="cpu", linear=linear, quant_rows=48, **kw))
+                               attention="cpu", linear=linear,
+                               quant_rows=None if linear == "int8" else 48, **kw))
 
 
 def _step(shapes: list[tuple[int, int]], seed: int = 0) -> list[Chunk]:

@@ -60,31 +60,49 @@ def test_quantized_runner_gives_the_packed_runners_tokens(gguf_path):
 
 
 @pytest.mark.slow
-def test_int8_runner_gives_the_packed_runners_tokens(gguf_path):
-    """By int8 dot products (x quantised per block) the logits move (here by up to ~0.85
-    of values up to ~20), the greedy tokens of this prompt do not."""
+def test_int8_rows_are_their_own_whatever_shares_their_step(gguf_path):
+    """By int8 dot products at every row count, a decode's logits are the same bits alone
+    and beside another call's 40-token prefill (the dense weight beyond a limit would
+    change x's quantisation, and with it the tokens); against the packed float32 runner
+    the logits move (x quantised per block: here up to ~0.85 of values up to ~20), the
+    first tokens of this prompt do not."""
     prompt = [1, 504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30]
+    runner = Runner(RunnerConfig(gguf_path, kv_pages=16, linear="int8", attention="cpu"))
+    assert runner.linear == "int8" and "every row count" in runner.linear_reason
+    n = len(prompt)
+    pages = np.arange(2, dtype=np.int32)
+    with torch.inference_mode():
+        runner.execute([Chunk(np.array(prompt, np.int32), np.arange(n, dtype=np.int32),
+                              pages[:1], n, np.array([n - 1]))])
+        decode = Chunk(np.array([198], np.int32), np.array([n], np.int32), pages[:1], n + 1,
+                       np.array([0]))
+        alone = runner.execute([decode])[0]
+        other = Chunk(np.arange(100, 140, dtype=np.int32), np.arange(40, dtype=np.int32),
+                      np.arange(4, 7, dtype=np.int32), 40, np.array([39]))
+        beside = runner.execute([decode, other])[0]
+    assert torch.equal(alone, beside)
     runs = {}
     for mode in ("packed", "int8"):
-        runner = Runner(RunnerConfig(gguf_path, kv_pages=8, linear=mode, quant_rows=1))
-        assert runner.linear == mode
+        runner = Runner(RunnerConfig(gguf_path, kv_pages=8, linear=mode))
         with torch.inference_mode():
-            runs[mode] = _greedy(runner, prompt, 24)
-    assert runs["int8"][0] == runs["packed"][0]
+            runs[mode] = _greedy(runner, prompt, 2)
+    assert runs["int8"][0] == runs["packed"][0] == [198, 198]
     worst = max(float(np.abs(a - b).max()) for a, b in zip(runs["int8"][1], runs["packed"][1]))
     assert 1e-3 < worst <= 1.5, worst
+    with pytest.raises(ValueError, match="--quant-rows applies to --linear quantized"):
+        Runner(RunnerConfig(gguf_path, kv_pages=8, linear="int8", quant_rows=4))
 
 
-@pytest.mark.parametrize("reason, linear", [
-    ("auto: the CPU has no avx512_bf16/amx_bf16", "int8"), ("asked for", "quantized")])
-def test_auto_takes_int8_where_dtype_auto_chose_float32(gguf_path, reason, linear):
+@pytest.mark.parametrize("auto, linear", [(True, "int8"), (False, "quantized")])
+def test_auto_takes_int8_where_dtype_auto_chose_float32(gguf_path, auto, linear):
     """`--dtype auto` choosing float32 (no bf16 arithmetic) lets `--linear auto` take the
     int8 dot products where the kernels have AVX2's; float32 asked for by name keeps the
     blocks' exact weights. `--linear int8` takes a float32 model only."""
     from predd.kernels import cpu_kernels
     if cpu_kernels.kernels().int8_dots == "portable":
         linear = "quantized"                  # no AVX2 here: auto keeps the exact blocks
-    runner = Runner(RunnerConfig(gguf_path, kv_pages=8, dtype_reason=reason, quant_rows=4))
+    runner = Runner(RunnerConfig(gguf_path, kv_pages=8, dtype_auto=auto,
+                                 quant_rows=None if linear == "int8" else 4))
     assert runner.linear == linear, runner.linear_reason
     assert ("by int8 dot products" in runner.linear_reason) == (linear == "int8")
     with pytest.raises(ValueError, match="--linear int8: the int8 dot products take a "
