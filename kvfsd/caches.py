@@ -28,6 +28,13 @@ Lifetime rules:
   replica than the file's is moved (kvfsd/migration.py), or the file re-homed when its
   own cache was empty and nobody else had it open. Each open's grant and each kept
   cache records its replica, so it is freed there.
+
+Layering: `Caches` builds its helpers — one `Recovery` per replica (kvfsd/recovery.py),
+`Policy` (kvfsd/policy.py), `Expiry` (kvfsd/expiry.py), `Migration`
+(kvfsd/migration.py) — and hands each only the functions and state it uses (its
+`*Ports`), never itself: no helper imports this module, and one helper's function
+another needs (`Policy.reapply`, `Migration.rehome_homeless`, a replica's
+`Recovery.restore`) is passed to it as that function.
 """
 from __future__ import annotations
 
@@ -38,14 +45,14 @@ from collections import OrderedDict, defaultdict
 import pyfuse3
 import trio
 
-from kvfsd.expiry import Expiry
+from kvfsd.expiry import Expiry, ExpiryPorts
 from kvfsd.handles import Handle
-from kvfsd.migration import Migration
+from kvfsd.migration import Migration, MigrationPorts
 from kvfsd.namespace import FORMAT, Changes, Namespace
 from kvfsd.node import Node
-from kvfsd.policy import Policy
+from kvfsd.policy import Policy, PolicyPorts
 from kvfsd.predd_link import PreddError, PreddLink
-from kvfsd.recovery import Recovery
+from kvfsd.recovery import Recovery, RecoveryPorts
 from kvfsd.replicas import Replicas
 from kvfsd.state import StateDir
 from symphony_protocol import descriptor
@@ -90,14 +97,45 @@ class Caches:
         self._writing = trio.Lock()
         self._refreshing: dict[int, trio.Event] = {}     # kv_stat in flight, per inode
         self.mounted = False                      # the kernel knows our names (serve)
-        self.recoveries = {link.addr: Recovery(self, link) for link in replicas}
-        self.policy = Policy(self)
-        self.expiry = Expiry(self)
-        self.migration = Migration(self)
+        # the helpers, each given only what it uses (see "Layering" above)
+        self.policy = Policy(PolicyPorts(ns=ns, log=log, locks=self.locks, link=self.link,
+                                         on_cache=self.on_cache))
+        self.recoveries: dict[str, Recovery] = {}
+        self.migration = Migration(MigrationPorts(
+            ns=ns, replicas=replicas, log=log, locks=self.locks, link=self.link,
+            seen=self.seen, commit=self.commit, free=self.free, carry_pin=self.carry_pin,
+            read_snapshot=state.read_snapshot, restore=self._restore_on))
+        ports = RecoveryPorts(
+            ns=ns, log=log, seen=self.seen, commit=self.commit,
+            unsaved=lambda: self.unsaved, free=self.free,
+            pending_frees=self._pending_frees, take_frees=self._take_frees,
+            read_snapshot=state.read_snapshot, remove_snapshot=state.remove_snapshot,
+            mounted=lambda: self.mounted, reapply=self.policy.reapply,
+            rehome_homeless=self.migration.rehome_homeless)
+        self.recoveries.update((link.addr, Recovery(link, ports)) for link in replicas)
+        self.expiry = Expiry(ExpiryPorts(ns=ns, log=log, link=self.link, commit=self.commit,
+                                         maybe_free=self.maybe_free))
 
     def link(self, node: Node) -> PreddLink:
         """The link to a file's home replica (one kvfsd does not have: calls give EIO)."""
         return self.replicas.get(node.replica)
+
+    async def _restore_on(self, replica: str, node: Node, stale: str | None,
+                          lost: str) -> bool:
+        """Migration's restore: replica `replica`'s recovery imports the file's snapshot
+        in place of `stale`, or drops the file (`Recovery.restore`)."""
+        return await self.recoveries[replica].restore(node, stale, lost=lost)
+
+    def _pending_frees(self, replica: str) -> list[tuple[str, str]]:
+        """The frees predd did not confirm that are meant for `replica`."""
+        return [entry for entry in self.pending_free if entry[0] == replica]
+
+    def _take_frees(self, replica: str) -> list[tuple[str, str]]:
+        """The same, taken off the list (the caller retries them; a free that fails
+        again is put back by `free`)."""
+        frees = self._pending_frees(replica)
+        self.pending_free = [entry for entry in self.pending_free if entry[0] != replica]
+        return frees
 
     # ------------------------------------------------------------ persistence
 

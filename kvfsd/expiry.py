@@ -11,22 +11,24 @@ is removed — every name it has, as `rm` of each would — and its cache freed.
 Only files with a ttl are looked at, when they are due: a heap of (when due, inode),
 checked every `PERIOD` seconds, so a check costs O(log n) per file due and never a scan
 of the namespace (the one scan is at start, to find the files with a ttl).
+
+Layering: `Expiry` is given only what it uses (`ExpiryPorts`, built by kvfsd/caches.py),
+never `Caches` itself; this module does not import kvfsd.caches.
 """
 from __future__ import annotations
 
 import heapq
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import pyfuse3
 import trio
 
+from kvfsd.namespace import Namespace
 from kvfsd.node import Node
-from kvfsd.predd_link import PreddError
+from kvfsd.predd_link import PreddError, PreddLink
 from kvfsd.xattrs import TTL
-
-if TYPE_CHECKING:
-    from kvfsd.caches import Caches
 
 PERIOD = 1.0
 
@@ -36,16 +38,26 @@ def ttl_of(node: Node) -> int | None:
     return int(value.strip()) if value is not None and node.is_file else None
 
 
+@dataclass(frozen=True)
+class ExpiryPorts:
+    """What `Expiry` uses of the caches (kvfsd/caches.py), and nothing else."""
+    ns: Namespace
+    log: Callable[[str], None]
+    link: Callable[[Node], PreddLink]            # the link to a file's home replica
+    commit: Callable[[], Awaitable[None]]        # write the namespace's changes
+    maybe_free: Callable[[Node], Awaitable[None]]   # free a cache nothing refers to
+
+
 class Expiry:
-    def __init__(self, caches: Caches) -> None:
-        self.caches = caches
+    def __init__(self, ports: ExpiryPorts) -> None:
+        self.ports = ports
         self.started = time.monotonic()
         self._due: dict[int, float] = {}            # inode -> when it is next looked at
         self._heap: list[tuple[float, int]] = []    # (due, inode); stale pairs skipped
 
     def watch_all(self) -> None:
         """At start: every file with a ttl."""
-        for node in self.caches.ns.nodes.values():
+        for node in self.ports.ns.nodes.values():
             if ttl_of(node) is not None:
                 self.watch(node)
 
@@ -64,7 +76,7 @@ class Expiry:
             try:                           # never let the task die
                 await self.check()
             except Exception as exc:
-                self.caches.log(f"expiry: {type(exc).__name__}")
+                self.ports.log(f"expiry: {type(exc).__name__}")
 
     async def check(self, now: float | None = None) -> None:
         """Remove the files whose ttl ran out; look again later at the others."""
@@ -74,7 +86,7 @@ class Expiry:
             if self._due.get(ino) != due:
                 continue                   # re-scheduled since: a later pair stands
             del self._due[ino]
-            node = self.caches.ns.nodes.get(ino)
+            node = self.ports.ns.nodes.get(ino)
             if node is None or node.nlink == 0 or ttl_of(node) is None:
                 continue                   # gone, or its ttl was removed
             await self._consider(node, now)
@@ -88,7 +100,7 @@ class Expiry:
         if now - quiet_since < ttl:
             self.watch(node, quiet_since + ttl)
             return
-        predd = self.caches.link(node)           # the file's home replica
+        predd = self.ports.link(node)           # the file's home replica
         if not predd.up or node.cap is None:
             self.watch(node, now + PERIOD)
             return
@@ -111,11 +123,11 @@ class Expiry:
         await self._remove(node, ttl)
 
     async def _remove(self, node: Node, ttl: int) -> None:
-        caches = self.caches
-        path = caches.ns.path_of(node.ino)
-        names = caches.ns.drop_names(node.ino)
-        await caches.commit()
+        ports = self.ports
+        path = ports.ns.path_of(node.ino)
+        names = ports.ns.drop_names(node.ino)
+        await ports.commit()
         for parent, name in names:
             pyfuse3.invalidate_entry_async(parent, name, deleted=node.ino, ignore_enoent=True)
-        caches.log(f"{path}: removed (user.kv.ttl {ttl} s ran out)")
-        await caches.maybe_free(node)
+        ports.log(f"{path}: removed (user.kv.ttl {ttl} s ran out)")
+        await ports.maybe_free(node)

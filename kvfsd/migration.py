@@ -18,30 +18,53 @@ and files whose replica kvfsd no longer has.
 * At start, a file homed on an address not among `--predd` is re-homed onto the first
   live replica from its snapshot, or removed when it has none (as after a predd
   restart), with a log line; when no replica answers yet, the monitor does it later.
+
+Layering: `Migration` is given only what it uses (`MigrationPorts`, built by
+kvfsd/caches.py), never `Caches` itself; this module does not import kvfsd.caches, and
+restoring a snapshot onto a replica is that replica's recovery's `restore`, passed in.
 """
 from __future__ import annotations
 
 import errno
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import pyfuse3
 import trio
 
+from kvfsd.namespace import Namespace
 from kvfsd.node import Node
 from kvfsd.predd_link import PreddError, PreddLink
+from kvfsd.replicas import Replicas
 
-if TYPE_CHECKING:
-    from kvfsd.caches import Caches
+
+@dataclass(frozen=True)
+class MigrationPorts:
+    """What `Migration` uses of the caches (kvfsd/caches.py), and nothing else."""
+    ns: Namespace
+    replicas: Replicas
+    log: Callable[[str], None]
+    locks: defaultdict[int, trio.Lock]               # each file's lock, by inode
+    link: Callable[[Node], PreddLink]                # the link to a file's home replica
+    seen: Callable[[Node, dict], None]               # record predd's figures for a cache
+    commit: Callable[[], Awaitable[None]]            # write the namespace's changes
+    free: Callable[[str, str], Awaitable[None]]      # free (capability, replica)
+    # pin a pinned file's new cache (capability, on that link) before it is installed
+    carry_pin: Callable[[Node, str, PreddLink], Awaitable[None]]
+    read_snapshot: Callable[[str], bytes]            # a snapshot's bytes, by name
+    # (replica, node, stale capability, why it is lost): that replica's
+    # `Recovery.restore` of the file's snapshot (kvfsd/recovery.py); whether restored
+    restore: Callable[[str, Node, str | None, str], Awaitable[bool]]
 
 
 class Migration:
-    def __init__(self, caches: Caches) -> None:
-        self.caches = caches
-        self.replicas = caches.replicas
-        self.log = caches.log
+    def __init__(self, ports: MigrationPorts) -> None:
+        self.ports = ports
+        self.replicas = ports.replicas
+        self.log = ports.log
         # files homed on an address kvfsd does not have, still to re-home
-        self.homeless: set[int] = {n.ino for n in caches.ns.files()
+        self.homeless: set[int] = {n.ino for n in ports.ns.files()
                                    if not self.replicas.known(n.replica)}
         # one move at a time per asking uid: a uid that moves files back and forth
         # queues behind its own moves, never ahead of other uids' (trusted kvfsd's
@@ -67,9 +90,9 @@ class Migration:
         """`setfattr -n user.kv.rehome -v ADDR FILE` by `uid`: move the file's cache to
         ADDR."""
         target = self.target(value)
-        caches = self.caches
-        async with self.movers[uid], caches.locks[node.ino]:
-            home = caches.link(node)
+        ports = self.ports
+        async with self.movers[uid], ports.locks[node.ino]:
+            home = ports.link(node)
             if target is home and home.up:
                 return
             if node.opens > 0:
@@ -82,16 +105,16 @@ class Migration:
                 reply, nbytes = await self._copy(node.cap, home, target, node.uid)
             else:
                 reply, nbytes = await self._from_snapshot(node, target), None
-            await caches.carry_pin(node, reply["cap"], target)
+            await ports.carry_pin(node, reply["cap"], target)
             if node.opens > 0:                      # an open raced the copy
-                await caches.free(reply["cap"], target.addr)
+                await ports.free(reply["cap"], target.addr)
                 raise pyfuse3.FUSEError(errno.EBUSY)
             old, old_home = node.cap, node.replica
             node.cap, node.replica = reply["cap"], target.addr
-            caches.seen(node, reply)
-            await caches.commit()
-            await caches.free(old, old_home)
-            path = caches.ns.path_of(node.ino)
+            ports.seen(node, reply)
+            await ports.commit()
+            await ports.free(old, old_home)
+            path = ports.ns.path_of(node.ino)
             if nbytes is None:
                 self.replicas.restored += 1
                 self.log(f"{path}: restored onto {target.addr} from its fsync'd snapshot "
@@ -107,7 +130,7 @@ class Migration:
         try:
             reply, nbytes = await self._copy(cap, source, target, owner)
         finally:
-            await self.caches.free(cap, source.addr)
+            await self.ports.free(cap, source.addr)
         self.replicas.count_migration(nbytes)
         self.log(f"{path}: a cache written into it moved from {source.addr} to "
                  f"{target.addr} ({nbytes} bytes)")
@@ -130,12 +153,12 @@ class Migration:
         if not node.snapshot:
             raise pyfuse3.FUSEError(errno.EIO)
         try:
-            blob = await trio.to_thread.run_sync(self.caches.state.read_snapshot,
+            blob = await trio.to_thread.run_sync(self.ports.read_snapshot,
                                                  node.snapshot)
             return await target.call("kv_import", frames=(blob,), persist=True,
                                      owner=node.uid, timeout=target.t.bulk_s)
         except (OSError, PreddError) as exc:
-            self.log(f"{self.caches.ns.path_of(node.ino)}: cannot restore its snapshot "
+            self.log(f"{self.ports.ns.path_of(node.ino)}: cannot restore its snapshot "
                      f"onto {target.addr} ({type(exc).__name__})")
             raise pyfuse3.FUSEError(errno.EIO) from None
 
@@ -146,16 +169,16 @@ class Migration:
             target = self.replicas.first_live()
             if target is None:
                 return
-            node = self.caches.ns.nodes.get(self.homeless.pop())
+            node = self.ports.ns.nodes.get(self.homeless.pop())
             if node is None or not node.is_file or node.nlink == 0 \
                     or self.replicas.known(node.replica):
                 continue
-            async with self.caches.locks[node.ino]:
+            async with self.ports.locks[node.ino]:
                 gone = node.replica
-                self.log(f"{self.caches.ns.path_of(node.ino)}: its replica {gone} is not "
+                self.log(f"{self.ports.ns.path_of(node.ino)}: its replica {gone} is not "
                          f"one of kvfsd's; re-homing it onto {target.addr}")
                 node.replica = target.addr
-                if await self.caches.recoveries[target.addr].restore(
-                        node, node.cap, lost=f"its replica {gone} is gone"):
+                if await self.ports.restore(target.addr, node, node.cap,
+                                            f"its replica {gone} is gone"):
                     self.replicas.restored += 1
-            await self.caches.commit()
+            await self.ports.commit()

@@ -6,7 +6,7 @@ import types
 
 import trio
 
-from kvfsd.expiry import Expiry
+from kvfsd.expiry import Expiry, ExpiryPorts
 from kvfsd.namespace import ROOT, Namespace
 
 FILE = 0o100600
@@ -14,8 +14,9 @@ DIR = 0o040700
 
 
 class FakeCaches:
-    """What Expiry needs of Caches: the namespace, a predd answering kv_stat with a chosen
-    `idle_s` (None: a predd that does not report it), and records of what it did."""
+    """What Expiry is given of the caches (`ExpiryPorts`): the namespace, a predd
+    answering kv_stat with a chosen `idle_s` (None: a predd that does not report it), and
+    records of what it did."""
 
     def __init__(self, idle_s: float | None = 100.0, up: bool = True) -> None:
         self.ns = Namespace()
@@ -51,7 +52,8 @@ def ttl_file(caches, name: bytes, ttl: bytes, closed_ago: float, parent: int = R
 
 
 def expiry_for(caches, started_ago: float = 60.0) -> Expiry:
-    e = Expiry(caches)
+    e = Expiry(ExpiryPorts(ns=caches.ns, log=caches.log, link=caches.link,
+                           commit=caches.commit, maybe_free=caches.maybe_free))
     e.started = time.monotonic() - started_ago
     e.watch_all()
     return e

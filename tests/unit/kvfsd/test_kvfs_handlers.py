@@ -15,7 +15,7 @@ import trio
 from kvfsd.fs import PRIVATE_MASK, KvFs
 from kvfsd.handles import Handle
 from kvfsd.namespace import ROOT, Namespace
-from kvfsd.policy import Policy
+from kvfsd.policy import Policy, PolicyPorts
 from kvfsd.predd_link import PreddError
 from symphony_protocol import descriptor
 CAP = "0123456789abcdef" * 2
@@ -191,7 +191,8 @@ class PolicyCaches(FakeCaches):
         self.answer = answer
         self.calls: list[tuple[str, dict]] = []
         self.locks = collections.defaultdict(trio.Lock)
-        self.policy = Policy(self)
+        self.policy = Policy(PolicyPorts(ns=self.ns, log=self.log, locks=self.locks,
+                                         link=self.link, on_cache=self.on_cache))
         self.watched: list[int] = []
         self.expiry = types.SimpleNamespace(watch=lambda node: self.watched.append(node.ino))
 
