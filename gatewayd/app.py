@@ -1,4 +1,5 @@
-"""The ASGI app: FastAPI routes over the gateway's parts, auth, errors, health, metrics.
+"""The ASGI app: FastAPI routes over the gateway's parts (gateway.py), auth, errors,
+health, metrics; the /v1 routes are runs_api.py's and openai_api.py's routers.
 
 Every route answers errors in one shape (errors.py) and counts itself in
 `symphony_http_requests_total{route,method,status}` — the route template
@@ -9,9 +10,7 @@ is `anonymous` (one unprivileged uid). /health and /metrics need no key.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -19,58 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import liblip as lip
 from gatewayd.errors import ApiError, error_body
-from gatewayd.keys import ApiKeys, Caller
-from gatewayd.meter import Meter
+from gatewayd.gateway import Gateway
 from gatewayd.metrics import Metrics
-from gatewayd.openai_bridge import OpenAIBridge, OpenAIBridges
-from gatewayd.programs import Programs
-from gatewayd.runs import Runs
-
-MAX_BODY = (1 << 20) + (1 << 18)   # 1 MiB of stdin, or an upload, with JSON headroom
-
-
-@dataclass
-class Gateway:
-    """Everything a route needs; one per server."""
-    mount: str
-    rundir: str
-    keys: ApiKeys | None
-    anonymous: Caller
-    programs: Programs
-    runs: Runs
-    bridge: OpenAIBridge | OpenAIBridges
-    meter: Meter
-    metrics: Metrics
-    allow_uploads: bool
-    log: object
-    replicas: object = None      # gatewayd.replicas.Replicas; None: the process's predd
-
-    def caller(self, request: Request) -> Caller:
-        if self.keys is None:
-            return self.anonymous
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        found = self.keys.lookup(key.strip()) if scheme.lower() == "bearer" and key else None
-        if found is None:
-            raise ApiError(401, "invalid_api_key", "a valid API key is needed: send "
-                           "`Authorization: Bearer KEY`")
-        return found
-
-
-async def json_body(request: Request) -> dict:
-    """The body as a JSON object, read up to MAX_BODY bytes (413 beyond: a huge body
-    is refused before it is all in memory)."""
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, "EFBIG", f"the request body is over {MAX_BODY} bytes")
-    try:
-        body = json.loads(bytes(raw) or b"{}")
-    except ValueError:
-        raise ApiError(400, "EINVAL", "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "EINVAL", "the request body must be a JSON object")
-    return body
+from gatewayd.openai_api import router as openai_router
+from gatewayd.runs_api import router as runs_router
 
 
 class HttpMetrics:
@@ -96,9 +47,6 @@ class HttpMetrics:
 
 
 def create_app(gw: Gateway) -> FastAPI:
-    from gatewayd.openai_api import router as openai_router
-    from gatewayd.runs_api import router as runs_router
-
     app = FastAPI(title="Symphony gateway", docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.gw = gw

@@ -4,9 +4,10 @@ Every program, installed, uploaded or the OpenAI LIP, starts as
 
     python -m liblip.cli run --sandbox [--uid UID] [--wall-seconds S] PROGRAM ARGS...
 
-with an environment built here from scratch (never the server's own): PATH (this
-Python's bin first, so shell scripts find `lip`), PREDD_ADDR, KVFS_MOUNT, PYTHONPATH =
-the program's directory (what `python prog.py` would put on sys.path) and then the
+(PROGRAM is `PYTHON -m MODULE` for a module, the OpenAI LIP's `openai_lip`) with an
+environment built here from scratch (never the server's own): PATH (this Python's bin
+first, so shell scripts find `lip`), PREDD_ADDR, KVFS_MOUNT, PYTHONPATH = the program's
+directory (what `python prog.py` would put on sys.path; none for a module) and then the
 directory holding this liblip (so runs use the gateway's own Symphony code), unbuffered
 Python output, and the caller's variables from a safe set. Which flags the installed
 sandbox takes is read once from `lip run --help`, so the gateway works with the plain
@@ -81,6 +82,8 @@ class Launcher:
                         str(SERVICE_SECONDS), "--memory", "8G", "--max-procs", "1024"]
         if program.kind == "shell":
             cmd += ["/bin/sh", program.path]
+        elif program.kind == "module":
+            cmd += [sys.executable, "-m", program.path]
         else:
             cmd += [program.path]
         return cmd + list(args)
@@ -94,7 +97,8 @@ class Launcher:
             "PREDD_ADDR": self.predd_addr,
             "KVFS_MOUNT": self.mount,
             # what `python prog.py` puts first on sys.path, then this Symphony's code
-            "PYTHONPATH": f"{os.path.dirname(program.path)}:{_package_root()}",
+            "PYTHONPATH": _package_root() if program.kind == "module"
+            else f"{os.path.dirname(program.path)}:{_package_root()}",
             "PYTHONUNBUFFERED": "1",
             "SYMPHONY_RUN": run_id,
         }

@@ -21,8 +21,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
-from gatewayd.app import Gateway, json_body
 from gatewayd.errors import ApiError
+from gatewayd.gateway import Gateway, json_body
 
 router = APIRouter()
 _keys = itertools.count(1)

@@ -1,10 +1,10 @@
-"""The gateway's side of the OpenAI LIP (mount_examples/openai_server.py).
+"""The gateway's side of the OpenAI LIP (`python -m openai_lip`, the openai_lip package).
 
 The LIP runs like any program — `lip run --sandbox`, as its own uid — and speaks JSON
-lines on its stdin/stdout (its docstring has the messages). This module starts it,
-waits for its `ready` line, numbers requests, and routes each reply line to the waiting
-request's queue. If the LIP dies, every waiting request fails with 503 and the LIP is
-started again (after a pause that grows while it keeps dying).
+lines on its stdin/stdout (openai_lip/server.py's docstring has the messages). This
+module starts it, waits for its `ready` line, numbers requests, and routes each reply
+line to the waiting request's queue. If the LIP dies, every waiting request fails with
+503 and the LIP is started again (after a pause that grows while it keeps dying).
 
 With replicas there is one LIP per local replica (its PREDD_ADDR; its own cache
 directory, MOUNT/openai/K, so its prefix cache files are homed where it computes), and
@@ -26,9 +26,9 @@ from gatewayd.errors import ApiError
 from gatewayd.launcher import Launcher
 from gatewayd.meter import running_descendants
 from gatewayd.prefix_routes import PrefixRoutes, prompt_text
-from gatewayd.programs import EXAMPLES, Program
+from gatewayd.programs import Program
 
-PROGRAM = Program("openai_server", os.path.join(EXAMPLES, "openai_server.py"), "python")
+PROGRAM = Program("openai_lip", "openai_lip", "module")
 READY_TIMEOUT_S = 120.0
 
 

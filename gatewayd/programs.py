@@ -1,12 +1,17 @@
 """Installed programs: what `POST /v1/programs/{name}/runs` may start.
 
-A program is a file in one of the program directories (`--programs DIR`, then
-mount_examples/): a Python file with a `__main__` guard, a shell script (`.sh`), or any
-other executable file. Its name is the file name without the extension
-(`basic_decoding` for basic_decoding.py); the first directory that has a name wins.
-Library modules (no `__main__` guard, like mount_examples/common.py) and files starting
-with `_` or `.` are not programs. The directories are read on every lookup, so
-installing a program is copying a file there.
+A program is a file in one of the program directories (`--programs DIR`, then, in a
+source checkout, mount_examples/ — EXAMPLES, None where the code is installed without
+it): a Python file with a `__main__` guard, a shell script (`.sh`), or any other
+executable file. Its name is the file name without the extension (`basic_decoding` for
+basic_decoding.py); the first directory that has a name wins. Library modules (no
+`__main__` guard, like mount_examples/common.py) and files starting with `_` or `.` are
+not programs. The directories are read on every lookup, so installing a program is
+copying a file there.
+
+A Program of kind "module" is an installed Python module run as `python -m`
+(the OpenAI LIP, `openai_lip`); it is started by the gateway itself, never found in a
+program directory.
 
 Uploaded programs (`POST /v1/runs`) are written to a private directory per run and
 removed when the run ends.
@@ -21,8 +26,14 @@ from dataclasses import dataclass
 
 from gatewayd.errors import ApiError
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+
+def _examples() -> str | None:
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "mount_examples")
+    return path if os.path.isdir(path) else None
+
+
+EXAMPLES = _examples()
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_UPLOAD = 256 * 1024
 
@@ -30,12 +41,14 @@ MAX_UPLOAD = 256 * 1024
 @dataclass(frozen=True)
 class Program:
     name: str
-    path: str
-    kind: str            # "python", "shell" or "executable"
+    path: str            # a file; for kind "module", the module's name
+    kind: str            # "python", "shell", "executable" or "module"
 
     @property
     def description(self) -> str:
         """The first line of its docstring or leading comment, for listings."""
+        if self.kind == "module":
+            return ""
         try:
             with open(self.path, encoding="utf-8", errors="replace") as f:
                 head = f.read(4096)

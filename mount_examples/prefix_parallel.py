@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 
 import liblip as lip
-from common import (GREEDY, chat, fail, greedy, run_threads, strip_eos, system_prefix,
-                    write_report)
+from common import GREEDY, chat, fail, greedy, strip_eos, system_prefix, write_report
+from liblip.threads import run_threads
 
 SYSTEM = ("You are a concise assistant for a systems course. Answer in one short "
           "sentence, in plain words, without lists or code. If a question is unclear, "

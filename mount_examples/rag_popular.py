@@ -53,7 +53,8 @@ import time
 from dataclasses import dataclass, field
 
 import liblip as lip
-from common import chat, common_prefix, load_docs, system_prefix, write_report
+from common import chat, load_docs, system_prefix, write_report
+from openai_lip.prefix_cache import common_prefix
 from symphony_protocol import default_mount
 
 MAX_REQUESTS = 64

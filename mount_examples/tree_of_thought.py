@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 
 import liblip as lip
-from common import chat, eos_ids, greedy, run_threads, strip_eos, write_report
+from common import chat, eos_ids, greedy, strip_eos, write_report
+from liblip.threads import run_threads
 
 THINK = "Let me think step by step."
 ANSWER = "\nSo the answer is"

@@ -20,7 +20,8 @@ from functools import lru_cache
 import numpy as np
 
 import liblip as lip
-from common import chat, eos_ids, run_threads, write_report
+from common import chat, eos_ids, write_report
+from liblip.threads import run_threads
 
 KEY = 15485863   # the paper's hash key (a prime)
 

@@ -44,12 +44,13 @@ import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_vllm  # noqa: E402
+if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
+    sys.path.insert(0, ROOT)
 import liblip as lip  # noqa: E402
-from bench_common import (Mount, log, machine, percentile, quick_defaults,  # noqa: E402
-                          result, serving_flags, start_predd)
-from rag_workload import WORDS, Run, closed_loop  # noqa: E402
+from scripts import bench_vllm  # noqa: E402
+from scripts.bench_common import (Mount, log, machine, percentile,  # noqa: E402
+                                  quick_defaults, result, serving_flags, start_predd)
+from scripts.rag_workload import WORDS, Run, closed_loop  # noqa: E402
 
 PAGE = 16                     # predd's page, in tokens
 VLLM_BLOCK = 32               # the smallest block vLLM's CPU attention takes

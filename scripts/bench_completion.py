@@ -37,11 +37,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import bench_llama_cpp  # noqa: E402  (scripts/, beside this file)
-import bench_vllm  # noqa: E402
-from bench_common import DTYPE_CHOICES, best_of, changed, log, machine, start_predd  # noqa: E402
-from bench_common import result as emit  # noqa: E402
+if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
+    sys.path.insert(0, ROOT)
+from scripts import bench_llama_cpp, bench_vllm  # noqa: E402
+from scripts.bench_common import (DTYPE_CHOICES, best_of, changed, log, machine,  # noqa: E402
+                                  start_predd)
+from scripts.bench_common import result as emit  # noqa: E402
 
 WORDS = ("the a cache page token model program fork kernel batch prompt system user "
          "river mountain city music memory garden light window story number").split()
@@ -277,7 +278,7 @@ def transformers_model(dtype: str):
         return transformers.LlamaForCausalLM.from_pretrained(export, dtype=torch_dtype).eval()
     except bench_vllm.Unavailable:
         pass
-    from bench_export import llama_config
+    from scripts.bench_export import llama_config
     from predd.model.loader import default_model_path, load_weights
     cfg, weights = load_weights(default_model_path(), torch_dtype)
     model = transformers.LlamaForCausalLM(llama_config(cfg)).to(torch_dtype)

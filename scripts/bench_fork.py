@@ -33,9 +33,11 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (DTYPE_CHOICES, Mount, log, machine, quick_defaults, result,  # noqa: E402
-                          start_predd)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
+    sys.path.insert(0, ROOT)
+from scripts.bench_common import (DTYPE_CHOICES, Mount, log, machine,  # noqa: E402
+                                  quick_defaults, result, start_predd)
 
 PAGE = 16
 WAYS = ("kv_fork", "cp", "copy")

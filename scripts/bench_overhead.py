@@ -8,7 +8,7 @@ splits its busy time into the model's forward passes and the rest: scheduling,
 preparing chunks and page tables, outputs (commit, sampling, replies) and handling
 requests (decoding, dispatch, protocol). The attention gather is inside `forward` (its
 share is measured in-process in docs/benchmarks.md). Prints `RESULT {json}` per N with
-`non_model` = the rest / (forward + the rest); the target (issue 10) is <= 0.10 at 32.
+`non_model` = the rest / (forward + the rest); the target is <= 0.10 at 32.
 """
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
+    sys.path.insert(0, ROOT)
 
-from bench_common import start_predd  # noqa: E402  (scripts/, beside this file)
+from scripts.bench_common import start_predd  # noqa: E402
 
 
 def lip_program(addr: str, prompt: str, tokens: int, mode: str, go, done) -> None:

@@ -18,7 +18,7 @@ documents and running requests together.
   vllm              vLLM's OpenAI server, automatic prefix caching, the same KV memory
                     (num_gpu_blocks_override in its 32-token blocks, plus its null block)
 
-Variants (--variants): `base` (the above); `host` (issue 11: predd's device pool as in
+Variants (--variants): `base` (the above); `host` (predd's device pool as in
 base, and a host tier, --host-pages, for the other documents; on a CPU both are the
 same DRAM, so vLLM gets device + host); `disk` (the device pool, and a disk tier,
 --disk-pages, for the rest; vLLM gets the device pool's memory, as in base). The tiered
@@ -47,13 +47,14 @@ import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
+    sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "mount_examples"))
-import bench_vllm  # noqa: E402
-from bench_common import (Mount, changed, log, machine, percentile, quick_defaults,  # noqa: E402
-                          result, serving_flags, start_predd)
-from rag_workload import (Request, Run, Workload, closed_loop,  # noqa: E402
-                          make_workload, workload_flags)
+from scripts import bench_vllm  # noqa: E402
+from scripts.bench_common import (Mount, changed, log, machine, percentile,  # noqa: E402
+                                  quick_defaults, result, serving_flags, start_predd)
+from scripts.rag_workload import (Request, Run, Workload, closed_loop,  # noqa: E402
+                                  make_workload, workload_flags)
 
 PAGE = 16                     # predd's page, in tokens
 VLLM_BLOCK = 32               # the smallest block vLLM's CPU attention takes
@@ -402,7 +403,7 @@ def main() -> int:
     token_bytes = info["bytes_per_page"] / PAGE
     if "host_pages" not in info and set(args.variants) - {"base"}:
         log("bench: skipping the host and disk variants: this predd has no tiers (its "
-            "`info` has no host_pages: issue 11's --host-pages/--disk-pages)")
+            "`info` has no host_pages: predd's --host-pages/--disk-pages)")
         args.variants = [v for v in args.variants if v == "base"]
     lengths = sorted(len(t) for t in work.doc_tokens.values())
     qlens = sorted(len(r.question_tokens) for a in args.alphas for r in work.runs[a][1])

@@ -1,4 +1,4 @@
-"""The cluster simulation's real point (issue 13): bench_rag.py's base setup on two
+"""The cluster simulation's real point: bench_rag.py's base setup on two
 predd replicas under one kvfsd, runs placed by round-robin and by cache affinity.
 
 Each replica is a predd with one thread (the two share this machine's cores) and
@@ -27,15 +27,15 @@ import sys
 import tempfile
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (Mount, log, machine, percentile, quick_defaults,  # noqa: E402
-                          serving_flags, start_predd)
-from bench_rag import LipProcess, budgets, drained  # noqa: E402
-from rag_workload import Request, closed_loop, make_workload, workload_flags  # noqa: E402
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
+    sys.path.insert(0, ROOT)
 from gatewayd.placement import choose  # noqa: E402
+from scripts.bench_common import (Mount, log, machine, percentile,  # noqa: E402
+                                  quick_defaults, serving_flags, start_predd)
+from scripts.bench_rag import LipProcess, budgets, drained  # noqa: E402
+from scripts.rag_workload import (Request, closed_loop, make_workload,  # noqa: E402
+                                  workload_flags)
 
 REPLICAS = 2
 

@@ -18,12 +18,13 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
+    sys.path.insert(0, ROOT)
 
-from bench_common import log, machine  # noqa: E402
-from bench_overhead import measure  # noqa: E402
 from predd.server import launch  # noqa: E402
+from scripts.bench_common import log, machine  # noqa: E402
+from scripts.bench_overhead import measure  # noqa: E402
 
 
 def step_ms(row: dict) -> float:

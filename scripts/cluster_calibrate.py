@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from bench_common import hardware, load_average, log, machine, start_predd
+from scripts.bench_common import hardware, load_average, log, machine, start_predd
 
 PREFILL = (256, 1024, 4096)
 CONTEXTS = (64, 1024)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster_sim import Costs, Replica, Run
+from scripts.cluster_sim import Costs, Replica, Run
 
 LOAD_CAP = 1.5          # no replica above this many times the mean runs in flight
 

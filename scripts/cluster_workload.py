@@ -22,8 +22,8 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from cluster_sim import Run, Workload
-from rag_workload import pareto_weights
+from scripts.cluster_sim import Run, Workload
+from scripts.rag_workload import pareto_weights
 
 
 @dataclass

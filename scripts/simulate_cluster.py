@@ -1,4 +1,4 @@
-"""Issue 13: how 1-64 predd replicas behind round-robin, least-loaded and cache-affinity
+"""How 1-64 predd replicas behind round-robin, least-loaded and cache-affinity
 placement would do on RAG and agent workloads, by a discrete-event model
 (cluster_sim.py) driven by step costs measured from a real predd.
 
@@ -24,13 +24,14 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_placement import POLICIES  # noqa: E402
-from cluster_sim import Cluster, Costs, ReplicaConfig, Result  # noqa: E402
-from cluster_workload import Agent, Rag  # noqa: E402
-from bench_common import quick_defaults  # noqa: E402
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
+    sys.path.insert(0, ROOT)
+from scripts.bench_common import quick_defaults  # noqa: E402
+from scripts.cluster_placement import POLICIES  # noqa: E402
+from scripts.cluster_sim import Cluster, Costs, ReplicaConfig, Result  # noqa: E402
+from scripts.cluster_workload import Agent, Rag  # noqa: E402
+
 COSTS = os.path.join(ROOT, "docs", "scaling_costs.json")
 PLOT = os.path.join(ROOT, "docs", "scaling_sim.png")
 
@@ -155,7 +156,7 @@ def main() -> int:
                     help="--check-rag at N replicas (round-robin and cache-affinity)")
     args = ap.parse_args()
     if args.calibrate:
-        from cluster_calibrate import calibrate
+        from scripts.cluster_calibrate import calibrate
         calibrate(args.costs)
         return 0
     if not os.path.exists(args.costs):

@@ -1,5 +1,6 @@
 """Running the programs of mount_examples/ as real processes, and reading what they
-report (`--report FILE`)."""
+report (`--report FILE`); importing one for its pure helpers (the `example` fixture,
+tests/integration/examples/conftest.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,10 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+from types import ModuleType
+
+import pytest
 
 from tests.conftest import ROOT
 
 EXAMPLES = os.path.join(ROOT, "mount_examples")
+SIBLINGS = ("common",)      # the library modules of mount_examples/ programs import by name
 LIP = os.path.join(os.path.dirname(sys.executable), "lip")
 
 
@@ -43,14 +48,17 @@ def run_example(name: str, *args: str, report: str | None = None, timeout: float
     return proc, data
 
 
-def load_example(name: str):
-    """Import a program as a module (for its pure helpers: tools, schema, documents)."""
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
-    spec = importlib.util.spec_from_file_location(f"example_{name}",
-                                                  os.path.join(EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def load_example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """Import mount_examples/NAME.py as the module NAME (for its pure helpers: tools,
+    schema, documents), its sibling modules (SIBLINGS) loaded from there first, as
+    `python NAME.py` would find them. They are in sys.modules (dataclasses need their
+    module there) until `monkeypatch` undoes it at the end of the test."""
+    for module_name in (*SIBLINGS, name):
+        spec = importlib.util.spec_from_file_location(
+            module_name, os.path.join(EXAMPLES, f"{module_name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, module_name, module)
+        spec.loader.exec_module(module)
     return module
 
 

@@ -63,17 +63,21 @@ class Serve:
             force_unmount(self.mount)
 
 
-def start_serve(tmp: str, *args: str, timeout: float = 240.0) -> Serve:
-    """`symphony serve` with SERVE_ARGS and `args`; returns once it printed `ready`."""
+def start_serve(tmp: str, *args: str, timeout: float = 240.0,
+                command: tuple[str, ...] = (sys.executable, "-m", "gatewayd.serve"),
+                cwd: str = ROOT, env: dict[str, str] | None = None) -> Serve:
+    """`symphony serve` with SERVE_ARGS and `args`; returns once it printed `ready`.
+    By default the source tree's (`python -m gatewayd.serve` in ROOT, PYTHONPATH=ROOT);
+    `command`, `cwd` and `env` run another one (an installed `symphony`)."""
     port = free_port()
     mount = make_mountpoint()
     rundir = os.path.join(tmp, "run")
     log = os.path.join(tmp, "serve.log")
-    argv = [sys.executable, "-m", "gatewayd.serve", "serve", "--listen", f"127.0.0.1:{port}",
+    argv = [*command, "serve", "--listen", f"127.0.0.1:{port}",
             "--mount", mount, "--rundir", rundir, "--state", os.path.join(tmp, "state"),
             *SERVE_ARGS, *args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                            cwd=cwd, env=env or {**os.environ, "PYTHONPATH": ROOT},
                             start_new_session=True, preexec_fn=die_with_parent)
     s = Serve(proc, f"http://127.0.0.1:{port}", mount, rundir, log)
     url = wait_ready(proc, timeout)

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.integration.examples_fixtures import (EXAMPLES, LineReader, example_env,
-                                                 load_example, run_example)
+from tests.integration.examples_fixtures import EXAMPLES, LineReader, example_env, run_example
 from tests.integration.kvfs_fixtures import sh
 
 
@@ -259,8 +258,8 @@ def test_watermark_z_score_separates_marked_from_plain(lip, tmp_path):
 # ---------------------------------------------------------------- 7. ReAct
 
 @pytest.mark.slow
-def test_react_agent_runs_tools_on_the_same_cache(lip, tmp_path):
-    react = load_example("react_agent")
+def test_react_agent_runs_tools_on_the_same_cache(lip, tmp_path, example):
+    react = example("react_agent")
     proc, r = run_example("react_agent.py", "What is 37 * 43?", report=str(tmp_path / "r.json"))
     assert r["turns"], "the agent must act at least once"
     for turn in r["turns"]:
@@ -278,8 +277,8 @@ def test_react_agent_runs_tools_on_the_same_cache(lip, tmp_path):
     assert r["computed_total"] == r["cache_tokens"]
 
 
-def test_react_tools():
-    react = load_example("react_agent")
+def test_react_tools(example):
+    react = example("react_agent")
     assert react.calc("37 * 43") == "1591"
     assert react.calc("2 ** 10 - (3 + 1) / 2") == "1022.0"
     assert react.calc("__import__('os')").startswith("error")
@@ -325,8 +324,8 @@ RAG_QUERIES = [
 
 
 @pytest.mark.slow
-def test_rag_cache_keeps_popular_documents_under_a_budget(kvfs, lip, tmp_path):
-    rag = load_example("rag_cache")
+def test_rag_cache_keeps_popular_documents_under_a_budget(kvfs, lip, tmp_path, example):
+    rag = example("rag_cache")
     page, bpp = lip.info()["page_size"], lip.info()["bytes_per_page"]
     tokens = {d: len(rag.system_prefix(rag.system_for(rag.DOCS[d]))) for d in rag.DOCS}
     pages = {d: -(-n // page) for d, n in tokens.items()}

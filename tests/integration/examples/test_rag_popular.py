@@ -68,12 +68,15 @@ class Lip:
         return json.loads(self.report.read_text())
 
 
-def sizes(lip) -> tuple[dict, int, int, int]:
+@pytest.fixture
+def rag_popular(example):
+    """The program as a module, for its prompt helpers."""
+    return example("rag_popular")
+
+
+def sizes(rag, lip) -> tuple[dict, int, int, int]:
     """Each document's tokens, the question's tokens, the page size, and the user
     turn's header a document's file holds after them (counts)."""
-    if EXAMPLES not in sys.path:          # imported by name: its dataclasses need that
-        sys.path.insert(0, EXAMPLES)
-    import rag_popular as rag
     docs = {n: rag.prompt(t, QUESTION) for n, t in DOCS.items()}
     q = {len(qt) for _, qt in docs.values()}
     assert len(q) == 1
@@ -83,14 +86,13 @@ def sizes(lip) -> tuple[dict, int, int, int]:
             len(header))
 
 
-def question_tokens(doc: str) -> list[int]:
-    import rag_popular
-    return rag_popular.prompt(DOCS[doc], QUESTION)[1]
+def question_tokens(rag, doc: str) -> list[int]:
+    return rag.prompt(DOCS[doc], QUESTION)[1]
 
 
 @pytest.mark.slow
-def test_keeps_the_popular_documents_and_removes_the_cold(kvfs, lip, tmp_path):
-    tokens, q, page, h = sizes(lip)
+def test_keeps_the_popular_documents_and_removes_the_cold(kvfs, lip, tmp_path, rag_popular):
+    tokens, q, page, h = sizes(rag_popular, lip)
     pages = {n: -(-(t + h) // page) for n, t in tokens.items()}     # a file's
     own = -(-(page - 1 + q + NEW) // page)
     pool = pages["alpha"] + pages["beta"] + own            # room for two documents
@@ -132,8 +134,9 @@ def test_keeps_the_popular_documents_and_removes_the_cold(kvfs, lip, tmp_path):
 
 
 @pytest.mark.slow
-def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip, tmp_path):
-    tokens, q, _, h = sizes(lip)
+def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip, tmp_path,
+                                                                     rag_popular):
+    tokens, q, _, h = sizes(rag_popular, lip)
     rag = Lip(tmp_path, kvfs)
     for rid in range(4):                                    # all in flight at once
         rag.send(rid, doc="gamma", question=QUESTION, max_tokens=NEW)
@@ -144,10 +147,12 @@ def test_one_prefill_for_concurrent_misses_and_bad_requests_fail_alone(kvfs, lip
     rag.send(16, doc="gamma", question_tokens=[], max_tokens=NEW)
     errors = [rag.reply(rid) for rid in (10, 11, 12, 16)]
     after = rag.ask(13, "gamma")
-    rag.send(14, doc="gamma", question_tokens=question_tokens("gamma"), max_tokens=NEW)
+    rag.send(14, doc="gamma", question_tokens=question_tokens(rag_popular, "gamma"),
+             max_tokens=NEW)
     pretokenized = rag.reply(14)
     # a question without the user turn's header: after the system turn, all computed
-    rag.send(15, doc="gamma", question_tokens=question_tokens("gamma")[h:], max_tokens=NEW)
+    rag.send(15, doc="gamma", question_tokens=question_tokens(rag_popular, "gamma")[h:],
+             max_tokens=NEW)
     headless = rag.reply(15)
     report = rag.close()
 
@@ -177,11 +182,11 @@ TEMPLATE = "What does the document say about {}?"
 
 
 @pytest.mark.slow
-def test_a_question_computes_only_what_the_one_before_did_not_share(kvfs, lip, tmp_path):
+def test_a_question_computes_only_what_the_one_before_did_not_share(kvfs, lip, tmp_path,
+                                                                   rag_popular):
     """Questions from one template: a spare keeps the start the document's last two
     questions shared, and the next question computes only its own tokens after that."""
-    import rag_popular
-    tokens, _, page, h = sizes(lip)
+    tokens, _, page, h = sizes(rag_popular, lip)
     asked = [TEMPLATE.format("the harbor"), TEMPLATE.format("the traders"),
              TEMPLATE.format("the market"), "Who weighs the crates?"]
     qs = [rag_popular.prompt(DOCS["alpha"], a)[1] for a in asked]
@@ -217,8 +222,8 @@ def test_a_question_computes_only_what_the_one_before_did_not_share(kvfs, lip, t
 
 
 @pytest.mark.slow
-def test_no_cache_prefills_every_request(kvfs, lip, tmp_path):
-    tokens, q, _, _ = sizes(lip)
+def test_no_cache_prefills_every_request(kvfs, lip, tmp_path, rag_popular):
+    tokens, q, _, _ = sizes(rag_popular, lip)
     rag = Lip(tmp_path, kvfs, "--no-cache")
     replies = [rag.ask(i, "alpha") for i in range(2)]
     report = rag.close()

@@ -1,5 +1,5 @@
 """The OpenAI API of a real `symphony serve`, through the official `openai` package:
-answered by the OpenAI LIP (mount_examples/openai_server.py), checked against predd's
+answered by the OpenAI LIP (`python -m openai_lip`), checked against predd's
 own greedy decoding and predd's counters (one prefill for n > 1, cached prefixes)."""
 from __future__ import annotations
 

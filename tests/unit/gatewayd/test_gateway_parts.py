@@ -11,13 +11,13 @@ import pytest
 from gatewayd.errors import ApiError, error_body
 from gatewayd.keys import ApiKeys, Limits
 from gatewayd.launcher import Launcher, check_env
-from gatewayd.programs import Programs, classify, save_upload
+from gatewayd.openai_bridge import PROGRAM
+from gatewayd.programs import EXAMPLES, Programs, classify, save_upload
 from gatewayd.serve import is_loopback, parse_listen
+from openai_lip.prefix_cache import common_prefix
+from openai_lip.requests import RequestError, parse
+from tests.conftest import ROOT
 from tests.unit.helpers import secrets_file
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "mount_examples"))
-from openai_requests import RequestError, parse  # noqa: E402
-from prefix_cache import common_prefix  # noqa: E402
 
 KEY = "sk-alice-0123456789abcdef"
 
@@ -88,6 +88,27 @@ def test_launcher_builds_one_command_line(tmp_path):
     assert env["PREDD_ADDR"] == "ipc:///run/p.sock" and env["KVFS_MOUNT"] == "/mnt/kvfs"
     assert env["APP_X"] == "1" and env["SYMPHONY_RUN"] == "run_1"
     assert env["PYTHONPATH"].split(":")[0] == os.path.dirname(prog.path)
+
+
+def test_the_openai_lip_starts_as_an_installed_module():
+    """`python -m openai_lip` with only the directory holding the installed packages on
+    PYTHONPATH: no path into a source tree."""
+    launcher = Launcher("ipc:///run/p.sock", "/mnt/kvfs", takes_uid=True)
+    argv = launcher.argv(PROGRAM, ["--cache-dir", "/mnt/kvfs/openai/1"], 61001, None)
+    assert argv[:5] == [sys.executable, "-m", "liblip.cli", "run", "--sandbox"]
+    assert argv[-5:] == [sys.executable, "-m", "openai_lip", "--cache-dir",
+                         "/mnt/kvfs/openai/1"]
+    env = launcher.env(PROGRAM, {}, "openai")
+    assert env["PYTHONPATH"] == ROOT
+    assert os.path.isfile(os.path.join(env["PYTHONPATH"], "openai_lip", "__main__.py"))
+    assert PROGRAM.description == ""
+
+
+def test_the_examples_are_installed_from_a_source_checkout():
+    assert EXAMPLES == os.path.join(ROOT, "mount_examples")
+    found = Programs([EXAMPLES]).all()
+    assert found["basic_decoding"].kind == "python" and found["agent"].kind == "shell"
+    assert not {"common", "openai_server", "prefix_cache"} & set(found)
 
 
 def test_programs_are_found_by_name(tmp_path):

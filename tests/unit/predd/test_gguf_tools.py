@@ -3,19 +3,13 @@ grown back keeps the shape and cycles the source's blocks; a random model loads 
 the shape asked for and the source's vocabulary."""
 from __future__ import annotations
 
-import os
-import sys
-
 import gguf
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts"))
-import gguf_cut  # noqa: E402
-import gguf_random  # noqa: E402
-
-from predd.model.loader import default_model_path, load_weights  # noqa: E402
+from predd.model.loader import default_model_path, load_weights
+from scripts import gguf_cut, gguf_random
 
 
 def test_names_cut_and_grow():

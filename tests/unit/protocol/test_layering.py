@@ -1,6 +1,7 @@
 """The packages' layers as their docstrings state them: the protocol package loads
-neither the client library, ZeroMQ nor torch (any process may import it), and predd
-reaches the protocol without loading the client library."""
+neither the client library, ZeroMQ nor torch (any process may import it), predd
+reaches the protocol without loading the client library, and the OpenAI LIP is an
+ordinary program (liblip and the protocol only)."""
 from __future__ import annotations
 
 import subprocess
@@ -29,3 +30,9 @@ def test_predd_does_not_load_the_client_library(module):
     loaded = _loaded(f"import {module}")
     assert "predd" in loaded and "symphony_protocol" in loaded
     assert "liblip" not in loaded
+
+
+def test_the_openai_lip_loads_only_liblip_and_the_protocol():
+    loaded = _loaded("import openai_lip.server, openai_lip.format, openai_lip.vocab")
+    assert {"openai_lip", "liblip", "symphony_protocol"} <= loaded
+    assert not loaded & {"gatewayd", "predd", "kvfsd", "torch", "fastapi"}

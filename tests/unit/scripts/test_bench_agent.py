@@ -3,12 +3,9 @@ appends only what is new and the client that sends the whole conversation again 
 the model the same tokens. A fake tokenizer and a fake model; no daemon."""
 from __future__ import annotations
 
-import os
-import sys
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts"))
-import bench_agent  # noqa: E402
+from scripts import bench_agent
 
 
 class FakeTokenizer:

@@ -5,16 +5,13 @@ Costs are whole seconds per step (or exact binary fractions), so times compare e
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts"))
-from cluster_placement import (CacheAffinity, LeastLoaded, Placement,  # noqa: E402
-                               RoundRobin)
-from cluster_sim import Cache, Cluster, Costs, Replica, ReplicaConfig, Run  # noqa: E402
-from cluster_workload import Agent, Rag  # noqa: E402
+from scripts.cluster_placement import CacheAffinity, LeastLoaded, Placement, RoundRobin
+from scripts.cluster_sim import Cache, Cluster, Costs, Replica, ReplicaConfig, Run
+from scripts.cluster_workload import Agent, Rag
 
 STEP = Costs(step_s=1.0, prefill_s_per_token=0.0, prefill_attend_s=0.0,
              decode_s_per_call=0.0, attend_s_per_token=0.0,
@@ -195,7 +192,7 @@ def test_a_run_larger_than_a_replica_is_refused():
 
 
 def test_the_report_without_matplotlib(monkeypatch, tmp_path, capsys):
-    import simulate_cluster
+    from scripts import simulate_cluster
     script = Script([run("A"), run("A")])
     res = Cluster(1, RoundRobin(), script, 1, STEP).run(requests=2, warmup=0)
     assert simulate_cluster.table([res]).splitlines()[2] == \

@@ -22,16 +22,25 @@ import collections
 import hashlib
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import liblip as lip
-from common import common_prefix
 
 
 @dataclass
 class Entry:
     scope: str
     tokens: list[int]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` begin with alike."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def scope_tag(scope: str) -> str:

