@@ -6,6 +6,9 @@
     lip.send_to_user(lip.detokenize([d.argmax()]))
 
 Never imports torch: a LIP stays a small process.
+
+May import: msgpack, numpy, zmq and the protocol (symphony_protocol); never predd, kvfsd
+or gatewayd. `liblip.sandbox` (`lip run --sandbox`) uses the standard library only.
 """
 from liblip.api import (KV, chat_template, client, client_of, connect, detokenize, fsck, info,
                         info_cached, io_wait, kv_close, kv_create, kv_export, kv_extract,

@@ -6,10 +6,9 @@ thread sends and receives on that thread, with no hand-off to another. While sev
 calls wait, the keeper thread reads for all of them and puts each reply in the queue of
 the request it answers; when one waiter is left, it hands the socket to it. A request is
 sent by its own thread when the socket is free, else handed to the reader through an
-inproc PUSH socket that the reader polls too. (A round trip to a stub predd that
-answers at once with a 196 KB logits frame, one thread: 385 us and 248 us of CPU when
-every call went through an I/O thread, 270-285 us and 155-185 us this way; with 4-64
-threads the same as before, 190-250 us.)
+inproc PUSH socket that the reader polls too. (One thread's round trip is shorter and
+takes less CPU this way than through an I/O thread, and many threads' the same;
+measured: docs/kernels.md, "liblip's client reads on the calling thread".)
 
 The keeper thread also keeps the session's lease alive (ping) and watches the
 connection when no one reads; whoever holds the socket fails every waiting call with

@@ -21,12 +21,14 @@ import sys
 import torch
 
 from symphony_protocol import default_addr, default_rundir
-from predd.engine.core import Engine, EngineConfig
+from predd.engine.config import EngineConfig
+from predd.engine.core import Engine
+from predd.server.handlers import HANDLERS
 from predd.server.identity import AuthKeys, check_endpoint
 from predd.model.loader import default_model_path
 from predd.server.logits_buffer import raise_open_file_limit
 from predd.memory.policy import MemoryConfig
-from predd.server.quota import QuotaConfig
+from predd.server.quotas import QuotaConfig
 from predd.attention import backends as attention
 from predd.worker import cuda_graphs
 from predd.model import dtype
@@ -211,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                           memory=MemoryConfig(args.host_pages, args.disk_pages,
                                               args.swap_dir or os.path.join(rundir, "swap"),
                                               args.pin_quota, args.admit_wait))
-    server = Server(addr, lambda send, log_: Engine(runner, tokenizer, config, send, log_),
+    server = Server(addr, lambda send, log_: Engine(runner, tokenizer, config, send, log_,
+                                                       handlers=HANDLERS),
                     log)
     try:
         server.serve()

@@ -25,12 +25,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from predd.kernels import cpu_kernels  # noqa: E402
+from predd.kernels import cpu_kernels, library  # noqa: E402
 
 PAGE, KV_HEADS, HEADS, HEAD_DIM, LAYERS = 16, 3, 9, 64, 30
 
 
-def step(kernels: cpu_kernels.Kernels, calls: list[tuple[int, int]], reps: int,
+def step(kernels: library.Kernels, calls: list[tuple[int, int]], reps: int,
          shared: int = 0, cascade: bool = False, cold: float = 0.0) -> float:
     """Best ms for LAYERS layers of `calls` (new tokens, entries before them), each call's
     pages scattered over the pool; the decodes' first `shared` pages the same ones, read

@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from predd.model.loader import default_model_path  # noqa: E402
-from predd.worker.runner import Chunk, Runner, RunnerConfig  # noqa: E402
+from predd.engine.chunk import Chunk
+from predd.worker.runner import Runner, RunnerConfig  # noqa: E402
 
 PAGE = 16
 

@@ -244,9 +244,9 @@ class Server:
     @contextlib.contextmanager
     def paused(self):
         """The server's processes stopped (SIGSTOP) for a `with` block, continued after:
-        idle between requests it still polls for seconds after its last one (~70% of a
-        core 2 s after a B2 run, ~40% 3.5 s after, measured), which on 2 cores took CPU
-        from the system measured next."""
+        idle between requests it still polls for seconds after its last one, which took
+        CPU from the system measured next (measured: docs/kernels.md, "vLLM's server
+        paused between runs")."""
         self._signal(signal.SIGSTOP)
         try:
             yield

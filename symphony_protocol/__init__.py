@@ -9,8 +9,8 @@ answer bad input and go on. Every op's reply is a record too (`REPLIES`): its
 `wire(rid)` is the map predd sends, `decode_reply` turns a received map back into it. A
 request gets exactly one terminal reply; a streamed generate sends `GenerateChunk`s
 (`"more": true`) and then that one (`GenerateReply` or `ErrorReply`).
-This package is pure Python (msgpack and the standard library: no torch, no zmq, not
-liblip's client), so predd, kvfsd, liblip and gatewayd all import it.
+May import: msgpack and the standard library only — no torch, no zmq, not liblip's
+client — so predd, kvfsd, liblip and gatewayd all import it.
 
 Its modules: `requests` (one record per op, and their validation), `replies` (one
 record per answer), `codec` (msgpack framing), `addresses` (run directories, sockets,

@@ -7,7 +7,7 @@ one child per run, memory and pids enabled where the kernel offers them), on cgr
 `cpuacct` hierarchies), and on hybrids (v1 controllers plus a controller-less v2 tree,
 used only for CPU accounting and `cgroup.kill`). Each feature comes from the first
 hierarchy that provides it and is writable; what none provides stays with the rlimits
-(limits.py), which are always set. `create` never raises for a host without cgroups:
+(run_limits.py), which are always set. `create` never raises for a host without cgroups:
 the features it could not set up are None.
 """
 from __future__ import annotations

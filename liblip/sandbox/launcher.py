@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from liblip.client import LipError
 from liblip.sandbox import cgroups, identity, landlock, mounts, seccomp
-from liblip.sandbox.limits import Limits, format_size
+from liblip.sandbox.run_limits import Limits, format_size
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x8000000, 0x20000000, 0x40000000
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38

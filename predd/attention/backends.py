@@ -2,7 +2,7 @@
 
 A backend's `prepare(tables)` runs once per step with the step's `PageTables` and
 returns the per-layer callable the model uses: it writes the step's new K/V into their
-reserved slots (`slot_writer`, shared by every backend), then lets every new token
+reserved slots (predd/attention/slots.py, shared by every backend), then lets every new token
 attend to all entries of its call before it and causally to the new tokens before it.
 `torch` is the reference (CPU and CUDA); `cpu` is torch with predd's own kernel for
 every row that reads a past (predd/kernels/cpu_kernels.py: no gather); `flashinfer` (CUDA,
@@ -12,7 +12,6 @@ backend runs.
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import numpy as np
@@ -21,33 +20,13 @@ import torch.nn.functional as F
 
 from predd.kernels import cpu_kernels
 from predd.worker.paged_kv import PagedKVCache
+from predd.attention import flashinfer_backend
+from predd.attention.flashinfer_backend import FlashInferAttention
 from predd.attention.page_table import PageTables
+from predd.attention.slots import StoreKV, slot_writer
 
 CHOICES = ("auto", "torch", "cpu", "flashinfer")
 CPU_DTYPES = ("float32", "bfloat16")            # the cpu kernel's
-FLASHINFER_DTYPES = ("bfloat16", "float16")      # its kernels have no float32 variant
-
-StoreKV = Callable[[int, torch.Tensor, torch.Tensor], None]
-
-
-def slot_writer(cache: PagedKVCache, tables: PageTables) -> StoreKV:
-    """`store(layer, k, v)` writes the step's new K/V ([T, Hkv, D], flat-batch order)
-    into the slots the engine reserved for them; the row ids are computed once a step."""
-    return row_writer(cache, torch.from_numpy(cache.rows(tables.new_slots())).to(cache.device))
-
-
-def row_writer(cache: PagedKVCache, k_rows: torch.Tensor) -> StoreKV:
-    """`store(layer, k, v)` writing row i of k and v at K row `k_rows[i]` of
-    `cache.flat(layer)` and its V `page_size` rows later (a CUDA graph's static rows)."""
-    v_rows = k_rows + cache.page_size
-
-    def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        flat = cache.flat(layer)                           # [P*2*ps, Hkv, D]
-        flat.index_copy_(0, k_rows, k)
-        flat.index_copy_(0, v_rows, v)
-
-    return store
-
 
 class TorchAttention:
     """Gathers each call's K and V a page at a time (one `index_select` per layer for
@@ -163,8 +142,8 @@ class CpuAttention(TorchAttention):
     """The torch backend with predd's own kernel (predd/kernels/cpu_kernels.py) for every call
     of up to `KERNEL_ROWS` new tokens: decode calls, chunks after a cached prefix and
     short fresh prefills attend over their pages in place (the new K/V are stored
-    first), no gather and no per-call SDPA (~170 us a call and layer in bf16). Longer
-    chunks stay on SDPA, where a GEMM pays."""
+    first), no gather and no per-call SDPA (measured: docs/kernels.md, "Attention reads
+    the pool in place"). Longer chunks stay on SDPA, where a GEMM pays."""
 
     name = "cpu"
     KERNEL_ROWS = 64
@@ -174,9 +153,10 @@ class CpuAttention(TorchAttention):
         self.kernel = cpu_kernels.kernels()
 
     def _slot_writer(self, tables: PageTables) -> StoreKV:
-        """slot_writer's stores in one kernel call a layer (one copy per entry; ~30 us a
-        layer less at 64 rows than index_copy_ from qkv's strided views), and
-        slot_writer's own for K/V of a layout the kernel does not take."""
+        """slot_writer's stores in one kernel call a layer (one copy per entry, cheaper
+        than index_copy_ from qkv's strided views; measured: docs/kernels.md, "New K and
+        V stored in one call a layer"), and slot_writer's own for K/V of a layout the
+        kernel does not take."""
         fast = self.kernel.bind_store(self.cache.rows(tables.new_slots()), self.cache.page_size)
         kv = self.cache.kv
         slow: StoreKV | None = None       # built only if a layer needs it
@@ -212,22 +192,6 @@ class CpuAttention(TorchAttention):
                                                tables.indptr, calls)
 
 
-def flashinfer_problem(device: str, dtype: str) -> tuple[str, str] | None:
-    """Why the flashinfer backend cannot run here, as (reason, errno name), or None;
-    the reason reads after "flashinfer". Checked in this order so that a CPU machine
-    never imports flashinfer."""
-    if not device.startswith("cuda"):
-        return f"needs a CUDA device, not {device}", "EINVAL"
-    if dtype not in FLASHINFER_DTYPES:
-        return (f"computes only in {' or '.join(FLASHINFER_DTYPES)}, not {dtype} "
-                "(pass --dtype bfloat16)", "EINVAL")
-    try:
-        importlib.import_module("flashinfer")
-    except Exception as exc:        # ImportError, or a broken CUDA install underneath
-        return f"is not importable ({type(exc).__name__}: {exc})", "ENOPKG"
-    return None
-
-
 def cpu_problem(device: str, dtype: str) -> tuple[str, str] | None:
     """Why the cpu backend cannot run here, as (reason, errno name), or None; the reason
     reads after "cpu". Building its kernel is the last check (a compile, once)."""
@@ -255,7 +219,8 @@ def resolve(requested: str, device: str, dtype: str) -> tuple[str, str]:
         name = "cpu" if device == "cpu" else "flashinfer"
     else:
         name = requested
-    problem = (cpu_problem if name == "cpu" else flashinfer_problem)(device, dtype)
+    problem = (cpu_problem if name == "cpu" else flashinfer_backend.flashinfer_problem)(
+        device, dtype)
     if requested != "auto":
         if problem:
             raise ValueError(f"--attention {name} {problem[0]} ({problem[1]})")
@@ -271,7 +236,6 @@ def make_backend(name: str, cache: PagedKVCache):
     dtype = str(cache.dtype).removeprefix("torch.")
     name, _ = resolve(name, str(cache.device), dtype)
     if name == "flashinfer":
-        from predd.attention.flashinfer_backend import FlashInferAttention
         return FlashInferAttention(cache)
     if name == "cpu":
         return CpuAttention(cache)

@@ -8,7 +8,7 @@ decode wrapper, longer chunks to the batch prefill wrapper with `causal=True`, w
 paged prefill aligns a call's queries to the end of its entries (query j of n new tokens
 over L entries sees entries 0..L-n+j: a chunk sees its whole past). Each wrapper is
 planned once a step from its share of the tables and run for every layer. New K/V go
-into their reserved slots first (`attention.slot_writer`). RoPE is applied before K is
+into their reserved slots first (`predd.attention.slots.slot_writer`). RoPE is applied before K is
 written, so the kernels run with `pos_encoding_mode="NONE"`.
 
 Written against flashinfer 0.6.18's Python API; the arguments used (the positional
@@ -16,8 +16,8 @@ table arguments of `plan`, then `causal`, `pos_encoding_mode`, `q_data_type`,
 `kv_data_type`; `run(q, paged_kv_cache)`; the wrappers' `(workspace, "NHD")` and
 decode's `use_tensor_cores`) have these names from 0.2.0 on. flashinfer is imported
 only when this backend is built, never on CPU. tests/gpu checks it against the torch
-backend; it passed on an H100 with 0.6.18.post1 (docs/architecture.md says what was
-and was not covered).
+backend (validated on an H100: docs/kernels.md, "FlashInfer attention on an H100";
+docs/architecture.md says what was and was not covered).
 """
 from __future__ import annotations
 
@@ -28,12 +28,29 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from predd.attention.backends import flashinfer_problem, slot_writer
 from predd.worker.paged_kv import PagedKVCache
 from predd.attention.page_table import PageTables
+from predd.attention.slots import slot_writer
 
 WORKSPACE_BYTES = 128 * 2**20     # FlashInfer's recommended split-k scratch, shared by both
 TENSOR_CORE_GROUP = 4             # decode on tensor cores from this many q heads per kv head
+FLASHINFER_DTYPES = ("bfloat16", "float16")      # its kernels have no float32 variant
+
+
+def flashinfer_problem(device: str, dtype: str) -> tuple[str, str] | None:
+    """Why the flashinfer backend cannot run here, as (reason, errno name), or None;
+    the reason reads after "flashinfer". Checked in this order so that a CPU machine
+    never imports flashinfer."""
+    if not device.startswith("cuda"):
+        return f"needs a CUDA device, not {device}", "EINVAL"
+    if dtype not in FLASHINFER_DTYPES:
+        return (f"computes only in {' or '.join(FLASHINFER_DTYPES)}, not {dtype} "
+                "(pass --dtype bfloat16)", "EINVAL")
+    try:
+        importlib.import_module("flashinfer")
+    except Exception as exc:        # ImportError, or a broken CUDA install underneath
+        return f"is not importable ({type(exc).__name__}: {exc})", "ENOPKG"
+    return None
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,9 @@ class PageTables:
         tokens each (their last q_len entries). Raises ValueError when a call's pages
         cannot hold its entries or it has more new tokens than entries."""
         # a step's few calls in Python ints, four arrays made at the end: ~25 small
-        # numpy ops were ~60 us of a served decode step of 8 calls (each op several
-        # times its own cost after the step's weights have streamed through the caches)
+        # numpy ops cost more (each op several times its own cost after the step's
+        # weights have streamed through the caches; measured: docs/kernels.md, "A
+        # step's tables and plans without small numpy ops")
         kv = [int(k) for k in kv_len]
         q = [int(n) for n in q_len]
         counts = [len(p) for p in pages]

@@ -23,16 +23,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from symphony_protocol import Cost, ProtocolError, SampleParams
-from predd.server.limits import MAX_POSITION
+from predd.server.request_limits import MAX_POSITION
 
 if TYPE_CHECKING:
     import torch
 
     from predd.memory.kvstore import KVStore
-    from predd.server.limits import Limits
+    from predd.server.request_limits import Limits
     from predd.server.logits_buffer import LogitsBuffer
     from predd.memory.policy import Memory
-    from predd.server.quota import Quotas
+    from predd.server.quotas import Quotas
 
 
 @dataclass(eq=False)

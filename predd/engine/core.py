@@ -1,75 +1,58 @@
-"""The engine: requests in, replies out; one step = schedule -> run -> commit -> reply.
+"""The engine: one step = schedule -> run -> commit -> reply.
 
-Everything here runs on one thread (the server loop), so there are no locks. A request
-goes to its handler (predd/handlers, keyed by request record); pred and generate
-handlers queue a Call (predd/engine/calls.py) that the steps compute.
+Everything here runs on one thread (the server loop), so there are no locks. Requests
+come in through `Intake` (predd/engine/intake.py: sessions, limits at the door, the
+handlers, held changes); pred and generate handlers queue a Call (predd/engine/calls.py)
+that the steps compute. Each step the scheduler admits and plans calls
+(predd/engine/scheduler.py), the runner computes the planned chunks
+(predd/worker/runner.py), completed calls are committed to their objects, and the
+outputs become replies (predd/engine/outputs.py) or a generate's next token.
 
-Ordering rule: requests that change an object (pred, generate, kv_truncate, kv_free)
-are applied in arrival order: a call waits in the scheduler, and a change on an object
-with queued calls (or earlier held changes) is held (predd/engine/deferred.py) and replayed
-when they are done. Requests that only read an object (stat, tokens, fork, grant,
-extract, merge, export) answer at once from its committed entries — a snapshot — so
-`ls` or `cp` on a cache never waits for a long generation on it.
-
-Identity rule: a request's session, uid and trust come from `Peer` (the kernel's
-credentials on ipc, a token on authenticated tcp), never from the request itself; see
-predd/server/identity.py. Limits (quota.py) are checked here at the door: the request rate and
-sessions per uid when a message arrives, calls in flight when one is queued.
-
-Failure rule: any exception of one request or one call becomes an errno reply to that
-request alone (EIO for a bug, logged); a failed call's object is put back as it was.
+Failure rule: any exception of one call becomes an errno reply to that call alone (EIO
+for a bug, logged), and its object is put back as it was; a batch that raises runs
+again in halves until each failing chunk stands alone.
 """
 from __future__ import annotations
 
-import os
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 
 import torch
 
 import symphony_protocol as p
-from symphony_protocol import ErrorReply, ProtocolError
+from symphony_protocol import ErrorReply
 from predd.engine import calls
 from predd.engine import outputs
 from predd.engine.calls import Call
-from predd.server.caps import Capabilities
-from predd.engine.deferred import Deferred, Held
-from predd.server.handlers import HANDLERS
-from predd.server.identity import AuthKeys, Peer, identify
-from predd.memory.kvstore import KVStore
-from predd.server.limits import Limits
-from predd.memory.policy import Memory, MemoryConfig, NoRoom
+from predd.engine.chunk import Chunk, chunks_for
+from predd.engine.config import EngineConfig
+from predd.engine.deferred import Deferred
+from predd.engine.intake import Handler, Intake, Send
 from predd.engine.metrics import Counters
+from predd.engine.scheduler import Plan, PlanItem, Scheduler
+from predd.memory.kvstore import KVStore
+from predd.memory.policy import Memory, NoRoom
 from predd.memory.pool import Pool
-from predd.server.quota import QuotaConfig, Quotas, check_limit
-from predd.worker.tp import RankLost
-from predd.worker.runner import Chunk, Runner
-from predd.engine.scheduler import Plan, PlanItem, Scheduler, SchedulerConfig
-from predd.server.sessions import Session, Sessions
 from predd.memory.tiers import TierStore
 from predd.model.tokenizer import Tokenizer
-
-Send = Callable[[bytes, dict, list[bytes]], None]
-CHANGES = (p.Pred, p.Generate, p.KvTruncate, p.KvFree)   # wait behind a busy object
-QUEUED = (p.Pred, p.Generate)                            # become calls
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    lease_s: float = 10.0
-    scheduler: SchedulerConfig = SchedulerConfig()
-    quota: QuotaConfig = QuotaConfig()
-    limits: Limits = Limits()
-    trusted_uid: int = field(default_factory=os.geteuid)   # predd's own: kvfsd, the operator
-    auth: AuthKeys | None = None                             # tcp tokens (--auth-keys)
-    memory: MemoryConfig = MemoryConfig()                     # tiers, pins, admission
+from predd.server.capabilities import Capabilities
+from predd.server.request_limits import Limits
+from predd.server.quotas import Quotas
+from predd.server.sessions import Sessions
+from predd.worker.runner import Runner
+from predd.worker.tp import RankLost
 
 
-class Engine:
+class Engine(Intake):
+    """predd's state (pool, tiers, store, capabilities, sessions, scheduler, memory
+    policy) and its step loop. `handlers` answer each request record
+    (predd.server.handlers.HANDLERS)."""
+
     def __init__(self, runner: Runner, tokenizer: Tokenizer, config: EngineConfig,
-                 send: Send, log: Callable[[str], None] = lambda msg: None) -> None:
+                 send: Send, log: Callable[[str], None] = lambda msg: None, *,
+                 handlers: Mapping[type[p.Request], Handler]) -> None:
+        self.handlers = handlers
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -91,176 +74,6 @@ class Engine:
         self.vocab: int = runner.model_config.vocab_size
         self.limits: Limits = config.limits.resolved(runner.model_config.max_position)
         self.started = time.monotonic()
-
-    @property
-    def max_message_bytes(self) -> int:
-        """The largest request worth receiving: a kv_import of the most pages one uid
-        may hold (its tokens and positions included), plus slack for the header."""
-        pages = self.quotas.uid_pages or self.pool.num_pages
-        return pages * (self.runner.cache.bytes_per_page + 10 * self.pool.page_size) + 2**20
-
-    # ------------------------------------------------------------ requests
-
-    def handle(self, identity: bytes, frames: list[bytes], now: float, peer: Peer) -> None:
-        """Answer one raw message from `peer` (or queue it); never raises."""
-        started = time.perf_counter()
-        try:
-            self._handle(identity, frames, now, peer)
-        finally:
-            self.counters.time_s["requests"] += time.perf_counter() - started
-
-    def _handle(self, identity: bytes, frames: list[bytes], now: float, peer: Peer) -> None:
-        self.counters.requests += 1
-        rid = None
-        try:
-            header, extra = p.decode_frames(frames)
-            rid = header.get("rid") if isinstance(header.get("rid"), int) else None
-            session = self.sessions.of_identity(identity)
-            if session is not None:
-                if peer.address != session.peer:
-                    raise ProtocolError("EPERM", "this connection's credentials are not "
-                                        "those of the session it names")
-                session.last_seen = now
-                if not session.allow(now, self.config.quota.rate, self.config.quota.burst):
-                    raise ProtocolError("EAGAIN", f"more than {self.config.quota.rate:g} "
-                                        "requests per second: slow down")
-            request = p.decode_request(header)
-            if session is None:
-                session = self._open_session(identity, peer, request, now)
-            self._dispatch(identity, session, request, extra, now)
-        except ProtocolError as exc:
-            if exc.code == "EAGAIN":
-                self.counters.throttled += 1
-            self._reply(identity, rid, ErrorReply.of(exc))
-        except Exception as exc:  # a bug must not take the daemon down
-            self.log(f"internal error on request {rid}: {type(exc).__name__}: {exc}")
-            self._reply(identity, rid, ErrorReply(code="EIO", message=f"internal error: {exc}"))
-
-    def _reply(self, identity: bytes, rid: int | None, reply: p.Reply) -> None:
-        if not reply.ok:
-            self.counters.errors += 1
-        self.send(identity, reply.wire(rid), reply.frames())
-
-    def _errno(self, exc: Exception, what: str) -> ErrorReply:
-        """The reply a request gets for `exc`: its own errno, or EIO (logged) for a bug."""
-        if isinstance(exc, ProtocolError):
-            return ErrorReply.of(exc)
-        self.log(f"{what} failed: {''.join(traceback.format_exception(exc))}")
-        return ErrorReply(code="EIO", message=f"internal error: {type(exc).__name__}: {exc}")
-
-    def _dispatch(self, identity: bytes, session: Session, req: p.Request,
-                  extra: list[bytes], now: float) -> None:
-        oids = self._objects_of(req)   # EBADF for a bad capability, before anything else
-        busy = [o for o in oids if self.scheduler.busy(o) or self.deferred.holds(o)]
-        if busy and isinstance(req, CHANGES):   # wait behind the first busy object
-            self._check_calls(session)
-            self.deferred.hold(busy[0], session, Held(identity, req, extra))
-            return
-        if isinstance(req, QUEUED):
-            self._check_calls(session)
-        reply = HANDLERS[type(req)](self, session, req, extra, now)
-        if reply is not None:
-            self._reply(identity, req.rid, reply)
-
-    def _objects_of(self, req: p.Request) -> list[int]:
-        tokens = [req.cap] if hasattr(req, "cap") else list(getattr(req, "caps", []))
-        return [self.caps.lookup(t).oid for t in tokens]
-
-    def _check_calls(self, s: Session) -> None:
-        """EAGAIN when `s` or its uid has as many calls in flight as allowed."""
-        q = self.config.quota
-        check_limit(self.scheduler.queued(session=s.sid) + s.deferred, q.session_calls,
-                    "EAGAIN", f"calls in flight of session {s.sid}")
-        if not s.trusted:
-            check_limit(self.scheduler.queued(uid=s.uid) + self.deferred.of_uid.get(s.uid, 0),
-                        q.uid_calls, "EAGAIN", f"calls in flight of uid {s.uid}")
-
-    def replay_deferred(self, now: float) -> None:
-        """Replay the held requests of every object that has no queued call left."""
-        for oid in self.deferred.oids():
-            if self.scheduler.busy(oid):
-                continue
-            queue = self.deferred.take(oid)
-            while queue:
-                held = queue.pop(0)
-                session = self.sessions.of_identity(held.identity)
-                if session is None:
-                    continue
-                self.deferred.release(session)
-                try:
-                    self._dispatch(held.identity, session, held.request, held.extra, now)
-                except Exception as exc:   # this request's error alone, never the loop's
-                    self._reply(held.identity, held.request.rid,
-                                self._errno(exc, f"request {held.request.rid}"))
-                if self.scheduler.busy(oid):
-                    self.deferred.put_back(oid, queue)
-                    break
-
-    # ------------------------------------------------------------ sessions and objects
-
-    def _open_session(self, identity: bytes, peer: Peer, request: p.Request,
-                      now: float) -> Session:
-        """A session for a routing identity's first request, bound to `peer`."""
-        c = self.config
-        token = request.token if isinstance(request, p.Hello) else None
-        uid, pid, via = identify(peer, token, c.auth)
-        trusted = ((via == "kernel" and uid == c.trusted_uid)
-                   or (via == "token" and c.auth is not None and c.auth.trusts(token)))
-        if not trusted:
-            check_limit(self.sessions.count(uid), c.quota.uid_sessions, "EAGAIN",
-                        f"sessions of uid {uid}")
-        session = self.sessions.open(identity, now, uid=uid, via=via, peer=peer.address,
-                                     pid=pid, trusted=trusted, burst=c.quota.burst)
-        session.allow(now, c.quota.rate, c.quota.burst)   # the opening request counts
-        return session
-
-    def end_session(self, s: Session, why: str) -> None:
-        dropped = self.scheduler.cancel(lambda c: c.session == s.sid)
-        for call in dropped:
-            self._undo(call)
-        self.deferred.drop_session(s)
-        freed = self.caps.revoke_session(s.sid)
-        self.sessions.end(s.sid)
-        self.log(f"session {s.sid} ({s.client or 'anonymous'} pid {s.pid}) ended ({why}): "
-                 f"{freed} capabilities revoked, {len(dropped)} calls dropped")
-
-    def expire_sessions(self, now: float) -> None:
-        for s in self.sessions.expired(now):
-            self.end_session(s, "lease expired")
-
-    def _free_object(self, oid: int) -> None:
-        """The last capability of `oid` is gone: its waiting calls and held requests get
-        EBADF, and its pages go back to the pool."""
-        freed = ErrorReply(code="EBADF", message="KV object was freed")
-        for call in self.scheduler.cancel(lambda c: c.oid == oid):
-            self._reply(call.identity, call.rid, freed)
-        for held in self.deferred.take(oid):
-            session = self.sessions.of_identity(held.identity)
-            if session is not None:
-                self.deferred.release(session)
-            self._reply(held.identity, held.request.rid, freed)
-        self.scheduler.forget(oid)
-        self.quotas.forget(oid)
-        self.memory.forget(oid)
-        self.store.free(oid)
-
-    def fsck(self) -> list[str]:
-        problems = self.store.check()
-        live = self.caps.objects()
-        for oid in self.store.objects:
-            if oid not in live:
-                problems.append(f"object {oid} has no capability (leaked)")
-        for oid in live - set(self.store.objects):
-            problems.append(f"capability to missing object {oid}")
-        problems += self.caps.check()
-        problems += self.quotas.verify(self.store.objects)
-        problems += self.scheduler.check()
-        problems += self.deferred.check(self.sessions)
-        problems += self.memory.check()
-        held = sum(c.promised for c in self.scheduler.all_calls())
-        if held != self.pool.held:
-            problems.append(f"{self.pool.held} pages held back, calls promised {held}")
-        return problems
 
     # ------------------------------------------------------------ calls
 
@@ -297,23 +110,6 @@ class Engine:
         self.memory.draw(call.promised)
         call.promised = 0
 
-    def _fail(self, call: Call, exc: Exception) -> None:
-        """Fail one call alone: it leaves the queue with its error, and its object is put
-        back as it was."""
-        self.scheduler.remove(call)
-        error = self._errno(exc, f"call {call.rid}")
-        try:
-            self._undo(call)
-        finally:
-            self._reply(call.identity, call.rid, error)
-
-    def _undo(self, call: Call) -> None:
-        """calls.undo, which never fails: a failure here is a bug (logged; fsck shows it)."""
-        try:
-            calls.undo(call, self.store)
-        except Exception as exc:
-            self.log(f"undoing call {call.rid}: {''.join(traceback.format_exception(exc))}")
-
     # ------------------------------------------------------------ the step
 
     def step(self) -> bool:
@@ -344,7 +140,7 @@ class Engine:
         the calls answered for good."""
         times = self.counters.time_s
         prepared = time.perf_counter()
-        items, chunks = self._chunks(plan.items, settled)
+        items, chunks = chunks_for(plan.items, self.store, settled, self._fail)
         started = time.monotonic()
         times["prepare"] += time.perf_counter() - prepared
         results = self._execute(chunks)
@@ -377,43 +173,13 @@ class Engine:
                     self._fail(item.call, exc)
         settled |= finished | failed
         ran = [i for i in ran if i.call.cid not in failed]
-        self._count_step(ran, elapsed)
+        self.counters.count_step([i.count for i in ran], elapsed)
+        for item in ran:
+            session = self.sessions.of_sid(item.call.session)
+            if session is not None:
+                session.tokens_computed += item.count
         self.scheduler.update(Plan(ran), finished, time.monotonic(), elapsed)
         times["outputs"] += time.perf_counter() - finishing
-
-    def _chunks(self, plan: list[PlanItem], settled: set[int]
-                ) -> tuple[list[PlanItem], list[Chunk]]:
-        """The runner's view of each call's chunk: it attends to the object's entries,
-        the call's earlier (not yet committed) tokens and itself. The page tables come
-        from one lookup for the step; a call whose chunk cannot be made fails alone
-        (into `settled`)."""
-        items, parts = [], []
-        for item in plan:
-            try:
-                call = item.call
-                tokens, positions, wanted = call.chunk(item.start, item.count)
-                obj = self.store.get(call.oid)
-                kv_len = obj.length + item.start + item.count - call.committed
-                parts.append((tokens, positions, obj, kv_len, wanted))
-                items.append(item)
-            except Exception as exc:
-                settled.add(item.call.cid)
-                self._fail(item.call, exc)
-        try:
-            tables = self.store.page_tables([(obj, kv_len) for _, _, obj, kv_len, _ in parts])
-        except Exception:       # one call's table is wrong: find it, the others go on
-            tables = []
-            for item, (_, _, obj, kv_len, _) in zip(items, parts):
-                try:
-                    tables.append(self.store.page_tables([(obj, kv_len)])[0])
-                except Exception as exc:
-                    settled.add(item.call.cid)
-                    self._fail(item.call, exc)
-                    tables.append(None)
-        chunks = [Chunk(tokens, positions, table, kv_len, wanted) for
-                  (tokens, positions, _, kv_len, wanted), table in zip(parts, tables)
-                  if table is not None]
-        return [item for item, table in zip(items, tables) if table is not None], chunks
 
     def _execute(self, chunks: list[Chunk]) -> list[torch.Tensor | Exception]:
         """runner.execute, isolating failures: if the batch raises, its halves run
@@ -468,15 +234,3 @@ class Engine:
             tokens=call.generated[last], logprobs=call.logprobs[last],
             generated=len(call.generated), finish_reason=reason, cost=call.cost(pages)))
         return True
-
-    def _count_step(self, ran: list[PlanItem], elapsed: float) -> None:
-        c = self.counters
-        c.steps += 1
-        c.calls += len(ran)
-        c.tokens_computed += sum(i.count for i in ran)
-        for item in ran:
-            session = self.sessions.of_sid(item.call.session)
-            if session is not None:
-                session.tokens_computed += item.count
-        c.step_s += elapsed
-        c.step_hist.observe(elapsed * 1e3)

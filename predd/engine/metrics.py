@@ -44,3 +44,11 @@ class Counters:
         ("schedule", "prepare", "forward", "outputs", "requests"), 0.0))
     queue_hist: Histogram = field(default_factory=Histogram)   # per admitted call
     step_hist: Histogram = field(default_factory=Histogram)    # per forward pass
+
+    def count_step(self, counts: list[int], elapsed: float) -> None:
+        """One forward pass that computed `counts` tokens for each of its calls."""
+        self.steps += 1
+        self.calls += len(counts)
+        self.tokens_computed += sum(counts)
+        self.step_s += elapsed
+        self.step_hist.observe(elapsed * 1e3)

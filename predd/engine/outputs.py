@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import symphony_protocol as p
-from predd.kernels import cpu_kernels
+from predd.kernels import cpu_kernels, library
 from predd.engine import sampling
 from predd.engine.calls import Call
 
@@ -82,8 +82,8 @@ def pick_greedy(calls: list[Call]) -> None:
 
 def _greedy_rows(rows: list[torch.Tensor]) -> tuple[list[int], list[float]]:
     """Each row's argmax and its logprob: predd's CPU kernel where it runs (no copy of
-    the rows, ~1 ms for 64 rows of 49,152 where torch takes ~6), else torch; token -1
-    for a row the kernel leaves to the caller (a NaN)."""
+    the rows; measured: docs/kernels.md, "Greedy pick without a log-softmax"), else
+    torch; token -1 for a row the kernel leaves to the caller (a NaN)."""
     kernels = _cpu_kernels()
     if kernels is not None and rows[0].is_cpu and rows[0].dtype == torch.float32:
         return kernels.greedy_pick(rows)
@@ -94,7 +94,7 @@ def _greedy_rows(rows: list[torch.Tensor]) -> tuple[list[int], list[float]]:
 
 
 @functools.cache
-def _cpu_kernels() -> cpu_kernels.Kernels | None:
+def _cpu_kernels() -> library.Kernels | None:
     """predd's CPU kernels where they build and pass their probe here, else None (asked
     once: a failed build is not retried every step)."""
     return None if cpu_kernels.problem() else cpu_kernels.kernels()

@@ -19,7 +19,7 @@ decode are the same thing). Rules:
   the flooder's throughput.
 * Adaptive launch: after a step, the objects whose calls finished in it are *expected*
   to send their next call. The next step waits for them as long as
-  predd/engine/returns.py's hold (0.3 of the step, or until 9 in 10 of them are due by their
+  predd/engine/return_times.py's hold (0.3 of the step, or until 9 in 10 of them are due by their
   learned return times; at most a step and `max_wait_s`); with nothing expected, or a
   full batch already waiting, it launches at once — unless an expected object belongs
   to a uid with nothing queued: a pred loop is not left behind another uid's flood.
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from predd.engine.calls import Call
-from predd.engine.returns import ReturnTimes
+from predd.engine.return_times import ReturnTimes
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ the step runs on predd's own CPU kernels.
 
 `LlamaModel.forward` drives each layer from Python: ~10 kernel calls a layer, each
 through a module call, ctypes and a fresh torch tensor. At a decode step of a few calls
-that loop is a third of the step (8 calls on 2 Sapphire Rapids cores: the main thread
-spent ~38% of its samples in Python and torch, while the other thread waited for it).
+that loop is a large part of the step, and the other threads wait for it (measured:
+docs/kernels.md, "A step's layers in one C call").
 `LayerLoop.run` hands the whole loop to C instead: the same kernels with the same
 arguments in the same order (the same bits out), the step's buffers made once, the
 layers' weights' pointers taken once at start.
@@ -24,7 +24,7 @@ import sys
 import numpy as np
 import torch
 
-from predd.kernels import cpu_kernels
+from predd.kernels import library
 from predd.kernels.bindings import INT8, LANES, Layer, Prefixes, Projection, Step
 from predd.attention.backends import CpuAttention
 from predd.model.llama import LlamaModel, every_row
@@ -57,7 +57,7 @@ def problem(model: LlamaModel, backend, dtype: torch.dtype, tp: bool) -> str | N
     """Why the layers cannot run in one C call here, or None."""
     if backend.name != "cpu":
         return f"the attention backend is {backend.name}, not cpu"
-    if dtype not in cpu_kernels.SUFFIX:
+    if dtype not in library.SUFFIX:
         return f"it runs float32 and bfloat16 models, this one is {str(dtype)[6:]}"
     if tp:
         return "tensor parallel: the layers' outputs are all-reduced between the kernels"
@@ -94,7 +94,7 @@ class LayerLoop:
         self.eps = cfg.rms_norm_eps
         self.final_norm = model.model.norm.weight.data_ptr()   # (its eps: `problem`)
         self.dtype = layers[0].input_layernorm.weight.dtype
-        suffix = cpu_kernels.SUFFIX[self.dtype]
+        suffix = library.SUFFIX[self.dtype]
         self.run_layers = getattr(self.kernels._lib, f"run_layers_{suffix}")
         self._plan = self.kernels._lib.plan_step
         self._out = np.zeros(4, np.int64)    # plan_step's counts
@@ -131,7 +131,8 @@ class LayerLoop:
 
     def rows_limit(self) -> int:
         """The most rows every projection computes from its blocks (their limits, read
-        again only once one is set: ~50 us a step for 121 of them)."""
+        again only once one is set: reading them every step costs time; measured:
+        docs/kernels.md, "A step's layers in one C call")."""
         if self._limits[0] != QuantLinear.limits_set:
             self._limits = (QuantLinear.limits_set, min(
                 (m.limit if m.limit is not None else m.default_limit(self.dtype)

@@ -5,16 +5,12 @@ computed exactly (`int8_reference`) that the int8 kernels are held to.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from predd.model.llama import RMSNorm, TorchOps
+from predd.kernels.library import Kernels
 from predd.model.loader import QuantBlocks
-
-if TYPE_CHECKING:
-    from predd.kernels.cpu_kernels import Kernels
 
 PROBE_TOLERANCE = 1e-4      # float32, another summation order
 

@@ -5,11 +5,9 @@ Both are read at addresses a TLB of 4 KB pages cannot cover: a step streams ~80 
 blocks, and attention reads pages of the pool wherever the allocator put them (B2's
 pool is ~150 MB for SmolLM2: ~37,000 small pages against a second-level TLB of a few
 thousand entries, and in a virtual machine each miss walks two levels of page tables).
-On 2 MB pages each entry covers 512 times as much. perf on a decode step of 8 calls
-(2 Zen 5 vCPUs) had ~10% of attention's samples on its prefetch instructions, which
-walk the page tables; on huge pages, half that, and the in-process step (`python
-scripts/bench_step.py --calls 8 --context 460 --shared 432 --dtype bfloat16`, six
-alternations with SYMPHONY_HUGE_PAGES=0) 7.02 -> 6.53 ms median, 6.33 -> 6.05 best.
+On 2 MB pages each entry covers 512 times as much: attention's prefetch instructions,
+which walk the page tables, then wait less, and a decode step is faster (measured:
+docs/kernels.md, "Huge pages for the KV pool").
 
 Huge pages come only to memory advised before it is first touched (MADV_HUGEPAGE;
 honoured where /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise`),

@@ -32,7 +32,7 @@ import msgpack
 import numpy as np
 
 from symphony_protocol import ProtocolError
-from predd.server.limits import MAX_POSITION
+from predd.server.request_limits import MAX_POSITION
 from predd.memory.pool import Pool
 
 EXPORT_MAGIC = b"SYKV2\n"   # SYKV1 had no checksum
@@ -223,7 +223,9 @@ class KVStore:
     def slots(self, obj: KVObject, start: int = 0, end: int | None = None) -> np.ndarray:
         """The flat slot ids of entries [start, end). Only the pages of that range are
         read: a decode step's one-entry reserve and commit on a long cache stay O(1)
-        (converting all of a 32K-entry object's 2048 pages took 28 us, twice a call a step)."""
+        (converting all of a long object's pages, twice a call a step, costs time that
+        grows with the object; measured: docs/kernels.md, "Slot ids of a page range
+        only")."""
         end = obj.length if end is None else end
         ps = self.page_size
         if end - start == 1:       # a decode step's reserve: no index arrays

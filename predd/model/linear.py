@@ -2,10 +2,10 @@
 
 A plain `nn.Linear` on CPU re-lays its weight out for the GEMM kernel on every call;
 at decode's few rows per step that repacking is a large part of each projection's time
-(measured here, fp32 on 2 AVX2 cores: the 49152 x 576 `lm_head` at 8 rows 17 -> 6.5 ms,
-the fused gate/up at 8 rows 0.52 -> 0.27 ms). `pack_linears` swaps every `nn.Linear`
-of a model for a `PackedLinear` holding the weight in oneDNN's blocked layout, once,
-after checking on a probe that the packed op runs here and gives the same result.
+(measured: docs/kernels.md, "Weights packed once for oneDNN"). `pack_linears` swaps
+every `nn.Linear` of a model for a `PackedLinear` holding the weight in oneDNN's blocked
+layout, once, after checking on a probe that the packed op runs here and gives the same
+result.
 Where it cannot (no oneDNN in this torch build, a CUDA device, a dtype oneDNN refuses)
 the model keeps its plain projections and the reason is reported.
 """

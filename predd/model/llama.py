@@ -234,8 +234,9 @@ class LlamaModel(nn.Module):
         if out_rows.numel() == 0:
             return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32)
         # the wanted rows only, through the layers' own add-and-norm (CpuOps: one kernel
-        # call, where torch's RMSNorm took ~10 ops, ~0.12 ms a decode step on 2 cores);
-        # every row in order (a step of decodes) needs no copies (~20 us)
+        # call, where torch's RMSNorm took ~10 ops); every row in order (a step of
+        # decodes) needs no copies (measured: docs/kernels.md, "The final norm by the
+        # layers' add-and-norm")
         if not every_row(out_rows, x.shape[0]):
             x, delta = x[out_rows], delta[out_rows]
         _, h = self.ops.add_norm(x, delta, self.model.norm)

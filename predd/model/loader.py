@@ -213,7 +213,7 @@ def _load_gguf(
     return config, _finish(weights, config.tie_word_embeddings)
 
 
-TILE_ROWS = 16     # weight rows a tile of QuantBlocks.in_tiles (predd/kernels/csrc/quant_blocks.h)
+WEIGHT_TILE_ROWS = 16     # weight rows a tile of QuantBlocks.in_tiles (predd/kernels/csrc/quant_blocks.h)
 # QuantBlocks.in_lanes: the bit at which weight 8g + 2s + t of a block (s < 4, t < 2) sits
 # in its tile row's uint32 of group g (predd/kernels/csrc/quant_lanes.c)
 LANE_SHIFTS = np.array([[4 * s + 16 * t for t in range(2)] for s in range(4)], np.uint32)
@@ -227,7 +227,7 @@ class QuantBlocks:
     [rows, K/32] float32. Exactly the weights `load_weights` dequantises.
 
     `in_tiles()` is the same blocks as the bfloat16 kernels read them (`tiled`): rows in
-    tiles of TILE_ROWS, a tile's blocks column by column (q [tiles, K/32, 16, bytes],
+    tiles of WEIGHT_TILE_ROWS, a tile's blocks column by column (q [tiles, K/32, 16, bytes],
     d and m [tiles, K/32, 16]), the last tile padded with zero rows; `n` the rows
     without the padding (the row layout's are q's first axis). `in_lanes()` is Q4_1
     tiles with each block's q rearranged for predd/kernels/csrc/quant_lanes.c (`lanes`: q
@@ -264,11 +264,11 @@ class QuantBlocks:
             return self.in_rows().in_tiles()
         if self.tiled:
             return self
-        n, pad = self.rows(), -self.rows() % TILE_ROWS
+        n, pad = self.rows(), -self.rows() % WEIGHT_TILE_ROWS
 
         def tiles(a: np.ndarray) -> np.ndarray:       # [n, blocks, ...] -> tiles
             a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
-            a = a.reshape(-1, TILE_ROWS, *a.shape[1:])
+            a = a.reshape(-1, WEIGHT_TILE_ROWS, *a.shape[1:])
             return np.ascontiguousarray(np.swapaxes(a, 1, 2))
         return QuantBlocks(self.kind, tiles(self.q), tiles(self.d),
                            None if self.m is None else tiles(self.m), n)

@@ -19,10 +19,8 @@ Without AMX, Q4_1 blocks are held with 16 weight rows across the lanes
 (`Kernels.bf16_lanes`, predd/kernels/csrc/quant_lanes.c) and multiplied as the exact weights
 d q + m (bf16 rows, float32 sums), not bf16-rounded ones.
 
-Measured on 2 AVX2 cores, all of SmolLM2-135M's projections and its lm_head for one
-step (30 layers' weights, so none stays in cache), from the blocks against packed
-float32: 1 row 11.0 vs 21.5 ms, 8 rows 19.1 vs 33.4, 16 rows 37.4 vs 47.3, 24 rows
-55.8 vs 59.4, 28 rows 67.8 vs 66.8, 48 rows 110.7 vs 104.9 (hence 24).
+In float32 the blocks beat the packed GEMM up to 24 rows and lose beyond (measured:
+docs/kernels.md, "Float32 rows from the blocks up to 24 rows").
 """
 from __future__ import annotations
 
@@ -43,20 +41,16 @@ from predd.model.llama import FUSED
 # Up to how many rows a model of each dtype computes from the blocks. In bfloat16 the
 # rows are widened to float32 and the result rounded back, and the packed bf16 GEMM it
 # competes with reads 2 bytes a weight, not 4, so the blocks pay only at the fewest
-# rows: a whole decode step on 2 AVX-512-BF16 cores, packed bf16 / blocks, 1 call 21.6
-# / 15.7 ms, 2 calls 23.5 / 17.0, 4 calls 22.7 / 19.9, 8 calls 27.6 / 30.3, 12 calls
-# 29.6 / 39.6 (scripts/bench_step.py --dtype bfloat16 --context 100).
+# rows (measured: docs/kernels.md, "Widened bfloat16 rows from the blocks up to 4 rows").
 QUANT_ROWS = {torch.float32: 24, torch.bfloat16: 4}
 # bfloat16 rows where the CPU has bf16 dot products (`Kernels.bf16_blocks`) take another
 # kernel: each weight rounded to bf16 as the bf16 model holds it, bf16 products summed
-# in float32, no widening of the rows. A whole decode step on 2 AVX-512-BF16 cores
-# (Zen 4), packed bf16 / these blocks: 1 call 19.6 / 10.6 ms, 4 calls 18.6 / 13.0, 8
-# calls 23.3 / 19.9, 10 calls 24.0 / 23.2, 12 calls 27.0 / 24.9, 16 calls 29.8 / 33.3
-# (scripts/bench_step.py --dtype bfloat16 --context 100, best of 8).
+# in float32, no widening of the rows: these pay up to 12 calls a step (measured:
+# docs/kernels.md, "bf16 dot products from the blocks up to 12 rows").
 BF16_NATIVE_ROWS = 12
 # Both limits above were measured on one machine each; where the dense GEMM is faster
-# (oneDNN's AMX tiles on a Sapphire Rapids core beat these kernels at 8 bf16 rows: a
-# whole step 27.6 against 37.8 ms), predd measures its own (`calibrate`) at start-up,
+# (oneDNN's AMX tiles can beat these kernels at 8 bf16 rows: docs/kernels.md, "Row
+# limits calibrated at start-up"), predd measures its own (`calibrate`) at start-up,
 # trying these row counts in turn until the blocks lose.
 CALIBRATION_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -127,7 +121,7 @@ class QuantLinear(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x) in float32 (a model's head): from bf16 rows and Q8_0 blocks the
         kernel stores the bf16 result widened, the same values without a second pass
-        (~0.1 ms of a decode step of 8 calls)."""
+        (measured: docs/kernels.md, "Logits widened as they are stored")."""
         if x.dtype == torch.bfloat16 and self.run_logits is not None and self.takes(x):
             return self.run_logits(x.contiguous())
         with torch.inference_mode():        # (a caller outside it: the layer loop's head)
@@ -226,8 +220,8 @@ def calibrate(model: nn.Module, dtype: torch.dtype, reps: int = 3
         return {g: (b, d) for g, (b, d) in best.items()}
     # the decoder layers' kinds as one too: a step runs its layers in one C call only
     # where every one of them is computed from its blocks (predd/kernels/layer_loop.py), which
-    # saved ~2.4 ms a step on 2 Zen 5 vCPUs (7 decodes and a 21-token question: 21.6 ->
-    # 19.2 ms; 8 decodes 10.1 -> 7.8), more than a kind's blocks lose by near its limit
+    # saves more a step than a kind's blocks lose by near its limit (measured:
+    # docs/kernels.md, "A step's layers in one C call")
     together = frozenset(group_of(name) for name, m in model.named_modules()
                          if isinstance(m, QuantLinear) and ".layers." in name)
     with torch.inference_mode():

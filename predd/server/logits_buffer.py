@@ -30,7 +30,7 @@ Why it cannot hurt predd or another session:
   predd's writes may fill; an eighth of the machine's memory): EMFILE, ENOMEM past them.
   One uid may hold at most half of each (`UID_SHARE`), so no user's sessions can take
   every buffer from the others; predd's own uid is exempt, as from its other uid
-  limits (predd/server/quota.py). The descriptor and mapping go with the session.
+  limits (predd/server/quotas.py). The descriptor and mapping go with the session.
 A refusal is not an error: hello's reply says why (`logits_buffer`), and the client
 keeps getting frames.
 """

@@ -1,9 +1,9 @@
 """Decode steps replayed as CUDA graphs (`predd --cuda-graphs`; CUDA with flashinfer).
 
 On a GPU a small model's decode step is bound by the host, not the device: every layer
-launches a dozen small kernels from Python (~0.4 ms a layer, docs/benchmarks.md "GPU"),
-so a 30-layer step costs ~15 ms whether it carries 1 call or 64. A CUDA graph records a
-step's kernels once and replays them all with one launch.
+launches a dozen small kernels from Python, so a step costs about the same whether it
+carries 1 call or 64 (measured: docs/kernels.md, "Decode steps as CUDA graphs"). A
+CUDA graph records a step's kernels once and replays them all with one launch.
 
 A graph has fixed shapes and fixed addresses. So for each batch size of a ladder
 (`buckets`: 1, 2, 4, 8, every 8th to 64, every 32nd to 256, up to `--max-batch`; larger
@@ -20,11 +20,12 @@ step (a chunk of several tokens, more calls) runs eagerly, as without graphs.
 The graphs decode on CUDA cores (FlashInfer's CUDA-core decode, which it builds for 1, 2,
 3, 4, 6 and 8 query heads per KV head: `GROUPS`; a model with another group runs every
 step eagerly, saying why). Below 4 heads a KV head (SmolLM2) that is the eager path's
-kernel too, and the graphs' logits were identical to the eager steps' on an H200; from
-4 on the eager path decodes on tensor cores, whose recording under a graph is not
-verified on a GPU here, so the graphs keep to the kernel that is. All graphs write their
-logits into one shared `[largest, vocab]` float32 buffer (one graph's output each would
-add up to ~0.7 GB at a 128K vocabulary and 256 calls).
+kernel too, and the graphs' logits were identical to the eager steps' (validated on an
+H200: docs/kernels.md, "Decode steps as CUDA graphs"); from 4 on the eager path decodes
+on tensor cores, whose recording under a graph is not verified on a GPU here, so the
+graphs keep to the kernel that is. All graphs write their logits into one shared
+`[largest, vocab]` float32 buffer (one graph's output each would add up to ~0.7 GB at a
+128K vocabulary and 256 calls).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from predd.attention.backends import row_writer
+from predd.attention.slots import row_writer
 from predd.attention.page_table import PageTables
 from predd.worker.paged_kv import PagedKVCache
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from predd.engine.chunk import Chunk
 from predd.kernels import cpu_kernels
 from predd.worker import cuda_graphs
 from predd.kernels import layer_loop
@@ -24,7 +25,7 @@ from predd.worker import tp as tp_mod
 from predd.attention.backends import make_backend, resolve as resolve_attention
 from predd.worker.paged_kv import PagedKVCache
 from predd.model.dtype import DTYPES
-from predd.model.loader import ModelConfig, load_weights, quantized_blocks
+from predd.model.loader import load_weights, quantized_blocks
 from predd.model.llama import LlamaModel
 from predd.attention.page_table import PageTables
 
@@ -58,15 +59,6 @@ class TensorParallel:
     world: int
     rank: int
     link: tp_mod.Link
-
-
-@dataclass
-class Chunk:
-    tokens: np.ndarray        # [n] token ids to compute
-    positions: np.ndarray     # [n]
-    pages: np.ndarray         # the call's page table: ceil(kv_len / page_size) page ids
-    kv_len: int               # entries the chunk attends to, its own n last
-    outputs: np.ndarray       # indices into the chunk whose logits are wanted
 
 
 class Runner:
@@ -162,8 +154,8 @@ class Runner:
             # every row count by the int8 kernels, measured or not: a row's int8 result
             # is its own alone, where the dense weight (float32 rows) beyond a limit
             # would make it depend on how many rows share its step; and the dense GEMM
-            # gains nothing here (2 AVX2 Zen 3 cores: the int8 kernels beat it up to
-            # 64-128 rows and tie beyond, both linear in the rows)
+            # gains nothing at any row count (measured: docs/kernels.md, "int8 kernels
+            # at every row count")
             if rows is not None:
                 raise ValueError("--quant-rows applies to --linear quantized: int8 dot "
                                  "products compute every row count (EINVAL)")
@@ -207,7 +199,7 @@ class Runner:
 
     def _cascade_problem(self, asked: bool) -> str | None:
         """Why calls' shared prefixes are not attended together in blocks
-        (predd.kernels.cpu_kernels.SharedPrefixes), or None where they are."""
+        (predd.kernels.library.SharedPrefixes), or None where they are."""
         if not asked:
             return "off (asked for)"
         if self.backend.name != "cpu":

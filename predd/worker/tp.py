@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from predd.engine.chunk import Chunk
 from predd.model.loader import ModelConfig
 
 TIMEOUT_S = 30.0         # a collective waiting longer means a rank died or hangs
@@ -150,8 +151,7 @@ def encode_chunks(chunks) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def decode_chunks(flat: np.ndarray):
-    from predd.worker.runner import Chunk
+def decode_chunks(flat: np.ndarray) -> list[Chunk]:
     count, at, chunks = int(flat[0]), 1, []
     for _ in range(count):
         n, pages, kv_len, outs = (int(v) for v in flat[at:at + 4])

@@ -2,7 +2,7 @@
 programs come back"), loaded by putting this folder on PYTHONPATH: with HOLD_TRACE=FILE,
 every predd started with that environment appends to FILE at exit the percentiles of the
 return times of calls that came within a hold, its holds, its step times and its
-expected objects per step; HOLD_STEPS=N sets predd.engine.returns.RETURN_STEPS and
+expected objects per step; HOLD_STEPS=N sets predd.engine.return_times.RETURN_STEPS and
 HOLD_QUANTILE=Q its RETURN_QUANTILE. Other processes only get a path hook.
 
     PYTHONPATH=$PWD:$PWD/scripts/hold_trace HOLD_TRACE=/tmp/hold.txt \
@@ -55,7 +55,7 @@ if os.environ.get("HOLD_TRACE"):
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "predd.engine.returns":
+            if name != "predd.engine.return_times":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)

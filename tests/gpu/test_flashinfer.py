@@ -119,7 +119,7 @@ class Greedy:
         self.forced = forced
 
     def chunk(self, i: int, n: int):
-        from predd.worker.runner import Chunk
+        from predd.engine.chunk import Chunk
         start, end = self.done[i], self.done[i] + n
         while len(self.pages[i]) * self.ps < end:
             self.pages[i].append(int(self.free.pop()))

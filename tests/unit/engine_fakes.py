@@ -18,7 +18,9 @@ import msgpack
 import numpy as np
 import torch
 
-from predd.engine.core import Engine, EngineConfig
+from predd.engine.config import EngineConfig
+from predd.engine.core import Engine
+from predd.server.handlers import HANDLERS
 from predd.server.identity import Peer
 from predd.attention.page_table import PageTables
 from predd.engine.scheduler import SchedulerConfig
@@ -129,7 +131,8 @@ class Harness:
                            **config)
         self.engine = Engine(self.runner, self.tokenizer, cfg,
                              lambda ident, head, frames: self.replies.append(
-                                 (ident, head, frames)), self.logs.append)
+                                 (ident, head, frames)), self.logs.append,
+                             handlers=HANDLERS)
         self.rid = 0
 
     def send(self, who: bytes, op: str, *frames: bytes, **fields) -> int:

@@ -1,9 +1,10 @@
 /* Paged attention for chunks (calls of several new tokens) in blocks of 16 query vectors,
  * by AMX tiles (or bf16 dot products without them: below), bfloat16 pool
  * and rows, pages of 16 entries: paged_attention.c scores each query row against every
- * entry alone (dot products: ~0.24 ms a row over 440 entries for SmolLM2's 30 layers on
- * two Sapphire Rapids cores, so an agent's 41-token observation costs ~10 ms a step);
- * here 16 query vectors are scored against a page's 16 entries in one tile product.
+ * entry alone (dot products), so a chunk of many rows (an agent's observation) costs
+ * each row's own pass over every entry (measured: docs/kernels.md, "Attention in blocks
+ * of 16 query rows"); here 16 query vectors are scored against a page's 16 entries in
+ * one tile product.
  *
  * A task is one call's block of 16 query vectors (its rows x the query heads of one kv
  * head, row-major) and that kv head. Per page: the page's K, transposed into pairs of
@@ -31,13 +32,12 @@
  * three-part split) and each vector's weighted sum of V is float32 multiply-adds in
  * entry order, V widened as read. The row kernel reads each entry once for a row's
  * query heads; the blocks read it once for 16 vectors, which pays from chunks of 4
- * rows (predd.kernels.cpu_kernels.BLOCK_LIMITS has the measurements).
+ * rows (predd.kernels.library.BLOCK_LIMITS).
  *
  * Each page's K is asked for (prefetch.h) while the page before it is scored, and each
  * entry's V one page ahead of the entry being summed: pages lie anywhere in the pool.
- * Without that the blocks waited on memory at every page: 7 decodes and a 21-token
- * chunk after 432 entries, each layer's pages out of cache (scripts/bench_attention.py
- * --cold 2.2, 2 Zen 5 cores, five alternations) 4.87-5.07 -> 4.08-4.67 ms.
+ * Without that the blocks waited on memory at every page (measured: docs/kernels.md,
+ * "Prefetching attention's next page").
  *
  * Built with the other kernels (predd/kernels/cpu_kernels.py); AMX tiles from quant_tiles.c
  * (amx.h). Returns -1 without computing anything where neither tiles nor bf16 dot

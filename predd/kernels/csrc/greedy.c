@@ -1,10 +1,10 @@
 /* The greedy pick of a step's generates: each float32 logits row's argmax (the first
  * where several tie, as torch.argmax) and its logprob, -log(sum_i e^(x_i - max)), in
  * two passes over the row and no copy. torch needs a concatenation of the rows, a
- * log-softmax written out in full and an argmax (~6 ms a step for 64 rows of 49,152 on
- * two cores); this reads each row twice. The sum is in double: the logprob is within
- * ~2e-7 of the exact value (e^x's own error), where torch's float32 log_softmax is
- * within ~2e-6.
+ * log-softmax written out in full and an argmax (measured: docs/kernels.md, "Greedy
+ * pick without a log-softmax"); this reads each row twice. The sum is in double: the
+ * logprob is within ~2e-7 of the exact value (e^x's own error), where torch's float32
+ * log_softmax is within ~2e-6.
  *
  * Built and loaded with paged_attention.c (predd/kernels/cpu_kernels.py); rows are split over
  * torch's OpenMP threads. A row whose max or sum is not finite (a NaN, or every logit
@@ -23,8 +23,7 @@
 /* The row's max (*most), the first index holding it (*at), and the sum of e^(x_i - max)
  * in double (NaN where the row has a NaN), 16 lanes at a time: the loops below (a
  * double sum of float terms) vectorise poorly. Each term is added in double as there,
- * in another order. Rows of 49,152 on 2 Zen 5 vCPUs: 8 rows 106 -> 57 us, 64 rows 801
- * -> 423. */
+ * in another order (measured: docs/kernels.md, "Greedy pick without a log-softmax"). */
 static double sum_exp16(const float *x, int64_t n, float *most, int64_t *at)
 {
     __m512 best = _mm512_set1_ps(-INFINITY);

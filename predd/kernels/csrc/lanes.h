@@ -28,8 +28,9 @@ static inline __m512 sum_lanes16(const __m512 v[16])
 
 /* dst[i * 16 + j] = src[j * stride + i] for 16 x 16 uint32 (j < n; 0 for j >= n): a
  * tile operand's pairs of bf16 from rows `stride` uint32 apart, transposed in registers
- * by four rounds of shuffles. Gathers, one per output row, cost ~3x as much on the
- * Sapphire Rapids this was measured on. dst is 64-byte aligned. */
+ * by four rounds of shuffles, which cost less than gathers, one per output row
+ * (measured: docs/kernels.md, "Tile operands transposed in registers"). dst is 64-byte
+ * aligned. */
 static inline void transpose16_u32(uint32_t *dst, const uint32_t *src, int64_t stride,
                                    int64_t n)
 {

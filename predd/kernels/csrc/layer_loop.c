@@ -6,7 +6,7 @@
  * with the same arguments in the same order, as the Python loop of predd/model/llama.py
  * makes them one ctypes call at a time: the same bits out. What this saves is that
  * loop's own time, ~10 calls a layer through Python, ctypes and torch's allocator, while
- * the other threads wait (a third of a decode step of 8 calls on 2 cores).
+ * the other threads wait (measured: docs/kernels.md, "A step's layers in one C call").
  */
 #include <stddef.h>
 #include <stdint.h>

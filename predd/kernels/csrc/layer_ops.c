@@ -17,11 +17,10 @@
 #include "bf16.h"
 #include "exp_approx.h"
 
-/* below this many floats (or at one row) a row loop runs serially: 64 rows of 576 (a
- * 64-call decode step's add+RMSNorm) split over 2 threads take 26 us instead of 42. From
- * 16,384 down to 1,024: an 8-call step's two norms, rope and silu a layer were serial,
- * the other thread waiting (8 calls over 460 entries, bf16, 2 Zen 5 cores, in-process
- * alternation: 6.49 -> 6.36 ms median, faster in 8 of 8 rounds; 2 and 64 calls the same) */
+/* below this many floats (or at one row) a row loop runs serially: smaller loops do
+ * not pay for the split. Down from 16,384, where an 8-call step's two norms, rope and
+ * silu a layer were serial, the other thread waiting (measured: docs/kernels.md, "Row
+ * loops split over threads from 1,024 floats") */
 #define PARALLEL_FLOATS 1024
 #define SPLIT(rows, values) ((rows) > 1 && (rows) * (values) >= PARALLEL_FLOATS)
 
@@ -98,12 +97,12 @@ static inline __attribute__((always_inline)) void silu_mul_row(
 /* The bfloat16 rows 16 values at a time where the CPU has AVX512_BF16 (the norm, RoPE
  * on heads whose halves are whole vectors, SwiGLU): the compiler's own vectorising of
  * the row loops above takes 8 lanes and spends six instructions on each rounding to
- * bf16 (three a value in add_rms_norm), where VCVTNEPS2BF16 is one.
+ * bf16 (three a value in add_rms_norm), where VCVTNEPS2BF16 is one: the norms, RoPE and
+ * SwiGLU take less of a decode step (measured: docs/kernels.md, "bf16 norms, RoPE and
+ * SwiGLU 16 lanes at a time").
  * The same roundings in the same places as above (the sum of squares in another
  * order, and where the compiler fused a multiply and an add is its choice there, so
- * float32's last bit may differ before a rounding). In a B2 decode step (8 rows, 30
- * layers, 2 Sapphire Rapids vCPUs) the norms and SwiGLU 0.68 -> 0.42 ms, RoPE 0.10 ->
- * 0.05. */
+ * float32's last bit may differ before a rounding). */
 static inline __mmask16 lanes_left(int64_t left)
 {
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);

@@ -148,8 +148,8 @@ static inline __m512 dots16_bf16(const uint16_t *q, const uint16_t *k, int64_t s
     if (n == 64) {
         /* entry by entry, one pointer stepped by the stride: dims outermost, GCC kept 16
          * entry pointers and spilled them to the stack, reloading one for each product
-         * (8 decodes over 460 entries, 432 shared: 1.26 -> 1.10-1.15 ms; the same sums
-         * in the same order, the same bits) */
+         * (measured: docs/kernels.md, "A page's dot products entry by entry"; the same
+         * sums in the same order, the same bits) */
         const __m512bh q0 = (__m512bh)_mm512_loadu_si512(q);
         const __m512bh q1 = (__m512bh)_mm512_loadu_si512(q + 32);
         for (int e = 0; e < 16; e++, k += stride) {
@@ -256,10 +256,9 @@ static inline __attribute__((always_inline)) void weighted_sum_group(
 #define AT(p, i) ((const void *)((const char *)(p) + (i) * size))
 
 /* The next page's K (or V) is asked for while this one's is read (prefetch.h): without
- * that a decode step waited on memory at every page (8 calls x 440 entries, bf16, 2
- * Sapphire Rapids cores: the step's attention 8.2-8.8 -> 6.2-6.3 ms). Asking for a
- * task's first page too, or two pages ahead, measured the same (2 Zen 5 cores,
- * scripts/bench_attention.py --cold 2.2). */
+ * that a decode step waited on memory at every page. Asking for a task's first page
+ * too, or two pages ahead, gained nothing more (measured: docs/kernels.md, "Prefetching
+ * attention's next page"). */
 
 /* The arguments of both exported functions (below), and their names. */
 #define ARGS const void *q, int64_t q_stride, void *out, const void *kv, int64_t page_size, \
@@ -456,7 +455,8 @@ int paged_attention_bf16(ARGS) { return paged_attention(1, PASS); }
 /* The step's new K and V into their slots: entry i of k (at k + i * src_stride bytes,
  * `entry` bytes of contiguous heads) to row rows[i] of the layer's pool seen as rows of
  * `entry` bytes, and v's to row rows[i] + page_size (the page's V half). One copy per
- * entry, where index_copy_ from a strided view of qkv costs ~30 us a layer at 64 rows. */
+ * entry, cheaper than index_copy_ from a strided view of qkv (measured: docs/kernels.md,
+ * "New K and V stored in one call a layer"). */
 void store_entries(void *kv, const int64_t *rows, int64_t n, const void *k, const void *v,
                    int64_t src_stride, int64_t entry, int64_t page_size)
 {

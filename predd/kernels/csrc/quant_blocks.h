@@ -16,9 +16,9 @@
 #define BLOCK 32
 /* Weight row n + PREFETCH_ROWS is asked for while row n is computed: a row of a
  * decode projection is a few hundred bytes, too little for the hardware prefetcher
- * to run ahead of, and without this a pass over the model's blocks waited on memory
- * (one row a step, all of SmolLM2-135M's projections, bf16 on 2 Sapphire Rapids
- * cores: 16.9 ms without, 8.2 with; the dense bf16 GEMM 16.8). */
+ * to run ahead of, and without this a pass over the model's blocks waited on memory,
+ * as slow as the dense bf16 GEMM (measured: docs/kernels.md, "Prefetching weight
+ * rows"). */
 #define PREFETCH_ROWS 4
 
 /* Asks for weight row n's blocks (q, d and m) to be brought into cache; never faults,
@@ -43,9 +43,8 @@ static inline void prefetch_weight_row(const int kind, const uint8_t *q, const f
  * weight row n is block tile_block(n, b) of q (16 or 32 bytes each), d and m alike, the
  * last tile padded with zero rows. A tile's blocks, as the kernels take them, are then
  * one stream of memory instead of 16 rows' streams side by side, which the hardware
- * prefetcher follows and one prefetch a cache line covers: all of SmolLM2-135M's
- * projections at 8 bf16 rows by AMX tiles, one pass as a step reads them (2 Sapphire
- * Rapids vCPUs), 8.1-8.3 -> 6.6-7.2 ms. */
+ * prefetcher follows and one prefetch a cache line covers (measured: docs/kernels.md,
+ * "Blocks in tiles of 16 weight rows"). */
 static inline int64_t tile_block(int64_t n, int64_t b, int64_t blocks)
 {
     return ((n >> 4) * blocks + b) * 16 + (n & 15);
@@ -86,8 +85,8 @@ static inline void q8_0_block(const int8_t *q, float d, float *w)
  * twice, as VPERMW reads 5 bits of each index, so the bytes need no masking: weights
  * 0-15 are indexed by the whole byte (its low nibble; bit 4, from the high one, only
  * picks the copy), 16-31 by the bytes shifted down 4 in their 16-bit pairs (the high
- * nibble; bit 4 from the next byte). One Zen 5 core's 1-row projections 63 -> 54 us
- * with quant_linear.c's other changes. */
+ * nibble; bit 4 from the next byte) (measured: docs/kernels.md, "Q4_1 weights looked
+ * up from a bf16 table"). */
 static inline __m512bh q4_1_bf16(const uint8_t *q, float d, float m)
 {
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);

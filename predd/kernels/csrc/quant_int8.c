@@ -16,10 +16,8 @@
  * below sums in the same lanes and order, so it gives the same bits.
  *
  * Each thread takes its weight rows two at a time from memory, once a call, and runs
- * every 4 rows of x in turn over them from L1 (8 sums in registers). All of SmolLM2-
- * 135M's projections a step, 2 AVX2 Zen 3 cores: 1 row 10.7-12.0 ms, 8 rows 32.7-36.2,
- * 64 rows 214 (one 8-row pass at a time over the weight: 291); the exact float32 blocks
- * (quant_linear.c) 16-18.5 ms at 1 row.
+ * every 4 rows of x in turn over them from L1 (8 sums in registers), so many rows read
+ * the weight once (measured: docs/kernels.md, "int8 kernels at every row count").
  *
  * Layout as quant_linear.c reads it (predd.model.loader.QuantBlocks, by rows): q [N, K / 32,
  * 16] bytes for Q4_1 (byte j: weight j in its low nibble, j + 16 in its high one), [N,

@@ -18,9 +18,8 @@
  * whatever other rows come with it (passes of up to 8 rows; the result's bits do not
  * depend on the batch).
  *
- * All of SmolLM2-135M's decoder projections (120 weights, 80 MB of blocks, so none stays
- * in cache), 2 Zen 5 vCPUs, the table kernel / this one: 1 row 2.07 / 1.34 ms, 4 rows
- * 2.65 / 1.80, 8 rows 3.69 / 2.88, 12 rows 5.31 / 4.13, 28 rows 9.90 / 9.26.
+ * Faster than the table kernel at every row count measured (measured: docs/kernels.md,
+ * "Q4_1 weights in lanes without AMX").
  *
  * Layout (predd.model.loader.QuantBlocks.in_lanes): q [tiles, K / 32, 4, 16] uint32, group g of
  * a block holding weights 8g .. 8g + 7 of each of the tile's 16 rows, row i's in lane i:
@@ -71,8 +70,8 @@ static inline __attribute__((always_inline)) void tile_rows(
         __builtin_prefetch(m + (b + AHEAD) * LANES);
         /* the two chains as two arrays: as part[2][PASS] indexed by s % 2, gcc stored
          * the odd chain's 8 vectors to the stack at every group (never read back), and
-         * 8 and 16 rows took ~9% longer (all 120 projections, 2 Zen 5 vCPUs: 8 rows
-         * 3.54 -> 3.25 ms, 16 rows 6.27 -> 5.72, 24 rows 9.06 -> 8.17; 1-7 rows the same) */
+         * 8 rows and more took longer (measured: docs/kernels.md, "Two accumulator
+         * arrays in the lanes kernel") */
         __m512 even[PASS], odd[PASS];
         for (int r = 0; r < R; r++)
             even[r] = odd[r] = _mm512_setzero_ps();

@@ -173,15 +173,13 @@ void linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *q,
  * Each 16-lane sum runs over the blocks in order and a tile's 16 weight rows' sums are
  * reduced together (sum_lanes16), whichever of the two ways below computes them, so
  * both give the same bits. Without AMX the products are bound by the arithmetic ports,
- * which the unpacking of a block (~4 cycles on Zen 5) shares with the products (two a
+ * which the unpacking of a block (a few cycles) shares with the products (two a
  * cycle): few rows multiply each block as it is unpacked, several weight rows at a time
  * so that each row of x is loaded once for all of them; more rows unpack a tile's
  * blocks once into a buffer and multiply 4 weight rows by 6 rows of x in registers.
- * VDPBF16PS a cycle (of 2 at most) against one weight row's products after another, on
- * one Zen 5 core, a 3072 x 576 Q4_1 weight (gate_up): 1 row 0.22 -> 0.26, 4 rows 0.66
- * -> 0.77, 8 rows 0.96 -> 1.06, 16 rows 0.91 -> 1.16, 28 rows 0.91 -> 1.27; both cores,
- * down_proj (576 x 1536) at 28 rows 170 -> 92 us, the Q8_0 lm_head at 8 rows 1.47 ->
- * 1.01 ms. Each block's bf16 table and indices: quant_blocks.h. */
+ * Both keep VDPBF16PS busier than one weight row's products after another (measured:
+ * docs/kernels.md, "Several weight rows at once in the bf16 dot products"). Each
+ * block's bf16 table and indices: quant_blocks.h. */
 #if defined(__AVX512BF16__)
 #define TILE 16                   /* weight rows whose sums are reduced together */
 #define PASS_ROWS 48              /* rows of x per pass over the weight, at most */
@@ -341,10 +339,9 @@ static void linear_bf16(const int kind, const uint16_t *x, int64_t M, int64_t K,
                         const float *bias, uint16_t *y, float *wide)
 {
     const int64_t tiles = (N + TILE - 1) / TILE;
-    /* 48 rows a pass (all projections a step on 2 Zen 5 cores, the calibration's table,
-     * against 32 a pass before x's rows were kept in L1: 48 rows 22.3-23.0 -> 19.0-19.2
-     * ms, 64 rows 28.4-30.0 -> 26.6-26.8, 96 rows 42.6-43.7 -> 37.6-37.7; 64 rows as two
-     * passes of 32: 28.5; in one pass: 32.4, the sums no longer in L1) */
+    /* 48 rows a pass, with x's rows kept in L1: faster than 32 a pass was before they
+     * were, and than 64 rows in one pass, whose sums no longer stay in L1 (measured:
+     * docs/kernels.md, "48 rows of x a pass over the weight") */
     const int64_t per = M < PASS_ROWS ? M : PASS_ROWS;
     uint16_t *xs = per > 1 ? rows_buffer((size_t)per * K) : NULL;
     const int64_t pass = xs ? per : 1;       /* one row is in block order as it lies */
@@ -403,9 +400,9 @@ void linear_q8_0_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
 }
 
 /* linear_q8_0_bf16's result as float32 (the same bf16 values, widened as they are
- * stored): a model's logits without a second pass over them (torch's .float() of 8 rows
- * of 49,152 took ~0.1 ms of a ~5.5 ms decode step on 2 Zen 5 cores). 0, or -1 where it
- * did nothing (no bf16 dot products, or memory short for AMX tiles' bf16 result). */
+ * stored): a model's logits without a second pass over them (measured: docs/kernels.md,
+ * "Logits widened as they are stored"). 0, or -1 where it did nothing (no bf16 dot
+ * products, or memory short for AMX tiles' bf16 result). */
 int linear_q8_0_bf16_f32(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
                          const float *d, int64_t N, const float *bias, float *y)
 {

@@ -17,8 +17,8 @@
 #include <unistd.h>
 #define AMX_GROUPS 6                          /* rows of x per pass: 6 tiles of 16 */
 /* one row takes the dot-product kernel: with nothing to share the unpacking with, the
- * tiles' set-up costs more than they save (all of SmolLM2-135M's projections, 2
- * Sapphire Rapids vCPUs: 1 row 7.4 vs 9.6 ms; 2 rows 9.2 vs 9.5, 4 rows 9.1 vs 12.6) */
+ * tiles' set-up costs more than they save (measured: docs/kernels.md, "AMX tiles from
+ * 2 rows") */
 #define AMX_MIN_ROWS 2
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -214,11 +214,9 @@ static inline __attribute__((always_inline)) void amx_tile_few(
 }
 
 /* a weight tile's products by the kernel for its kind and number of groups, both
- * constants there, so that the compiler drops the branches on them. With the pipelined
- * kernel above, all 30 of SmolLM2-135M's gate/up weights (Q4_1; random blocks, one
- * call, best of 100, 2 Sapphire Rapids vCPUs) at 8 / 16 / 28 / 48 / 64 rows went
- * 2.25 / 2.5 / 3.1 / 3.9 / 4.65 -> 1.9 / 2.1 / 2.4 / 3.1-3.3 / 3.9 ms; its Q8_0 head
- * at 16 / 28 / 64 rows 1.37 / 1.75 / 2.55 -> 1.17 / 1.48 / 2.3 (8 rows ~1.1 both). */
+ * constants there, so that the compiler drops the branches on them. The pipelined
+ * kernel above is the faster one (measured: docs/kernels.md, "A pipelined AMX tile
+ * kernel"). */
 static void amx_tile_any(const int kind, const uint32_t *xt, int groups, int64_t last,
                          int64_t K, const uint8_t *q, const float *d, const float *m,
                          int64_t n0, int64_t count, const float *bias, uint16_t *y, int64_t N)

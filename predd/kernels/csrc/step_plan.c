@@ -7,8 +7,8 @@
  * Python loop; predd/kernels/layer_loop.py calls plan_step into buffers it keeps.
  *
  * In numpy this was ~60 small array ops a step. After the step's layers have streamed
- * ~100 MB of weights through the caches, each cost several times its own time (a decode
- * step of 8 calls on 2 Zen 5 cores: ~0.15 ms, against ~10 us here).
+ * ~100 MB of weights through the caches, each cost several times its own time
+ * (measured: docs/kernels.md, "A step's tables and plans without small numpy ops").
  */
 #include <stdint.h>
 

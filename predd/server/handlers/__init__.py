@@ -7,20 +7,16 @@ the reply record, or None for a call it queued (pred, generate: the step replies
 raises ProtocolError for its caller alone; the engine answers any other exception with
 EIO. One module per part of docs/protocol.md: session and server, text, KV objects,
 pred and generate.
+
+May import: the protocol records; predd.engine (calls, sampling, intake's `Handler`; the
+`Engine` they are given, for types) and predd.server's capabilities, identity, quotas,
+sessions and logits buffer.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import symphony_protocol as p
+from predd.engine.intake import Handler
 from predd.server.handlers import kv, pred, session, text
-
-if TYPE_CHECKING:
-    from predd.engine.core import Engine
-    from predd.server.sessions import Session
-
-Handler = Callable[["Engine", "Session", p.Request, list[bytes], float], p.Reply | None]
 
 HANDLERS: dict[type[p.Request], Handler] = {
     **session.HANDLERS, **text.HANDLERS, **kv.HANDLERS, **pred.HANDLERS}

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import symphony_protocol as p
 from symphony_protocol import ProtocolError
-from predd.server.caps import Capability
+from predd.server.capabilities import Capability
 from predd.server.identity import MAX_UID
-from predd.server.quota import check_limit
+from predd.server.quotas import check_limit
 
 if TYPE_CHECKING:
     from predd.engine.core import Engine

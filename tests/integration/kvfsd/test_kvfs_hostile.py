@@ -1,4 +1,4 @@
-"""Local users and programs attacking kvfsd (issue 7), on a real mount over a real predd.
+"""Local users and programs attacking kvfsd, on a real mount over a real predd.
 
 Attacks a local user could make run as `nobody`, as raw syscalls in a forked child
 (`syscalls`) or as coreutils under runuser. After each: kvfsd is still mounted and

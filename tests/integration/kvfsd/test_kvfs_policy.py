@@ -1,7 +1,7 @@
 """Memory policy through xattrs, on a real mount with real coreutils: `user.kv.ttl`
 removes a file left quiet for its ttl (kvfsd's own timer, any predd); `user.kv.pin`,
 `user.kv.evict` and `user.kv.tier` are carried out by predd's `kv_policy` and
-`kv_stat` (issue 11) — those tests skip, saying so, on a predd without memory tiers
+`kv_stat` — those tests skip, saying so, on a predd without memory tiers
 (no `host_pages` in its info)."""
 import errno
 import os

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from predd.kernels import cpu_kernels
+from predd.kernels import cpu_kernels, library
 from predd.attention.page_table import PageTables
-from predd.worker.runner import Chunk, Runner, RunnerConfig
+from predd.engine.chunk import Chunk
+from predd.worker.runner import Runner, RunnerConfig
 
 PAGE = 16
 
@@ -99,8 +100,8 @@ def test_forks_shared_pages_give_the_python_loops_bits(gguf_path, monkeypatch):
     kernels = cpu_kernels.kernels()
     if kernels.attention_blocks is None:
         pytest.skip("no attention blocks here (AMX tiles or bf16 dot products)")
-    monkeypatch.setitem(cpu_kernels.BLOCK_LIMITS, kernels.attention_blocks,
-                        cpu_kernels.BlockLimits(4, 6, 16))
+    monkeypatch.setitem(library.BLOCK_LIMITS, kernels.attention_blocks,
+                        library.BlockLimits(4, 6, 16))
     runner = _runner(gguf_path, "bfloat16")
     assert runner.cascade_reason is None and kernels.shared_prefix
     torch.manual_seed(1)

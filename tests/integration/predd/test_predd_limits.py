@@ -1,4 +1,4 @@
-"""Bad and greedy input on the real predd (issue 7 items 6-8, 11): each gets its exact
+"""Bad and greedy input on the real predd: each gets its exact
 errno and message, takes no page (pages_free is back to the exact number), leaves fsck
 clean (the `lip` fixture), and a well-behaved generate in flight at the same time gets
 exactly the tokens it gets alone."""

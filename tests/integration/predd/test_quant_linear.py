@@ -11,7 +11,8 @@ import torch
 
 from predd.model.loader import load_weights, quantized_blocks
 from predd.model.quant_linear import QuantLinear
-from predd.worker.runner import Chunk, Runner, RunnerConfig
+from predd.engine.chunk import Chunk
+from predd.worker.runner import Runner, RunnerConfig
 
 
 def test_the_blocks_are_the_loaded_weights_to_the_bit(gguf_path):

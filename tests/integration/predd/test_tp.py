@@ -160,7 +160,7 @@ def tiny_llama(path, kv_heads: int) -> None:
 def chunks():
     """A prefill of 11 tokens on page 5 and a one-token decode on pages [0, 7, 3]
     whose first 35 entries the prefill pass of the same runner wrote before."""
-    from predd.worker.runner import Chunk
+    from predd.engine.chunk import Chunk
     first = Chunk(np.arange(3, 38), np.arange(35), np.array([0, 7, 3]), 35, np.array([34]))
     prefill = Chunk(np.arange(40, 51), np.arange(11), np.array([5]), 11, np.arange(11))
     decode = Chunk(np.array([9]), np.array([35]), np.array([0, 7, 3]), 36, np.array([0]))

@@ -13,7 +13,7 @@ import symphony_protocol as protocol
 from symphony_protocol import addresses
 from liblip.sandbox import cgroups, identity, landlock, mounts, seccomp
 from liblip.sandbox.launcher import Request, SandboxError, run
-from liblip.sandbox.limits import Limits, format_size, parse_size
+from liblip.sandbox.run_limits import Limits, format_size, parse_size
 
 # ---------------------------------------------------------------- sizes and limits
 

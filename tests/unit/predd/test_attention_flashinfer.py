@@ -180,7 +180,7 @@ def test_decode_only_step_skips_the_prefill_wrapper(fake_flashinfer):
 def test_torch_is_taken_when_asked_and_auto_keeps_cpu_off_flashinfer(monkeypatch):
     def no_import(name):
         raise AssertionError(f"imported {name} on CPU")
-    monkeypatch.setattr(attention.importlib, "import_module", no_import)
+    monkeypatch.setattr(attention_flashinfer.importlib, "import_module", no_import)
     assert resolve("torch", "cuda", "float32") == ("torch", "asked for")
     assert resolve("auto", "cpu", "float16") == (
         "torch", "auto: cpu computes only in float32 or bfloat16, not float16")

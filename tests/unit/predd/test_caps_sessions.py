@@ -6,7 +6,7 @@ import re
 import pytest
 
 from symphony_protocol import CAP_HEX_LEN, ProtocolError
-from predd.server.caps import Capabilities, short
+from predd.server.capabilities import Capabilities, short
 from predd.server.sessions import Sessions
 from tests.unit.helpers import code
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from predd.attention import backends as attention
-from predd.kernels import bindings, build, cpu_kernels, probes
+from predd.kernels import bindings, build, cpu_kernels, library, probes
 from predd.attention.backends import CpuAttention, TorchAttention, resolve
 from predd.attention.page_table import PageTables
 from predd.worker.paged_kv import PagedKVCache
@@ -118,7 +118,7 @@ BLOCKS = cpu_kernels.problem() is None and cpu_kernels.kernels().attention_block
                                                     (2, 16, 64)])
 def test_chunks_attend_in_blocks_as_the_float32_reference_rounded_once(kv_heads, heads,
                                                                       head_dim, monkeypatch):
-    """Calls of 4 new tokens or more (TILE_ROWS; the dot products' limit is the same) take
+    """Calls of 4 new tokens or more (ATTENTION_BLOCK_ROWS; the dot products' limit is the same) take
     the block kernel, on AMX tiles or by bf16 dot products (chunks after a past
     and fresh prefills; blocks of 16 query vectors that end inside a row's heads; pasts
     that end inside a page), the rest the row kernel, in one step; both held to the
@@ -137,7 +137,7 @@ def test_chunks_attend_in_blocks_as_the_float32_reference_rounded_once(kv_heads,
     monkeypatch.setattr(kernels._lib, "paged_attention_tiles_bf16",
                         lambda *a: used.append(a[14]) or tiles(*a))
     got = CpuAttention(ours).prepare(tables)(0, q, k, v).float()
-    assert used == [6]                       # the six calls of TILE_ROWS (4) or more, a layer
+    assert used == [6]                       # the six calls of ATTENTION_BLOCK_ROWS (4) or more, a layer
     want = TorchAttention(ref).prepare(tables)(0, q.float(), k.float(), v.float())
     ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2 ** -30))) - 7)
     err = (got - want).abs()
@@ -162,8 +162,8 @@ def test_forks_attend_to_their_shared_pages_together_as_the_reference_rounded_on
     the bf16 bound of the tests above."""
     ps, kv_heads, heads, head_dim = 16, 3, 9, 64
     kernels = cpu_kernels.kernels()          # these limits, whatever this CPU's kind
-    monkeypatch.setitem(cpu_kernels.BLOCK_LIMITS, kernels.attention_blocks,
-                        cpu_kernels.BlockLimits(4, 6, 16))
+    monkeypatch.setitem(library.BLOCK_LIMITS, kernels.attention_blocks,
+                        library.BlockLimits(4, 6, 16))
     rng = np.random.default_rng(5)
     free = [int(x) for x in rng.permutation(128)]
     take = lambda n: [free.pop() for _ in range(n)]      # noqa: E731
@@ -242,7 +242,7 @@ def test_probe_and_cache(tmp_path, monkeypatch):
     stamp = built.stat().st_mtime_ns
     assert build.build() == built
     assert built.stat().st_mtime_ns == stamp
-    assert probes.probe(cpu_kernels.Kernels(built), cpu_kernels.CpuOps) < probes.PROBE_TOLERANCE
+    assert probes.probe(library.Kernels(built), cpu_kernels.CpuOps) < probes.PROBE_TOLERANCE
 
 
 def test_a_cache_others_can_write_is_never_loaded(tmp_path, monkeypatch):

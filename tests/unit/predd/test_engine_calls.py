@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from predd.memory.policy import MemoryConfig
-from predd.server.quota import QuotaConfig
+from predd.server.quotas import QuotaConfig
 from tests.unit.engine_fakes import Harness
 
 A, B = b"client-a", b"client-b"

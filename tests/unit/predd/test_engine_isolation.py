@@ -8,7 +8,7 @@ import pytest
 
 from symphony_protocol import KvTruncate
 from predd.server.handlers import HANDLERS
-from predd.server.limits import MAX_POSITION
+from predd.server.request_limits import MAX_POSITION
 from predd.memory.policy import MemoryConfig
 from tests.unit.engine_fakes import Harness, still
 
@@ -232,7 +232,7 @@ def test_an_unexpected_exception_in_a_deferred_request_is_eio(monkeypatch):
     h.clean()
 
 
-# ---------------------------------------------------------------- admission (issue 7, 8)
+# ---------------------------------------------------------------- admission
 
 def test_re_predict_refused_for_want_of_a_page_keeps_the_last_entry():
     """The bug: re-predict truncated the object before the page check could fail."""
@@ -253,7 +253,7 @@ def test_re_predict_refused_for_want_of_a_page_keeps_the_last_entry():
 
 
 def test_re_predict_refused_by_quota_keeps_the_last_entry():
-    from predd.server.quota import QuotaConfig
+    from predd.server.quotas import QuotaConfig
     h = Harness(quota=QuotaConfig(session_pages=2))
     kv = prefilled(h, A, [1, 2, 3, 4, 5, 6], 0)              # 2 pages: at the quota
     other = h.ok(B, "kv_fork", cap=kv)["cap"]                # B's fork shares page 1

@@ -1,10 +1,10 @@
-"""Every bound of predd/server/limits.py: the exact errno and message, and nothing queued,
+"""Every bound of predd/server/request_limits.py: the exact errno and message, and nothing queued,
 allocated or half-done. A real Engine over the fake runner (context 256, vocab 64)."""
 from __future__ import annotations
 
 import pytest
 
-from predd.server.limits import Limits
+from predd.server.request_limits import Limits
 from tests.unit.engine_fakes import CONTEXT, VOCAB, Harness
 
 A = b"client-a"

@@ -9,7 +9,7 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from predd.server.limits import MAX_POSITION
+from predd.server.request_limits import MAX_POSITION
 from tests.unit.engine_fakes import ME, VOCAB, Harness
 
 CLIENTS = (b"one", b"two")

@@ -11,7 +11,7 @@ import pytest
 
 from symphony_protocol import ProtocolError
 from predd.memory.kvstore import EXPORT_MAGIC
-from predd.server.limits import MAX_POSITION
+from predd.server.request_limits import MAX_POSITION
 from tests.unit.predd.kvstore_world import World, LAYERS, HEADS, DIM, VOCAB
 
 

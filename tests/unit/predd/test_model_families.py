@@ -11,7 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from predd.worker.runner import Chunk, Runner, RunnerConfig  # noqa: E402
+from predd.engine.chunk import Chunk
+from predd.worker.runner import Runner, RunnerConfig  # noqa: E402
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from predd.engine.calls import Call
-from predd.engine.returns import ReturnTimes
+from predd.engine.return_times import ReturnTimes
 from predd.engine.scheduler import Plan, PlanItem, Scheduler, SchedulerConfig, StepCost
 
 

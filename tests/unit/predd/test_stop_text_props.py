@@ -1,5 +1,5 @@
-"""Stop strings are matched in a bounded tail of the output (issue 11: the whole output
-was decoded again for every token). The tail finds exactly what a full decode finds,
+"""Stop strings are matched in a bounded tail of the output (never the whole
+output decoded again for every token). The tail finds exactly what a full decode finds,
 token for token, and costs a bounded number of decoded ids per token."""
 from __future__ import annotations
 

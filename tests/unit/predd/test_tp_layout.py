@@ -7,7 +7,7 @@ import pytest
 
 from predd.worker import tp
 from predd.model.loader import ModelConfig
-from predd.worker.runner import Chunk
+from predd.engine.chunk import Chunk
 from tests.unit.helpers import refused_before_loading
 
 

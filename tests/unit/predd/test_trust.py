@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from symphony_protocol import pack
-from predd.engine.core import Engine, EngineConfig
+from predd.engine.config import EngineConfig
+from predd.engine.core import Engine
+from predd.server.handlers import HANDLERS
 from predd.server.identity import (NOBODY, AuthKeys, Peer, check_endpoint, is_loopback, peer_of)
-from predd.server.quota import QuotaConfig
+from predd.server.quotas import QuotaConfig
 from predd.worker.runner import RunnerConfig
 from predd.engine.scheduler import SchedulerConfig
 from tests.unit.helpers import secrets_file
@@ -92,7 +94,8 @@ class Wire:
         config = EngineConfig(lease_s=10.0, scheduler=SchedulerConfig(token_budget=64),
                               quota=QuotaConfig(**quota), trusted_uid=ME, auth=auth)
         self.engine = Engine(FakeRunner(), TOKENIZER, config,
-                             lambda i, h, f: self.sent.append((i, h, f)))
+                             lambda i, h, f: self.sent.append((i, h, f)),
+                             handlers=HANDLERS)
 
     def conn(self, peer: Peer) -> Conn:
         return Conn(self, b"id%d" % next(self.ids), peer)

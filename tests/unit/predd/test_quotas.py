@@ -7,7 +7,7 @@ import numpy as np
 
 from predd.memory.kvstore import KVStore
 from predd.memory.pool import Pool
-from predd.server.quota import QuotaConfig, Quotas
+from predd.server.quotas import QuotaConfig, Quotas
 from tests.unit.helpers import code
 from tests.unit.predd.kvstore_world import FakePages, payload
 

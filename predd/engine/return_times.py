@@ -16,9 +16,9 @@ An object not yet timed counts as due at once; the quantile is taken over every
 expected object, so one slow object among ten or more cannot hold the others. Entries
 live until the object is freed (`forget`).
 
-(On a GPU, steps of 3-5 ms are shorter than a program's round trip with 64 programs on
-16 cores; holding only 0.3 of a step split them into two cohorts that alternated, each
-step half full: docs/benchmarks.md.)
+(On a GPU, steps can be shorter than a program's round trip; holding only a fraction
+of a step then splits the programs into two cohorts that alternate, each step half
+full: docs/kernels.md, "Holding the next launch for returning programs".)
 """
 from __future__ import annotations
 
