@@ -40,6 +40,7 @@ from predd.server.capabilities import Capabilities
 from predd.server.identity import Peer, identify
 from predd.server.quotas import Quotas, check_limit
 from predd.server.sessions import Session, Sessions
+from predd.worker.runner import Runner
 
 Send = Callable[[bytes, dict, list[bytes]], None]
 # handler(engine, session, request, extra frames, now) -> reply, or None for a queued call
@@ -65,6 +66,7 @@ class Intake:
     pool: Pool
     quotas: Quotas
     memory: Memory
+    runner: Runner
 
     @property
     def max_message_bytes(self) -> int:
@@ -235,6 +237,8 @@ class Intake:
         if held != self.pool.held:
             problems.append(f"{self.pool.held} pages held back, calls promised {held}")
         return problems
+
+    # ------------------------------------------------------------ a call's failure
 
     def _undo(self, call: Call) -> None:
         """calls.undo, which never fails: a failure here is a bug (logged; fsck shows it)."""
