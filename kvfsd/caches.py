@@ -259,8 +259,9 @@ class Caches:
 
     async def create(self, owner: int, link: PreddLink | None = None) -> dict:
         """A new empty cache with a persistent capability, charged to uid `owner`, on
-        `link` (default: the first live replica); the reply names its `replica`."""
-        link = link or self.replicas.first_live() or self.replicas.first
+        `link` (default: the next replica in turn, `Replicas.next_home`); the reply names
+        its `replica`."""
+        link = link or self.replicas.next_home()
         try:
             reply = await link.call("kv_create", persist=True, owner=owner)
         except PreddError as exc:

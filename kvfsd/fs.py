@@ -282,7 +282,7 @@ class KvFs(pyfuse3.Operations):
         try:
             node = self._new_node(parent, name, stat.S_IFREG | _new_mode(mode, ctx), ctx)
         except OSError:
-            await self.caches.free(reply["cap"])     # lost a race for the name
+            await self.caches.free(reply["cap"], reply["replica"])   # lost a race for the name
             raise
         node.cap, node.replica = reply["cap"], reply.get("replica", "")
         self.caches.seen(node, reply)

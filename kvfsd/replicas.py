@@ -6,8 +6,9 @@
 * An address kvfsd does not have (a state directory from a kvfsd with other replicas)
   gets a link that is never connected: calls on it fail with EIO, like a replica that
   is down, until the file is re-homed (kvfsd/migration.py).
-* New files go to the first live replica; `rehome auto` to the live one with the most
-  free pages (by its last stats).
+* New files are spread over the live replicas in turn (`next_home`), skipping one
+  whose last stats had no free page while another has some; `rehome auto` goes to the
+  live one with the most free pages (by its last stats).
 * `migrations`/`migrated_bytes` count every move of a cache between two live replicas
   (kv_export on one, kv_import on the other) and its export's length; `restored` the
   caches brought onto a replica from an fsync'd snapshot (their home was down or gone).
@@ -34,6 +35,7 @@ class Replicas:
                 self.links.append(link)
                 self._by_addr[same_endpoint_key(addr)] = link
         self._absent: dict[str, PreddLink] = {}    # addresses kvfsd does not have
+        self._turn = 0                              # the replica next_home tries first
         self.migrations = 0
         self.migrated_bytes = 0
         self.restored = 0
@@ -76,6 +78,20 @@ class Replicas:
 
     def first_live(self) -> PreddLink | None:
         return next((link for link in self.links if link.up), None)
+
+    def next_home(self) -> PreddLink:
+        """The replica a new file goes to: the live replicas in turn, from replica 0,
+        skipping one whose last stats had no free page while another live one has some;
+        with none live, replica 0 (its calls then fail with EIO)."""
+        n = len(self.links)
+        order = [self.links[(self._turn + i) % n] for i in range(n)]
+        live = [link for link in order if link.up]
+        if not live:
+            return self.first
+        roomy = [link for link in live if int(link.stats.get("pages_free", 1)) > 0]
+        chosen = (roomy or live)[0]
+        self._turn = (self.links.index(chosen) + 1) % n
+        return chosen
 
     def most_free(self) -> PreddLink | None:
         """The live replica with the most free pages (last stats); ties: the first."""

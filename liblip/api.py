@@ -10,8 +10,10 @@ Replicas (docs/scaling.md): a cache file lives on one predd replica, named by it
 descriptor. `kv_open` of a file homed on another replica first asks kvfsd to move it to
 this process's predd (`user.kv.rehome`, counted as a migration); where that is refused
 (no write permission, the file is open elsewhere) the handle stays on the file's own
-replica, and every call on it goes there (`KV.replica`). Objects of different replicas
-cannot be combined (`kv_merge`: EXDEV).
+replica, and every call on it goes there (`KV.replica`). `kv_open(..., move=False)`
+never moves it: the handle works on the file where it is (the `lip` command opens
+files so, and a shell user's files stay spread over the replicas). Objects of different
+replicas cannot be combined (`kv_merge`: EXDEV).
 """
 from __future__ import annotations
 
@@ -238,14 +240,17 @@ def _kvfs_path(path: str) -> str:
     return path if os.path.isabs(path) else os.path.join(default_mount(), path)
 
 
-def kv_open(path: str, write: bool = False, create: bool = False) -> KV:
+def kv_open(path: str, write: bool = False, create: bool = False, move: bool = True) -> KV:
     """A handle to the cache file `path` (relative paths are under $KVFS_MOUNT).
-    `write=True` needs write permission and gives a read-write capability."""
+    `write=True` needs write permission and gives a read-write capability. With several
+    replicas, `move=True` first brings the file to this process's replica where kvfsd
+    lets it; `move=False` leaves it on its home, where the handle's calls go."""
     full = _kvfs_path(path)
     flags = (os.O_RDWR if write else os.O_RDONLY) | (os.O_CREAT if create else 0)
     if create and not os.path.exists(full):
         os.close(_create(full))
-    _bring_here(full)
+    if move:
+        _bring_here(full)
     try:
         fd = os.open(full, flags, 0o644)
         data = os.pread(fd, descriptor.MAX_LEN, 0)

@@ -16,7 +16,9 @@
                                  the live one with the most free pages; docs/scaling.md)
 
 FILE is a `.kv` file: relative to the current directory when that is inside the KV
-file system, else to $KVFS_MOUNT. Errors print `lip: ENAME: message` and exit 1.
+file system, else to $KVFS_MOUNT. With several predd replicas, prefill, chat, generate
+and cat run on the replica that holds FILE's cache (it never moves; a new FILE goes to
+the next replica in turn, docs/kvfs.md). Errors print `lip: ENAME: message` and exit 1.
 """
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ def _turn_affixes() -> tuple[list[int], list[int]]:
 
 def cmd_chat(args) -> int:
     path = resolve(args.file)
-    with lip.kv_open(path, write=True, create=True) as kv:
+    with lip.kv_open(path, write=True, create=True, move=False) as kv:
         opening, closing = _turn_affixes()
         if lip.kv_stat(kv)["tokens"] == 0:
             text = lip.client().call("chat_template", messages=[
@@ -117,7 +119,7 @@ def _between_turns(kv: lip.KV) -> None:
 
 def cmd_generate(args) -> int:
     path = resolve(args.file)
-    with lip.kv_open(path, write=True) as kv:
+    with lip.kv_open(path, write=True, move=False) as kv:
         stop = [*lip.info()["eos_ids"], *args.stop] if args.stop else None
         out = lip.stream_text(lip.generate_stream(kv, [], args.max_tokens, stop=stop,
                                                   sample=_sample_args(args)))
@@ -130,7 +132,7 @@ def cmd_generate(args) -> int:
 
 def cmd_prefill(args) -> int:
     path = resolve(args.file)
-    with lip.kv_open(path, write=True, create=True) as kv:
+    with lip.kv_open(path, write=True, create=True, move=False) as kv:
         tokens = lip.tokenize(args.text)
         if tokens:
             cost = lip.prefill(kv, tokens)
@@ -141,7 +143,7 @@ def cmd_prefill(args) -> int:
 
 
 def cmd_cat(args) -> int:
-    with lip.kv_open(resolve(args.file)) as kv:
+    with lip.kv_open(resolve(args.file), move=False) as kv:
         sys.stdout.write(lip.detokenize(lip.kv_tokens(kv)))
         sys.stdout.flush()
     return 0

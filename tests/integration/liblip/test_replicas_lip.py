@@ -1,6 +1,8 @@
 """A LIP and `lip` over two replicas: a program on replica A that opens a file homed on
 B brings it over (kvfsd's rehome: counted, same logits), or — when the file is open
-elsewhere — works on it where it is; `lip rehome`, `lip run --near` and `lip stats`."""
+elsewhere — works on it where it is; files made from the shell spread over the
+replicas, and `lip` works on them where they are; `lip rehome`, `lip run --near` and
+`lip stats`."""
 import errno
 import json
 import os
@@ -94,6 +96,40 @@ def test_a_program_brings_a_file_to_its_replica_or_uses_it_where_it_is(replicas,
         out = run(lip_cmd("rehome", "doc.kv", "--to", "ipc:///nowhere.sock"), A, m)
         assert (out.returncode, out.stdout) == (1, "")
         assert out.stderr.startswith("lip: EINVAL: ")
+    finally:
+        assert finish(kvfs) == 0
+
+
+def test_files_made_from_the_shell_are_spread_and_lip_works_on_them_where_they_are(
+        replicas, tmp_path):
+    """Six caches made with `lip prefill` go to the two replicas in turn; `lip generate`
+    and `lip cat` run on each file's home replica (nothing moves), and the replicas'
+    greedy continuations agree."""
+    a, b = replicas
+    A, B = a.addr, b.addr
+    kvfs = start_kvfsd(A, str(tmp_path / "state"), "--predd", B)
+    m = kvfs.mount
+    text = "The capital of France is"
+    try:
+        for i in range(6):
+            out = run(lip_cmd("prefill", f"f{i}.kv", text), A, m)
+            assert out.returncode == 0, out.stderr
+        names = [os.path.join(m, f"f{i}.kv") for i in range(6)]
+        assert [home(n) for n in names] == [A, B, A, B, A, B]
+        outputs = []
+        for i in range(6):
+            out = run(lip_cmd("generate", f"f{i}.kv", "--max-tokens", "4"), A, m)
+            assert out.returncode == 0, out.stderr
+            outputs.append(out.stdout)
+        assert len(set(outputs)) == 1 and outputs[0].strip()
+        out = run(lip_cmd("cat", "f1.kv"), B, m)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == text + outputs[0].removesuffix("\n")
+        assert [home(n) for n in names] == [A, B, A, B, A, B]
+        assert migrations(m) == "0 0"
+        out = run(lip_cmd("stats"), A, m)
+        stats = json.loads(out.stdout)
+        assert [(r["addr"], r["files"]) for r in stats["replicas"]] == [(A, 3), (B, 3)]
     finally:
         assert finish(kvfs) == 0
 

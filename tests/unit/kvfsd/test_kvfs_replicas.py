@@ -86,6 +86,22 @@ def add_file(caches, fakes, name: bytes, addr: str, tokens: list[int]):
     return node
 
 
+def test_new_files_go_to_the_live_replicas_in_turn_skipping_a_full_one():
+    r = Replicas([A, B, C], log=print)
+    assert [r.next_home() for _ in range(2)] == [r.first, r.first]    # none live yet
+    for link in r:
+        link.up = True                      # no stats yet: each counts as roomy
+    assert [r.next_home().addr for _ in range(7)] == [A, B, C, A, B, C, A]
+    r.links[1].up = False                   # B down: skipped, the turn goes on
+    assert [r.next_home().addr for _ in range(4)] == [C, A, C, A]
+    r.links[1].up = True
+    r.links[2].stats = {"pages_total": 64, "pages_free": 0}             # C full
+    assert [r.next_home().addr for _ in range(4)] == [B, A, B, A]
+    for link in r:
+        link.stats = {"pages_total": 64, "pages_free": 0}                  # all full
+    assert [r.next_home().addr for _ in range(3)] == [B, C, A]
+
+
 def test_replicas_in_order_unknown_addresses_and_the_report():
     r = Replicas([A, B, A], log=print)
     assert [link.addr for link in r] == [A, B] and r.first.addr == A
