@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--attention", default="auto", choices=attention.CHOICES,
                     help="attention backend; auto (default): flashinfer on CUDA where it "
                     "is installed and the dtype is bf16/fp16, cpu (predd's own kernel, "
-                    "built on first use) on the CPU in float32, torch otherwise")
+                    "built on first use) on the CPU in float32 or bfloat16, torch otherwise")
     ap.add_argument("--cuda-graphs", default="auto", choices=cuda_graphs.CHOICES,
                     help="replay decode steps as CUDA graphs (auto: on CUDA with "
                          "--attention flashinfer; docs/architecture.md)")

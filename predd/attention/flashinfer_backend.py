@@ -16,8 +16,8 @@ table arguments of `plan`, then `causal`, `pos_encoding_mode`, `q_data_type`,
 `kv_data_type`; `run(q, paged_kv_cache)`; the wrappers' `(workspace, "NHD")` and
 decode's `use_tensor_cores`) have these names from 0.2.0 on. flashinfer is imported
 only when this backend is built, never on CPU. tests/gpu checks it against the torch
-backend (validated on an H100: docs/kernels.md, "FlashInfer attention on an H100";
-docs/architecture.md says what was and was not covered).
+backend (docs/kernels.md, "GPU runs": the devices and versions it passed on, and what
+was not covered).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A measuring hook for predd's adaptive-launch hold (docs/benchmarks.md, "Learning when
-programs come back"), loaded by putting this folder on PYTHONPATH: with HOLD_TRACE=FILE,
+"""A measuring hook for predd's adaptive-launch hold (docs/kernels.md, "Holding
+the next launch for returning programs"), loaded by putting this folder on PYTHONPATH: with HOLD_TRACE=FILE,
 every predd started with that environment appends to FILE at exit the percentiles of the
 return times of calls that came within a hold, its holds, its step times and its
 expected objects per step; HOLD_STEPS=N sets predd.engine.return_times.RETURN_STEPS and

@@ -14,7 +14,7 @@ without CUDA, and skipped saying so where the flashinfer package is not installe
 * the daemon: `predd --attention flashinfer` serves (with its CUDA graphs, `auto`), says
   so in `info`, and generates the tokens `--attention torch` does.
 On a machine with no package index: `bash scripts/gpu_check.sh prepare` here, then
-`bash scripts/gpu_check.sh run` there (docs/architecture.md has the H100 results).
+`bash scripts/gpu_check.sh run` there (docs/kernels.md, "GPU runs", has the results).
 """
 from __future__ import annotations
 
