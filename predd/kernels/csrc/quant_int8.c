@@ -36,6 +36,9 @@
 
 #define WIDE 2                   /* weight rows multiplied at once */
 #define SHORT 4                  /* by this many rows of x at most (8 sums in registers) */
+#define Q8_ALONE 4               /* Q8_0 weight rows one at a time up to this many rows of x
+                                    (measured: docs/kernels.md, "int8 kernels at every row
+                                    count") */
 
 /* A block of a row of x, quantised: its 32 int8 and its scale */
 struct xblock {
@@ -260,11 +263,14 @@ static int linear(const int kind, const float *x, int64_t M, int64_t K, const ui
     float *xs = (float *)(buffer + quantised);
     quantize_rows(x, M, K, xq, xs);
     /* each thread's weight rows WIDE at a time, read from memory once: every SHORT rows
-     * of x in turn take them from L1 (a pair of SmolLM2's widest rows is 2.3 KB) */
-    const int64_t groups = (N + WIDE - 1) / WIDE;
+     * of x in turn take them from L1 (a pair of SmolLM2's widest rows is 2.3 KB). Q8_0
+     * rows go one at a time for up to Q8_ALONE rows of x, where two at a time read
+     * memory at half the rate; a row's sums are the same either way. */
+    const int64_t wide = kind == 8 && M <= Q8_ALONE ? 1 : WIDE;
+    const int64_t groups = (N + wide - 1) / wide;
     #pragma omp parallel for schedule(static) if (N * K >= 65536)
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t n = g * WIDE, width = N - n < WIDE ? N - n : WIDE;
+        const int64_t n = g * wide, width = N - n < wide ? N - n : wide;
         for (int64_t i = 0; i < width; i++)
             prefetch_weight_row(kind, q, d, m, n + i + PREFETCH_ROWS, blocks);
         for (int64_t r0 = 0; r0 < M; r0 += SHORT)

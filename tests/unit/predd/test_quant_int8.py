@@ -175,3 +175,16 @@ def test_a_broken_or_foreign_record_is_measured_again(tmp_path, monkeypatch):
     stored.write_text('{"limits": {"qkv_proj": 50, "lm_head": 50}, "timings": "t"}')
     limits, how = quant_linear.calibrated(_model(), torch.float32)
     assert limits == {"qkv_proj": 3, "lm_head": 1} and "not this user's alone" in how
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_rows_bits_are_its_own_at_every_row_count(kind):
+    """Q8_0 weight rows go one at a time for a few rows of x and two at a time beyond:
+    each row's result is the same bits in calls of 1 to 12 rows."""
+    blocks, _ = random_blocks(kind, 45, 576, seed=11)
+    x = torch.randn(12, 576, generator=torch.Generator().manual_seed(11))
+    run = _int8(blocks)
+    whole = run(x)
+    for rows in range(1, 12):
+        assert torch.equal(run(x[:rows]), whole[:rows]), rows
+        assert torch.equal(run(x[rows:]), whole[rows:]), rows
