@@ -44,6 +44,7 @@ bench: setup
 	$(PY) scripts/bench_fork.py
 	$(PY) scripts/bench_overhead.py
 	$(PY) scripts/bench_agent.py
+	$(PY) scripts/bench_loop.py
 
 # Caches and build output only; run/ is skipped since it may hold a live mount.
 clean:

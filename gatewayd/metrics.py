@@ -145,6 +145,13 @@ class PreddCollector:
                                   "tiers", value=s.get("bytes_moved", 0))
         yield CounterMetricFamily("symphony_admission_waits", "calls that waited for room "
                                   "on the device", value=s.get("admission_waits", 0))
+        spec = CounterMetricFamily("symphony_speculation", "speculative continuation: next "
+                                   "steps queued before a pred_sample loop asked, taken, "
+                                   "discarded, and tokens computed for discarded ones",
+                                   labels=["outcome"])
+        for outcome, n in (s.get("speculation") or {}).items():
+            spec.add_metric([outcome], n)
+        yield spec
         rows = CounterMetricFamily("symphony_logits_rows", "raw pred rows by the way they "
                                    "went back: the session's logits buffer or a frame",
                                    labels=["via"])

@@ -65,6 +65,7 @@ _READ = object()
 FOLLOW_S = 0.05     # a call that does not hold the socket looks again this often
 KEEP_S = 0.1        # the keeper thread's round
 RETRY_S = 0.02      # a reader retries sending this often while not connected
+CANCEL_TIMEOUT_S = 5.0   # a stream left early waits this long for its call to end
 # zmq's flags as plain ints: its enum.Flag values cost a Python call at every | and &
 NOBLOCK, EVENTS, POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -201,15 +202,29 @@ class Client:
         return self.request(op, timeout=timeout, **fields)[0]
 
     def stream(self, op: str, timeout: float | None = None, **fields) -> Iterator[dict]:
-        """Replies of a streaming op, up to and including the one without `more`."""
+        """Replies of a streaming op, up to and including the one without `more`. Left
+        before its end (the iterator closed, or no reply in `timeout`), the call is
+        cancelled in predd (`cancel`: a generate stops after its current step) and its
+        end awaited, so the cache is settled when the caller goes on."""
         rid, inbox = self._send(op, fields, ())
+        ended = False
         try:
             while True:
-                header, _ = self._get(rid, inbox, timeout)
+                try:
+                    header, _ = self._get(rid, inbox, timeout)
+                except LipError as exc:
+                    ended = exc.code != "ETIMEDOUT"   # an error reply is the terminal one
+                    raise
+                ended = not header.get("more")
                 yield header
-                if not header.get("more"):
+                if ended:
                     return
         finally:
+            if not ended:
+                try:
+                    self.call("cancel", timeout=CANCEL_TIMEOUT_S, target=rid)
+                except LipError:      # it ended meanwhile (ESRCH), or predd is gone
+                    pass
             self._forget(rid)
 
     def ask(self, op: str, frames: tuple[bytes, ...] = (), timeout: float | None = None,

@@ -1,9 +1,8 @@
 """How the OpenAI LIP decodes one choice, with liblip calls only.
 
 * `decode_generate`: predd's own loop (sampling, EOS and stop strings inside predd),
-  GENERATE_CHUNK tokens per `generate` call. predd cannot abort a running generate, so
-  a cancelled request stops at the end of its chunk; a stop string that spans two
-  calls is caught here (TextOut).
+  one `generate` call a choice. A cancelled request leaves its stream, which cancels
+  the generate in predd after its current step (liblip's `Client.stream`).
 * `decode_pred`: one `pred` per token, for what predd's loop cannot do: the top
   alternatives' logprobs (raw logits come back and the program samples) and JSON
   schemas (an llguidance mask goes with each call, as mount_examples/constrained_json.py
@@ -22,7 +21,6 @@ import liblip as lip
 from openai_lip.requests import RequestError
 from openai_lip.vocab import PreddTokenizer, default_model, gguf_vocab
 
-GENERATE_CHUNK = 16      # tokens per generate call: how far a cancelled request runs on
 
 
 def eos_ids() -> set[int]:
@@ -198,23 +196,25 @@ def without_eos() -> bytes:
 def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int,
                     sample: dict, stops: list[str], emit=None, ignore_eos: bool = False,
                     min_tokens: int = 0) -> None:
-    """predd's own loop (sampling, EOS and stop strings inside predd), GENERATE_CHUNK
-    tokens per call: predd cannot abort a running generate, so a cancelled request
-    stops at the end of its chunk. `ignore_eos`: EOS ends nothing (it is sampled like
-    any token and left out of the text); `min_tokens`: the first that many tokens are
-    sampled with EOS masked out, one `pred_sample` each, as vLLM masks it."""
+    """predd's own loop (sampling, EOS and stop strings inside predd), in one call: a
+    cancelled request (or a stop string seen here first) leaves the stream, which
+    cancels the generate in predd after its current step. `ignore_eos`: EOS ends nothing
+    (it is sampled like any token and left out of the text); `min_tokens`: the first
+    that many tokens are sampled with EOS masked out, one `pred_sample` each, as vLLM
+    masks it."""
     if min_tokens and not ignore_eos:
         last = _without_eos(req, kv, last, ch, min(min_tokens, max_tokens), sample, emit)
         if last is None:
             return
+    budget = max_tokens - len(ch.ids)
+    if budget <= 0:
+        ch.finish_reason = "length"
+        return
     stop = [*stops] if ignore_eos else [*eos_ids(), *stops]
-    pending, chunk = [last], 0
-    while len(ch.ids) < max_tokens:
-        budget = min(GENERATE_CHUNK, max_tokens - len(ch.ids))
-        seed = None if sample["seed"] is None else (sample["seed"] * 1_000_003 + chunk) % 2**63
-        out = lip.Generated()
-        for token in lip.generate_stream(kv, pending, budget, stop=stop,
-                                         sample={**sample, "seed": seed}, out=out):
+    out = lip.Generated()
+    stream = lip.generate_stream(kv, [last], budget, stop=stop, sample=sample, out=out)
+    try:
+        for token in stream:
             req.check()
             lp = out.logprobs[len(out) - 1] if len(out.logprobs) >= len(out) else 0.0
             ch.ids.append(token)
@@ -223,24 +223,22 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
             text = ch.out.feed([token]) if emit or stops else ch.out.add([token])
             if emit:
                 emit(text, entries)
-            if ch.out.stopped:   # a stop string across two calls: predd cannot see it
+            if ch.out.stopped:   # seen here at the same token as predd, or first
                 break
-        req.check()
-        if ch.out.stopped:
-            ch.finish_reason = "stop"
-            return
-        ch.add_cost(out.cost)
-        reason = out.finish_reason
-        if not reason and out:   # a predd whose last token reply ends the stream
-            reason = "stop" if (out[-1] in eos_ids() and not ignore_eos) or ch.out.stopped else \
-                "length" if len(out) >= budget else ""
-        if reason not in ("stop", "length"):
-            raise lip.LipError(reason or "EIO", "generation failed")
-        if reason == "stop":
-            ch.finish_reason = "stop"
-            return
-        pending, chunk = [ch.ids[-1]], chunk + 1
-    ch.finish_reason = "length"
+    finally:
+        stream.close()          # before its end: predd cancels the rest
+    req.check()
+    ch.add_cost(out.cost)
+    if ch.out.stopped:
+        ch.finish_reason = "stop"
+        return
+    reason = out.finish_reason
+    if not reason and out:   # a predd whose last token reply ends the stream
+        reason = "stop" if out[-1] in eos_ids() and not ignore_eos else \
+            "length" if len(out) >= budget else ""
+    if reason not in ("stop", "length"):
+        raise lip.LipError(reason or "EIO", "generation failed")
+    ch.finish_reason = reason
 
 
 def _without_eos(req: Request, kv: lip.KV, last: int, ch: Choice, count: int,

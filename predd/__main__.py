@@ -36,6 +36,7 @@ from predd.worker import tp as tp_mod
 from predd.model.dtype import DTYPES
 from predd.worker.runner import LINEAR_CHOICES, Runner, RunnerConfig, TensorParallel
 from predd.engine.scheduler import SchedulerConfig
+from predd.engine import speculation
 from predd.server.loop import Server
 from predd.model.tokenizer import load_tokenizer
 
@@ -62,6 +63,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="on (default): calls whose page tables begin with the same pages "
                          "(forks of one cache) attend to them together, on AMX tiles or by "
                          "bf16 dot products, where the CPU has them (docs/architecture.md)")
+    ap.add_argument("--speculate", default="auto", choices=speculation.MODES,
+                    help="on: after answering a pred_sample with a token, run that "
+                         "object's next step with it before the program asks; auto "
+                         "(default): on a GPU, not on a CPU "
+                         "(docs/architecture.md, \"Speculative continuation\")")
     ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")
@@ -205,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         tp_mod.leave()
         return 0
     tokenizer = load_tokenizer(model_path)
+    speculate, why = speculation.enabled(args.speculate, args.device)
+    log(f"speculative continuation {why}")
     config = EngineConfig(args.lease,
                           SchedulerConfig(args.max_step_tokens, args.max_batch,
                                           latency_factor=args.latency_factor),
@@ -212,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                           trusted_uid=os.geteuid(), auth=keys,
                           memory=MemoryConfig(args.host_pages, args.disk_pages,
                                               args.swap_dir or os.path.join(rundir, "swap"),
-                                              args.pin_quota, args.admit_wait))
+                                              args.pin_quota, args.admit_wait),
+                          speculate=speculate)
     server = Server(addr, lambda send, log_: Engine(runner, tokenizer, config, send, log_,
                                                        handlers=HANDLERS),
                     log)

@@ -34,6 +34,9 @@ class Shape:
 
 # SmolLM2's larger sizes share the 135M model's 49152-token vocabulary (so its tokenizer)
 SHAPES = {
+    # a step as fast as a GPU's on any CPU: what is left is predd's per-token overhead
+    # (docs/benchmarks.md, "B6: per-token overhead (`scripts/bench_loop.py`)")
+    "tiny": Shape(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, rope_theta=10000.0),
     "smollm2-360m": Shape(hidden=960, ffn=2560, layers=32, heads=15, kv_heads=5,
                           rope_theta=100000.0),
     "smollm2-1.7b": Shape(hidden=2048, ffn=8192, layers=24, heads=32, kv_heads=32,

@@ -25,7 +25,7 @@ from symphony_protocol.requests import (  # noqa: F401
     Request, Hello, Bye, Ping, Info, Stats, Ps, Fsck, Tokenize, Detokenize,
     ChatTemplate, KvCreate, KvFork, KvGrant, KvFree, KvStat, KvPolicy, IoWait,
     KvTokens, KvTruncate, KvExtract, KvMerge, KvExport, KvImport, Pred, Generate,
-    REQUESTS, SAMPLE_KEYS, SampleParams, decode_frames, decode_request, check_rights)
+    Cancel, REQUESTS, SAMPLE_KEYS, SampleParams, decode_frames, decode_request, check_rights)
 from symphony_protocol.replies import (  # noqa: F401
     Reply, ErrorReply, EmptyReply, HelloReply, InfoReply, StatsReply, PsReply,
     FsckReply, TokenizeReply, DetokenizeReply, ChatTemplateReply, KvReply,

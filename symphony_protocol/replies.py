@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 
 from symphony_protocol.requests import (
-    Bye, ChatTemplate, Detokenize, Fsck, Generate, Hello, Info, IoWait, KvCreate,
+    Bye, Cancel, ChatTemplate, Detokenize, Fsck, Generate, Hello, Info, IoWait, KvCreate,
     KvExport, KvExtract, KvFork, KvFree, KvGrant, KvImport, KvMerge, KvPolicy, KvStat,
     KvTokens, KvTruncate, Ping, Pred, ProtocolError, Ps, REQUESTS, Request, Stats,
     Tokenize, _hints)
@@ -159,6 +159,8 @@ class StatsReply(Reply):
     queue_wait_hist: dict      # {le_ms: [bounds], cumulative: [counts..., +inf], sum_ms}
     step_hist: dict
     uptime_s: float
+    # {offered, hits, misses, wasted}: speculative continuation ({} from an older predd)
+    speculation: dict = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -340,6 +342,7 @@ REPLIES: dict[type[Request], type[Reply]] = {
     KvFork: KvReply, KvGrant: KvReply, KvFree: EmptyReply, KvStat: KvReply,
     KvTokens: KvTokensReply, KvTruncate: KvReply, KvExtract: KvReply, KvMerge: KvReply,
     KvExport: KvExportReply, KvImport: KvReply, Pred: PredReply, Generate: GenerateReply,
+    Cancel: EmptyReply,
 }
 
 

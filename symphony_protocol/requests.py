@@ -218,6 +218,15 @@ class Pred(Request):
 
 
 @dataclass
+class Cancel(Request):
+    """End the caller's own pred or generate `target` (its rid) now: a generate that has
+    produced tokens finishes with `cancelled` (what it generated kept, as at `length`);
+    any other call gets ECANCELED, its object as it was."""
+    target: int = 0
+    op: ClassVar[str] = "cancel"
+
+
+@dataclass
 class Generate(Request):
     cap: str = ""
     tokens: list[int] = field(default_factory=list)
@@ -233,7 +242,7 @@ REQUESTS: dict[str, type[Request]] = {
     cls.op: cls for cls in (
         Hello, Bye, Ping, Info, Stats, Ps, Fsck, Tokenize, Detokenize, ChatTemplate,
         KvCreate, KvFork, KvGrant, KvFree, KvStat, KvTokens, KvTruncate, KvExtract,
-        KvMerge, KvExport, KvImport, KvPolicy, IoWait, Pred, Generate)
+        KvMerge, KvExport, KvImport, KvPolicy, IoWait, Pred, Generate, Cancel)
 }
 
 SAMPLE_KEYS = {"temperature": float, "top_p": float, "top_k": int, "seed": int}

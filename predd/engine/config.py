@@ -21,3 +21,5 @@ class EngineConfig:
     trusted_uid: int = field(default_factory=os.geteuid)   # predd's own: kvfsd, the operator
     auth: AuthKeys | None = None                             # tcp tokens (--auth-keys)
     memory: MemoryConfig = MemoryConfig()                     # tiers, pins, admission
+    speculate: bool = True   # queue a pred_sample's next step before it is asked (predd's
+                             # --speculate auto turns it off on a CPU)

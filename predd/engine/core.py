@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 import symphony_protocol as p
-from symphony_protocol import ErrorReply
+from symphony_protocol import ErrorReply, ProtocolError
 from predd.engine import calls
 from predd.engine import outputs
 from predd.engine.calls import Call
@@ -31,6 +31,7 @@ from predd.engine.deferred import Deferred
 from predd.engine.intake import Handler, Intake, Send
 from predd.engine.metrics import Counters
 from predd.engine.scheduler import Plan, PlanItem, Scheduler
+from predd.engine.speculation import Speculation
 from predd.memory.kvstore import KVStore
 from predd.memory.policy import Memory, NoRoom
 from predd.memory.pool import Pool
@@ -39,7 +40,7 @@ from predd.model.tokenizer import Tokenizer
 from predd.server.capabilities import Capabilities
 from predd.server.request_limits import Limits
 from predd.server.quotas import Quotas
-from predd.server.sessions import Sessions
+from predd.server.sessions import Session, Sessions
 from predd.worker.runner import Runner
 from predd.worker.tp import RankLost
 
@@ -67,6 +68,8 @@ class Engine(Intake):
         self.caps = Capabilities(self._free_object)
         self.sessions = Sessions(config.lease_s)
         self.scheduler = Scheduler(config.scheduler, on_leave=self._left)
+        self.speculation = Speculation(config.speculate, self.scheduler, self.store)
+        self._answered: list[tuple[Call, p.PredSample]] = []   # a step's pred_sample replies
         self.memory = Memory(m, self.store, self.tiers, self.scheduler.admitted,
                              lambda oid: self.quotas.charges[oid].uid)
         self.deferred = Deferred()
@@ -81,10 +84,19 @@ class Engine(Intake):
         """Reserve what the call needs, all or nothing. With no room on the device yet
         it waits (None: asked again next step) up to `admit_wait_s` from its arrival;
         then, or on any other error, reply it to this call alone (the object is as it
-        was) and refuse it."""
+        was) and refuse it. While speculations hold pages, a call that finds no room or
+        no quota has them dropped and waits a step."""
+        if call.speculative:
+            return self._admit_speculation(call)
         try:
             calls.admit(call, self.store, self.quotas, self.limits, self.memory)
-        except NoRoom as exc:
+        except (NoRoom, ProtocolError) as exc:
+            if len(self.speculation) and (isinstance(exc, NoRoom) or exc.code in ("EDQUOT", "ENOSPC")):
+                self.speculation.drop_all = True
+                return None
+            if not isinstance(exc, NoRoom):
+                self._reply(call.identity, call.rid, ErrorReply.of(exc))
+                return False
             waited = time.monotonic() - call.arrival
             if not exc.permanent and waited < self.config.memory.admit_wait_s:
                 if not call.waited:
@@ -105,6 +117,22 @@ class Engine(Intake):
         self.counters.queue_hist.observe(waited * 1e3)
         return True
 
+    def _admit_speculation(self, call: Call) -> bool:
+        """A speculation takes only room that is free now (it never moves another
+        object's pages) and gives way to calls waiting for room; refused, it is gone."""
+        obj = self.store.objects.get(call.oid)
+        ok = (self.speculation.by_oid.get(call.oid) is call and not self.speculation.hold_off
+              and obj is not None and not self.memory.off_device(obj)
+              and self.store.pages_needed(call.oid, 1) <= self.pool.available)
+        if ok:
+            try:
+                calls.admit(call, self.store, self.quotas, self.limits, self.memory)
+                return True
+            except Exception:
+                pass
+        self.speculation.gone(call)
+        return False
+
     def _left(self, call: Call) -> None:
         """A call left the queue (done, failed, dropped): its unused promise is free."""
         self.memory.draw(call.promised)
@@ -115,7 +143,11 @@ class Engine(Intake):
     def step(self) -> bool:
         """Run one batch if any call is ready; whether one ran."""
         started = time.perf_counter()
+        self.speculation.before_step()
         plan = self.scheduler.schedule(self._admit)
+        if not plan.items and self.speculation.drop_all:   # they held the room: again
+            self.speculation.before_step()
+            plan = self.scheduler.schedule(self._admit)
         self.counters.time_s["schedule"] += time.perf_counter() - started
         if not plan.items:
             self.replay_deferred(time.monotonic())
@@ -157,12 +189,13 @@ class Engine(Intake):
             call.step_s += elapsed
             if len(out):
                 call.logits.append(out)
-            if item.completes:   # the call's known tokens are all computed
+            if item.completes and not call.speculative:   # its known tokens are all computed
                 calls.commit(call, self.store, item.start + item.count)
             ran.append(item)
         outputs.pick_greedy([i.call for i in ran if i.completes])
         finished: set[int] = set()
         failed: set[int] = set()
+        self._answered.clear()
         for item in ran:
             if item.completes:
                 try:
@@ -179,6 +212,8 @@ class Engine(Intake):
             if session is not None:
                 session.tokens_computed += item.count
         self.scheduler.update(Plan(ran), finished, time.monotonic(), elapsed)
+        for call, answer in self._answered:   # out of the queue: their next steps
+            self.speculate(call, answer)
         times["outputs"] += time.perf_counter() - finishing
 
     def _execute(self, chunks: list[Chunk]) -> list[torch.Tensor | Exception]:
@@ -210,12 +245,17 @@ class Engine(Intake):
         terminal message, carrying its last token, finish_reason and cost."""
         obj = self.store.get(call.oid)
         pages = len(obj.pages)         # the cost's (made only for a reply that carries it)
+        if call.speculative:           # kept, uncommitted, for the call that takes it
+            call.answer = outputs.pred_reply(call, call.cost(pages))
+            return False
         if not call.generating:
             reply = outputs.pred_reply(call, call.cost(pages))
             if isinstance(reply, p.PredLogits):
                 self.counters.logits_rows["buffer" if reply.slot >= 0 else "frame"] += \
                     reply.shape[0]
             self._reply(call.identity, call.rid, reply)
+            if isinstance(reply, p.PredSample):
+                self._answered.append((call, reply))
             return True
         token, logprob = outputs.next_token(call)
         call.generated.append(token)
@@ -234,3 +274,43 @@ class Engine(Intake):
             tokens=call.generated[last], logprobs=call.logprobs[last],
             generated=len(call.generated), finish_reason=reason, cost=call.cost(pages)))
         return True
+
+    def cancel(self, session: Session, rid: int) -> bool:
+        """End `session`'s call `rid` at its word, between steps; whether it had one in
+        flight. A generate that has generated tokens finishes as at `length`
+        (`cancelled`): the token it was to feed back is not computed, so its reserved
+        slot goes and the object keeps the prompt and every generated token but the
+        last. Any other call, or a request held behind a busy object, gets ECANCELED,
+        its object as it was (`calls.undo`)."""
+        for call in self.scheduler.all_calls():
+            if call.session == session.sid and call.rid == rid and not call.speculative:
+                self._cancel(call)
+                self.replay_deferred(time.monotonic())   # what waited behind it goes on
+                return True
+        held = self.deferred.remove(session, rid)
+        if held is not None:
+            self._reply(held.identity, rid, ErrorReply(code="ECANCELED",
+                                                       message="cancelled by its caller"))
+        return held is not None
+
+    def _cancel(self, call: Call) -> None:
+        if not (call.generating and call.generated and call.committed == len(call.tokens) - 1):
+            self._fail(call, ProtocolError("ECANCELED", "cancelled by its caller"))
+            return
+        self.store.release_reservation(call.oid)
+        call.tokens.pop()
+        call.positions.pop()
+        call.total -= 1
+        self.scheduler.remove(call)
+        obj = self.store.get(call.oid)
+        last = slice(-1, None) if call.stream else slice(None)
+        self._reply(call.identity, call.rid, p.GenerateReply(
+            tokens=call.generated[last], logprobs=call.logprobs[last],
+            generated=len(call.generated), finish_reason="cancelled",
+            cost=call.cost(len(obj.pages))))
+
+    def speculate(self, done: Call, answer: p.PredSample) -> None:
+        """Queue the next step of `done`'s object with the token it was answered
+        (predd/engine/speculation.py)."""
+        self.speculation.offer(done, answer, time.monotonic(),
+                               holds=self.deferred.holds(done.oid), context=self.limits.context)

@@ -57,6 +57,18 @@ class Deferred:
         if held:
             self._queues.setdefault(oid, [])[:0] = held
 
+    def remove(self, session: Session, rid: int) -> Held | None:
+        """Take `session`'s held request `rid` out (no longer counted), if held."""
+        for oid, queue in self._queues.items():
+            for i, h in enumerate(queue):
+                if h.identity == session.identity and h.request.rid == rid:
+                    del queue[i]
+                    if not queue:
+                        del self._queues[oid]
+                    self.release(session)
+                    return h
+        return None
+
     def drop_session(self, session: Session) -> None:
         """Forget an ending session's held requests."""
         for oid, queue in list(self._queues.items()):

@@ -33,6 +33,7 @@ from predd.engine.config import EngineConfig
 from predd.engine.deferred import Deferred, Held
 from predd.engine.metrics import Counters
 from predd.engine.scheduler import Scheduler
+from predd.engine.speculation import Speculation
 from predd.memory.kvstore import KVStore
 from predd.memory.policy import Memory
 from predd.memory.pool import Pool
@@ -60,6 +61,7 @@ class Intake:
     counters: Counters
     sessions: Sessions
     scheduler: Scheduler
+    speculation: Speculation
     deferred: Deferred
     caps: Capabilities
     store: KVStore
@@ -127,14 +129,24 @@ class Intake:
     def _dispatch(self, identity: bytes, session: Session, req: p.Request,
                   extra: list[bytes], now: float) -> None:
         oids = self._objects_of(req)   # EBADF for a bad capability, before anything else
-        busy = [o for o in oids if self.scheduler.busy(o) or self.deferred.holds(o)]
+        spec = self.speculation
+        spec.settle(session.sid, req, oids)   # what is left there, the pred may take
+        busy = [o for o in oids if (self.scheduler.busy(o) and o not in spec.by_oid)
+                or self.deferred.holds(o)]
         if busy and isinstance(req, CHANGES):   # wait behind the first busy object
             self._check_calls(session)
             self.deferred.hold(busy[0], session, Held(identity, req, extra))
             return
         if isinstance(req, QUEUED):
             self._check_calls(session)
-        reply = self.handlers[type(req)](self, session, req, extra, now)
+        handler = self.handlers[type(req)]
+        try:
+            reply = handler(self, session, req, extra, now)
+        except ProtocolError as exc:    # never refused for a speculation's page
+            if exc.code not in ("EDQUOT", "ENOSPC") or not spec.make_room(
+                    session.uid if exc.code == "EDQUOT" else None):
+                raise
+            reply = handler(self, session, req, extra, now)
         if reply is not None:
             self._reply(identity, req.rid, reply)
 
@@ -145,10 +157,12 @@ class Intake:
     def _check_calls(self, s: Session) -> None:
         """EAGAIN when `s` or its uid has as many calls in flight as allowed."""
         q = self.config.quota
-        check_limit(self.scheduler.queued(session=s.sid) + s.deferred, q.session_calls,
-                    "EAGAIN", f"calls in flight of session {s.sid}")
+        mine = self.speculation.of_session(s.sid)    # speculations are not the caller's
+        check_limit(self.scheduler.queued(session=s.sid) - mine + s.deferred,
+                    q.session_calls, "EAGAIN", f"calls in flight of session {s.sid}")
         if not s.trusted:
-            check_limit(self.scheduler.queued(uid=s.uid) + self.deferred.of_uid.get(s.uid, 0),
+            check_limit(self.scheduler.queued(uid=s.uid) - self.speculation.of_uid(s.uid)
+                        + self.deferred.of_uid.get(s.uid, 0),
                         q.uid_calls, "EAGAIN", f"calls in flight of uid {s.uid}")
 
     def replay_deferred(self, now: float) -> None:
@@ -194,6 +208,9 @@ class Intake:
         dropped = self.scheduler.cancel(lambda c: c.session == s.sid)
         for call in dropped:
             self._undo(call)
+            if call.speculative:
+                self.speculation.gone(call)
+        dropped = [c for c in dropped if not c.speculative]
         self.deferred.drop_session(s)
         freed = self.caps.revoke_session(s.sid)
         self.sessions.end(s.sid)
@@ -209,7 +226,10 @@ class Intake:
         EBADF, and its pages go back to the pool."""
         freed = ErrorReply(code="EBADF", message="KV object was freed")
         for call in self.scheduler.cancel(lambda c: c.oid == oid):
-            self._reply(call.identity, call.rid, freed)
+            if call.speculative:
+                self.speculation.gone(call)
+            else:
+                self._reply(call.identity, call.rid, freed)
         for held in self.deferred.take(oid):
             session = self.sessions.of_identity(held.identity)
             if session is not None:
@@ -231,6 +251,7 @@ class Intake:
         problems += self.caps.check()
         problems += self.quotas.verify(self.store.objects)
         problems += self.scheduler.check()
+        problems += self.speculation.check()
         problems += self.deferred.check(self.sessions)
         problems += self.memory.check()
         held = sum(c.promised for c in self.scheduler.all_calls())
@@ -251,6 +272,10 @@ class Intake:
         """Fail one call alone: it leaves the queue with its error, and its object is put
         back as it was."""
         self.scheduler.remove(call)
+        if call.speculative:      # no client: it is gone, its object as it was
+            self._undo(call)
+            self.speculation.gone(call)
+            return
         error = self._errno(exc, f"call {call.rid}")
         try:
             self._undo(call)

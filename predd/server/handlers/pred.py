@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from predd.server.sessions import Session
 
 
-def pred(e: Engine, s: Session, r: p.Pred, extra: list[bytes], now: float) -> None:
+def pred(e: Engine, s: Session, r: p.Pred, extra: list[bytes],
+         now: float) -> p.PredSample | None:
     cap = e.caps.lookup(r.cap, write=True)
     e.limits.check_pred(r, e.vocab)
     n = len(r.tokens)
@@ -30,12 +31,12 @@ def pred(e: Engine, s: Session, r: p.Pred, extra: list[bytes], now: float) -> No
     if r.into != -1 and s.logits is not None:   # none (a restarted predd's session): a frame
         s.logits.check_slot(r.into)
     sample = p.SampleParams.from_wire(r.sample)
-    _submit(e, Call(s.sid, cap.oid, total=max(n, 1), uid=s.uid, identity=s.identity,
-                    rid=r.rid, tokens=list(r.tokens), positions=r.positions,
-                    outputs=outputs, sample=sample,
-                    allowed=sampling.mask_tensor(r.mask, e.vocab), topk=r.topk,
-                    into=r.into if s.logits is not None else -1, buffer=s.logits,
-                    generator=sampling.make_generator(sample)), now)
+    return _submit(e, Call(s.sid, cap.oid, total=max(n, 1), uid=s.uid, identity=s.identity,
+                           rid=r.rid, tokens=list(r.tokens), positions=r.positions,
+                           outputs=outputs, sample=sample,
+                           allowed=sampling.mask_tensor(r.mask, e.vocab), topk=r.topk,
+                           into=r.into if s.logits is not None else -1, buffer=s.logits,
+                           generator=sampling.make_generator(sample)), now)
 
 
 def generate(e: Engine, s: Session, r: p.Generate, extra: list[bytes], now: float) -> None:
@@ -50,10 +51,29 @@ def generate(e: Engine, s: Session, r: p.Generate, extra: list[bytes], now: floa
                     generator=sampling.make_generator(sample)), now)
 
 
-def _submit(e: Engine, call: Call, now: float) -> None:
+def _submit(e: Engine, call: Call, now: float) -> p.PredSample | None:
+    """Queue the call; or, where its object's speculation matches it, take that: the
+    speculation's answer when computed (the reply; the next speculation queued), else
+    the queued speculation becomes this call (predd/engine/speculation.py)."""
     if not call.tokens and e.store.get(call.oid).length == 0:
         raise ProtocolError("EINVAL", "no tokens and an empty cache: nothing to predict from")
+    claimed = e.speculation.claim(call) if e.speculation.by_oid else None
+    if claimed is not None:      # its step ran (or is queued) already
+        spec, answer = claimed
+        if answer is not None:
+            e.speculate(spec, answer)
+        return answer
     e.scheduler.submit(call, now)
+    return None
 
 
-HANDLERS = {p.Pred: pred, p.Generate: generate}
+def cancel(e: Engine, s: Session, r: p.Cancel, extra: list[bytes],
+           now: float) -> p.EmptyReply:
+    """End the caller's own call `r.target` (Engine.cancel); ESRCH when this session has
+    no such call in flight (it may have just finished)."""
+    if not e.cancel(s, r.target):
+        raise ProtocolError("ESRCH", f"no call {r.target} of this session in flight")
+    return p.EmptyReply()
+
+
+HANDLERS = {p.Pred: pred, p.Generate: generate, p.Cancel: cancel}

@@ -90,7 +90,8 @@ def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> 
         tokens_computed=c.tokens_computed, tokens_reused=c.tokens_reused,
         queue_wait_ms=round(c.queue_wait_s * 1e3, 3), step_ms=round(c.step_s * 1e3, 3),
         launch_wait_ms=round(e.scheduler.waited_s * 1e3, 3),
-        pending_calls=e.scheduler.pending(), requests=c.requests, errors=c.errors,
+        pending_calls=e.scheduler.pending() - len(e.speculation),   # the callers' own
+        requests=c.requests, errors=c.errors,
         throttled=c.throttled, capped_steps=e.scheduler.capped_steps,
         admission_waits=c.admission_waits, logits_rows=dict(c.logits_rows),
         tiers=e.memory.stats(),
@@ -98,7 +99,7 @@ def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> 
         bytes_moved=e.memory.moves.bytes,
         time_ms={k: round(v * 1e3, 3) for k, v in c.time_s.items()},
         queue_wait_hist=c.queue_hist.wire(), step_hist=c.step_hist.wire(),
-        uptime_s=round(time.monotonic() - e.started, 3))
+        uptime_s=round(time.monotonic() - e.started, 3), speculation=e.speculation.stats.wire())
 
 
 def ps(e: Engine, s: Session, r: p.Ps, extra: list[bytes], now: float) -> p.PsReply:
@@ -110,7 +111,8 @@ def ps(e: Engine, s: Session, r: p.Ps, extra: list[bytes], now: float) -> p.PsRe
              "objects": e.quotas.objects_of_session.get(x.sid, 0),
              "pages": e.quotas.pages_of_session.get(x.sid, 0),
              "capabilities": e.caps.count(x.sid),
-             "calls": e.scheduler.queued(session=x.sid) + x.deferred,
+             "calls": e.scheduler.queued(session=x.sid) - e.speculation.of_session(x.sid)
+             + x.deferred,
              "tokens_computed": x.tokens_computed, "tokens_reused": x.tokens_reused,
              "idle_s": round(now - x.last_seen, 3)} for x in visible]
     ended = [{"session": x.sid, "pid": x.pid, "uid": x.uid,
@@ -119,7 +121,8 @@ def ps(e: Engine, s: Session, r: p.Ps, extra: list[bytes], now: float) -> p.PsRe
     uids = sorted({x.uid for x in visible} | {s.uid})
     return p.PsReply(sessions=rows, ended=ended, uids=[
         {**e.quotas.usage(u), "sessions": e.sessions.count(u),
-         "calls": e.scheduler.queued(uid=u) + e.deferred.of_uid.get(u, 0)}
+         "calls": e.scheduler.queued(uid=u) - e.speculation.of_uid(u)
+         + e.deferred.of_uid.get(u, 0)}
         for u in uids])
 
 

@@ -293,6 +293,6 @@ def test_a_client_that_leaves_cancels_its_request(client, predd, model):
         if i == 3:
             break
     stream.close()
-    # the LIP stops at the end of its current generate call (16 tokens) and frees
+    # the LIP cancels its generate in predd (it ends after its current step) and frees
     assert eventually(lambda: predd.call("stats")["pending_calls"] == 0, timeout=120)
     assert eventually(lambda: predd.call("stats")["pages_used"] == before, timeout=30)

@@ -86,3 +86,19 @@ def test_prefill_appends_at_positions_and_says_what_it_cost(lip):
     assert lip.prefill(kv, more, positions=at)["computed"] == len(more)
     assert lip.kv_positions(kv) == list(range(len(tokens))) + at
     lip.kv_close(kv)
+
+
+def test_a_stream_left_early_cancels_its_generate_in_predd(lip):
+    prompt = lip.tokenize("Once upon a time, in a land far away,")
+    want = list(lip.generate(lip.kv_create(), prompt, max_tokens=200, stop=[]))
+    kv = lip.kv_create()
+    stream = lip.generate_stream(kv, prompt, max_tokens=200, stop=[])
+    seen = [next(stream) for _ in range(3)]
+    stream.close()                     # returns once predd has ended the generate
+    assert lip.stats()["pending_calls"] == 0
+    kept = lip.kv_tokens(kv)[len(prompt):]
+    assert seen == want[:3]
+    assert 2 <= len(kept) < 199 and kept == want[:len(kept)]
+    # the cache goes on as a pred loop would: the last generated token is not appended
+    assert lip.pred_sample(kv, [want[len(kept)]], {"temperature": 0.0}).token == \
+        want[len(kept) + 1]

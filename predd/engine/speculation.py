@@ -1,0 +1,219 @@
+"""Speculative continuation: the step after a token predd chose, run before it is asked.
+
+When predd answers a pred_sample with one token it chose, the program's next call very
+likely appends exactly that token and asks for the next one. predd queues that step at
+once (`offer`), so it runs in the next batch while the answer travels to the program and
+the program decides; the program's call then takes the answer computed in that batch
+(or joins the step still queued) instead of missing a batch. Where a step is fast (a
+GPU) a program that samples each token otherwise runs at about half the built-in loop's
+pace.
+
+A speculation is an ordinary `Call` in the scheduler with no client (`speculative`): its
+object counts as busy (the memory policy leaves its pages on the device) and its token's
+slot is reserved, never an entry. When computed it keeps its answer instead of replying
+and is not committed.
+
+Match rule: a pred from the same session appending exactly that token (positions unset
+or the same), one output, the same sampling parameters, no mask and no top-k takes the
+speculation (`claim`); any other request naming the object discards it first.
+
+Invisibility rule: a discarded speculation is `calls.undo`ne — its reservation released,
+nothing committed — so forks, `kv_tokens`, `kv_stat`, exports and files never see it,
+and `fsck` (which discards all first) stays clean. Every request naming the object
+discards its speculation unless it takes it. No request fails for a speculation's page:
+a request refused EDQUOT or ENOSPC while speculations hold pages has them dropped (its
+uid's, or all) and runs again; a call that finds no room or quota at admission has them
+dropped before the next step and waits that step. Until then a speculation's page counts
+in `ps` and `stats` as any call in flight does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import symphony_protocol as p
+from predd.engine import calls, sampling
+from predd.engine.calls import Call
+
+if TYPE_CHECKING:
+    from predd.memory.kvstore import KVStore
+    from predd.engine.scheduler import Scheduler
+
+MODES = ("auto", "on", "off")
+
+# Requests that neither read nor change a KV object or a quota: they leave speculations be.
+NEUTRAL = (p.Hello, p.Bye, p.Ping, p.Info, p.Stats, p.Ps, p.Tokenize, p.Detokenize,
+           p.ChatTemplate)
+
+
+def enabled(mode: str, device: str) -> tuple[bool, str]:
+    """Whether to speculate and why. `auto`: on a GPU, where a step is shorter than a
+    program's round trip; not on a CPU, where the adaptive launch already waits for the
+    programs and a speculation's step competes with them for the cores (measured:
+    docs/benchmarks.md, "B6: per-token overhead (`scripts/bench_loop.py`)")."""
+    if mode not in MODES:
+        raise ValueError(f"speculate must be one of {MODES}, not {mode!r}")
+    if mode != "auto":
+        return mode == "on", f"{mode} (--speculate {mode})"
+    if device.startswith("cuda"):
+        return True, f"on (auto: on {device} a pred_sample loop otherwise misses a batch a token)"
+    return False, ("off (auto: on a CPU the adaptive launch waits for the programs and a "
+                   "speculated step competes with them for the cores)")
+
+
+@dataclass
+class SpeculationStats:
+    offered: int = 0    # speculations queued
+    hits: int = 0       # taken by the program's next call
+    misses: int = 0     # discarded (another call, a change, the session or object gone)
+    wasted: int = 0     # tokens computed for speculations that were discarded
+
+    def wire(self) -> dict:
+        return {"offered": self.offered, "hits": self.hits, "misses": self.misses,
+                "wasted": self.wasted}
+
+
+class Speculation:
+    """The speculations in flight or computed, one per object at most."""
+
+    def __init__(self, on: bool, scheduler: Scheduler, store: KVStore) -> None:
+        self.on = on
+        self.scheduler = scheduler
+        self.store = store
+        self.by_oid: dict[int, Call] = {}
+        self.stats = SpeculationStats()
+        self.drop_all = False     # a call found no room: drop every one before the next step
+        self.hold_off = False     # ... and admit none in that step
+
+    def __len__(self) -> int:
+        return len(self.by_oid)
+
+    def of_session(self, sid: int) -> int:
+        return sum(1 for c in self.by_oid.values() if c.session == sid) if self.by_oid else 0
+
+    def of_uid(self, uid: int) -> int:
+        return sum(1 for c in self.by_oid.values() if c.uid == uid) if self.by_oid else 0
+
+    # ------------------------------------------------------------ making one
+
+    def offer(self, done: Call, answer: p.PredSample, now: float, holds: bool,
+              context: int) -> None:
+        """After `done` (a pred_sample) was answered with `answer`: queue its object's
+        next step with the chosen token, unless the object has another call or a held
+        change (`holds`), the call was masked, or the object is full."""
+        if not self.on or done.sample is None or done.allowed is not None or done.topk \
+                or len(answer.tokens) != 1 or done.oid in self.by_oid:
+            return
+        obj = self.store.objects.get(done.oid)
+        if obj is None or holds or obj.length + 1 > context or \
+                self.scheduler.queued_on(done.oid) > 0:
+            return
+        spec = Call(done.session, done.oid, total=1, uid=done.uid, identity=b"", rid=-1,
+                    tokens=[answer.tokens[0]], outputs=[0], sample=done.sample,
+                    generator=sampling.make_generator(done.sample), speculative=True)
+        self.scheduler.submit(spec, now)
+        self.by_oid[done.oid] = spec
+        self.stats.offered += 1
+
+    # ------------------------------------------------------------ taking one
+
+    def may_claim(self, sid: int, req: p.Request, oid: int) -> bool:
+        """Whether `req` (naming object `oid`) could take its speculation: a pred of the
+        speculation's session appending one token. The handler's call decides
+        (`claim`); anything else discards it (`settle`)."""
+        spec = self.by_oid.get(oid)
+        return (spec is not None and isinstance(req, p.Pred) and spec.session == sid
+                and len(req.tokens) == 1)
+
+    def matches(self, spec: Call, call: Call) -> bool:
+        return (call.session == spec.session and call.tokens == spec.tokens
+                and (call.positions is None or call.positions == spec.positions)
+                and call.outputs == [0] and call.sample is not None
+                and call.sample == spec.sample and call.allowed is None and not call.topk)
+
+    def claim(self, call: Call) -> tuple[Call, p.PredSample | None] | None:
+        """Give `call` its object's speculation if it matches: (the speculation, its
+        answer) when computed — committed, out of the queue, to be answered at once —
+        or (the speculation, None) when still queued: it becomes `call` (this client,
+        this request) and is answered when computed. None when nothing matches (a
+        speculation there is discarded)."""
+        spec = self.by_oid.get(call.oid)
+        if spec is None:
+            return None
+        if not self.matches(spec, call):
+            self.discard(call.oid)
+            return None
+        del self.by_oid[call.oid]
+        self.stats.hits += 1
+        if spec.answer is None:
+            spec.speculative = False
+            spec.identity, spec.rid, spec.generator = call.identity, call.rid, call.generator
+            spec.buffer, spec.into = call.buffer, call.into
+            return spec, None
+        calls.commit(spec, self.store, 1)
+        self.scheduler.remove(spec)
+        return spec, spec.answer
+
+    # ------------------------------------------------------------ dropping them
+
+    def before_step(self) -> None:
+        """Where a call found no room or quota in the last step, drop every speculation
+        and admit none in this one, so the call is not starved by them."""
+        self.hold_off = self.drop_all
+        if self.drop_all:
+            self.drop_all = False
+            self.discard_where()
+
+    def discard(self, oid: int) -> None:
+        """Drop `oid`'s speculation, if any: out of the queue, its reservation released."""
+        spec = self.by_oid.pop(oid, None)
+        if spec is None:
+            return
+        self.scheduler.remove(spec)
+        calls.undo(spec, self.store)
+        self.stats.misses += 1
+        self.stats.wasted += spec.computed
+
+    def discard_where(self, keep=lambda c: False) -> int:
+        """Drop every speculation `keep` does not keep; how many were dropped."""
+        gone = [oid for oid, c in self.by_oid.items() if not keep(c)]
+        for oid in gone:
+            self.discard(oid)
+        return len(gone)
+
+    def gone(self, call: Call) -> None:
+        """A speculation left the queue without a claim (its session or object ended, it
+        failed, admission refused it): forget it; the caller has undone it."""
+        if self.by_oid.get(call.oid) is call:
+            del self.by_oid[call.oid]
+            self.stats.misses += 1
+            self.stats.wasted += call.computed
+
+    def settle(self, sid: int, req: p.Request, oids: list[int]) -> None:
+        """Before `req` is handled: discard what it must not see or would not take."""
+        if not self.by_oid or isinstance(req, NEUTRAL):
+            return
+        if isinstance(req, p.Fsck):
+            self.discard_where()
+            return
+        if isinstance(req, p.IoWait) and not req.caps:    # every object of the session
+            self.discard_where(lambda c: c.session != sid)
+            return
+        for oid in oids:
+            if not self.may_claim(sid, req, oid):
+                self.discard(oid)
+
+    def make_room(self, uid: int | None) -> bool:
+        """Drop the speculations of `uid` (None: all) because a request found no quota
+        (no room); whether any were dropped, so the request is worth trying again."""
+        return self.discard_where(lambda c: uid is not None and c.uid != uid) > 0
+
+    def check(self) -> list[str]:
+        problems = []
+        for oid, spec in self.by_oid.items():
+            if not spec.speculative or spec.oid != oid:
+                problems.append(f"speculation on object {oid} is call {spec.rid} of "
+                                f"object {spec.oid}")
+            elif spec not in self.scheduler.all_calls():
+                problems.append(f"speculation on object {oid} is not queued")
+        return problems
