@@ -11,7 +11,8 @@ decode --new-tokens (64) greedy tokens from a seeded prompt:
   pred_sample  — a `pred_sample` per token (predd's speculative continuation on)
   pred_loop    — a `pred` per token, the program taking the argmax of the logits
 with predd's speculative continuation on (`--speculate on`; its default on a CPU is off),
-and the `pred_sample` loop again with `--speculate off`. Each figure is the best of
+then `generate` and the `pred_sample` loop on a predd with `--speculate off`; each loop
+is compared with `generate` on the same predd. Each figure is the best of
 --repeat runs; prints one `RESULT {...}` line per N and loop: its tokens/s over
 generate's (the target: pred_sample >= 0.95, pred_loop >= 0.85), with predd's step time.
 
@@ -84,12 +85,12 @@ def main() -> int:
     args.programs = [int(n) for n in args.programs.split(",")]
     model = tiny_model()
     on = measure(model, args, ["generate", "pred_sample", "pred_loop"], "--speculate", "on")
-    off = measure(model, args, ["pred_sample"], "--speculate", "off")
-    for n in args.programs:
-        base = on[("generate", n)]
-        for name, tps in (("pred_sample", on[("pred_sample", n)]),
-                          ("pred_loop", on[("pred_loop", n)]),
-                          ("pred_sample_no_speculation", off[("pred_sample", n)])):
+    off = measure(model, args, ["generate", "pred_sample"], "--speculate", "off")
+    for n in args.programs:   # each loop against generate on the same predd
+        for name, tps, base in (
+                ("pred_sample", on[("pred_sample", n)], on[("generate", n)]),
+                ("pred_loop", on[("pred_loop", n)], on[("generate", n)]),
+                ("pred_sample_no_speculation", off[("pred_sample", n)], off[("generate", n)])):
             result("B6", f"{name}_vs_generate_x{n}", tps, "symphony_generate", base,
                    programs=n, tokens=args.new_tokens)
     return 0
