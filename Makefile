@@ -1,4 +1,4 @@
-# make setup | test | test-fast | unit | demo | bench | bench-setup | clean | distclean
+# make setup | test | test-fast | unit | demo | lib | bench | bench-setup | clean | distclean
 # Every target that runs code first runs scripts/setup.sh, which installs only what
 # is missing and returns in about a second when nothing is.
 
@@ -7,7 +7,7 @@ PY = $(VENV)/bin/python
 PYTEST_ARGS ?=
 export VENV
 
-.PHONY: all setup test test-fast unit demo bench bench-setup clean distclean
+.PHONY: all setup test test-fast unit demo lib bench bench-setup clean distclean
 
 all: test
 
@@ -28,6 +28,21 @@ unit: setup
 
 demo: setup
 	bash scripts/demo.sh
+
+# liblip for C (liblip/c/liblip.h) and its example, into $(BUILD); needs libzmq3-dev and
+# libmsgpack-dev, which `make setup` installs.
+BUILD ?= build
+LIP_C = liblip/c
+lib: $(BUILD)/liblip.so $(BUILD)/lip-greedy
+
+$(BUILD)/liblip.so: $(LIP_C)/liblip.c $(LIP_C)/liblip.h
+	mkdir -p $(BUILD)
+	$(CC) -O2 -Wall -Wextra -Werror -fPIC -shared -o $@ $(LIP_C)/liblip.c \
+		$$(pkg-config --cflags --libs libzmq msgpack)
+
+$(BUILD)/lip-greedy: $(LIP_C)/examples/greedy.c $(BUILD)/liblip.so
+	$(CC) -O2 -Wall -Wextra -Werror -I$(LIP_C) -o $@ $< -L$(BUILD) -llip \
+		-Wl,-rpath,'$$ORIGIN'
 
 # The baselines (vLLM's CPU build in its own venv, the model as a Hugging Face directory)
 # go to BENCH_DIR (default ~/.cache/symphony-bench), never into $(VENV). `make bench`

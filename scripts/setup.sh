@@ -15,7 +15,7 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
 STAMP="$VENV/.symphony-stamp"
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config attr)
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config attr libzmq3-dev libmsgpack-dev)
 
 PY="$VENV/bin/python"
 did_work=0
@@ -37,6 +37,8 @@ missing_debs() {
         command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
         pkg-config --exists fuse3 2>/dev/null || missing+=(libfuse3-dev)
         command -v getfattr >/dev/null 2>&1 || missing+=(attr)
+        pkg-config --exists libzmq 2>/dev/null || missing+=(libzmq3-dev)
+        pkg-config --exists msgpack 2>/dev/null || missing+=(libmsgpack-dev)
     fi
     # pyfuse3 ships as a source distribution: building it needs a C compiler, and so
     # does predd's CPU attention kernel (built on first use, predd/kernels/cpu_kernels.py).
