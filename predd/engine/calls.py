@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-import symphony_protocol as p
 from symphony_protocol import Cost, ProtocolError, SampleParams
 from predd.server.request_limits import MAX_POSITION
 
@@ -82,9 +81,10 @@ class Call:
     committed: int = 0         # leading tokens that are entries of the object
     base: int = 0              # the object's length when the call was admitted
     reopened: tuple[int, int, np.ndarray] | None = None   # re-predict: the entry, to undo
-    # speculation (predd/engine/speculation.py): no client; computed, it keeps its answer
+    # speculation (predd/engine/speculation.py): no client; computed (`parked`), it keeps
+    # its outputs (picks, or its logits copied) for the call that takes it
     speculative: bool = False
-    answer: p.PredSample | None = None
+    parked: bool = False
     stop_window: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:

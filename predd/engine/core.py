@@ -69,7 +69,7 @@ class Engine(Intake):
         self.sessions = Sessions(config.lease_s)
         self.scheduler = Scheduler(config.scheduler, on_leave=self._left)
         self.speculation = Speculation(config.speculate, self.scheduler, self.store)
-        self._answered: list[tuple[Call, p.PredSample]] = []   # a step's pred_sample replies
+        self._answered: list[tuple[Call, p.PredReply]] = []   # a step's pred replies
         self.memory = Memory(m, self.store, self.tiers, self.scheduler.admitted,
                              lambda oid: self.quotas.charges[oid].uid)
         self.deferred = Deferred()
@@ -212,8 +212,8 @@ class Engine(Intake):
             if session is not None:
                 session.tokens_computed += item.count
         self.scheduler.update(Plan(ran), finished, time.monotonic(), elapsed)
-        for call, answer in self._answered:   # out of the queue: their next steps
-            self.speculate(call, answer)
+        for call, reply in self._answered:   # out of the queue: their next steps
+            self.speculate(call, reply)
         times["outputs"] += time.perf_counter() - finishing
 
     def _execute(self, chunks: list[Chunk]) -> list[torch.Tensor | Exception]:
@@ -246,15 +246,14 @@ class Engine(Intake):
         obj = self.store.get(call.oid)
         pages = len(obj.pages)         # the cost's (made only for a reply that carries it)
         if call.speculative:           # kept, uncommitted, for the call that takes it
-            call.answer = outputs.pred_reply(call, call.cost(pages))
+            if call.picks is None:     # the step's logits are not kept past the step
+                call.logits = [t.clone() for t in call.logits]
+            call.parked = True
             return False
         if not call.generating:
-            reply = outputs.pred_reply(call, call.cost(pages))
-            if isinstance(reply, p.PredLogits):
-                self.counters.logits_rows["buffer" if reply.slot >= 0 else "frame"] += \
-                    reply.shape[0]
+            reply = self._pred_reply(call, pages)
             self._reply(call.identity, call.rid, reply)
-            if isinstance(reply, p.PredSample):
+            if self.speculation.on:
                 self._answered.append((call, reply))
             return True
         token, logprob = outputs.next_token(call)
@@ -309,8 +308,30 @@ class Engine(Intake):
             generated=len(call.generated), finish_reason="cancelled",
             cost=call.cost(len(obj.pages))))
 
-    def speculate(self, done: Call, answer: p.PredSample) -> None:
-        """Queue the next step of `done`'s object with the token it was answered
-        (predd/engine/speculation.py)."""
-        self.speculation.offer(done, answer, time.monotonic(),
-                               holds=self.deferred.holds(done.oid), context=self.limits.context)
+    def _pred_reply(self, call: Call, pages: int) -> p.PredReply:
+        reply = outputs.pred_reply(call, call.cost(pages))
+        if isinstance(reply, p.PredLogits):
+            self.counters.logits_rows["buffer" if reply.slot >= 0 else "frame"] += \
+                reply.shape[0]
+        return reply
+
+    def claimed(self, spec: Call) -> p.PredReply:
+        """The reply to the call that took the computed speculation `spec` (its client's
+        now; its token committed); the next speculation queued."""
+        reply = self._pred_reply(spec, len(self.store.get(spec.oid).pages))
+        self.speculate(spec, reply)
+        return reply
+
+    def speculate(self, done: Call, reply: p.PredReply) -> None:
+        """Queue the next step of `done`'s object with the token it was answered, or the
+        argmax of its logits where that object's calls follow it (speculation.py)."""
+        if isinstance(reply, p.PredSample):
+            token = reply.tokens[0] if len(reply.tokens) == 1 else None
+        elif isinstance(reply, p.PredLogits) and reply.shape[0] == 1 and done.logits:
+            token = self.speculation.guess(done.oid, done.logits[-1][-1])
+        else:
+            return
+        if token is not None:
+            self.speculation.offer(done, token, time.monotonic(),
+                                   holds=self.deferred.holds(done.oid),
+                                   context=self.limits.context)

@@ -236,6 +236,7 @@ class Intake:
                 self.deferred.release(session)
             self._reply(held.identity, held.request.rid, freed)
         self.scheduler.forget(oid)
+        self.speculation.forget(oid)
         self.quotas.forget(oid)
         self.memory.forget(oid)
         self.store.free(oid)

@@ -6,16 +6,20 @@ once (`offer`), so it runs in the next batch while the answer travels to the pro
 the program decides; the program's call then takes the answer computed in that batch
 (or joins the step still queued) instead of missing a batch. Where a step is fast (a
 GPU) a program that samples each token otherwise runs at about half the built-in loop's
-pace.
+pace. A raw `pred` (one row of logits) is followed the same way with the row's argmax,
+once that object's calls have been appending the argmax (`guess`: a hit rate kept per
+object, decayed by a quarter a call, speculating from HIT_RATE).
 
 A speculation is an ordinary `Call` in the scheduler with no client (`speculative`): its
 object counts as busy (the memory policy leaves its pages on the device) and its token's
-slot is reserved, never an entry. When computed it keeps its answer instead of replying
-and is not committed.
+slot is reserved, never an entry. When computed it is `parked`: not committed, its
+outputs kept (the greedy picks, or its logits copied) for the reply, which is built for
+the call that takes it (so a raw row goes into that call's logits buffer slot).
 
 Match rule: a pred from the same session appending exactly that token (positions unset
-or the same), one output, the same sampling parameters, no mask and no top-k takes the
-speculation (`claim`); any other request naming the object discards it first.
+or the same), one output, the same sampling parameters (or none, for logits), no mask
+and no top-k takes the speculation (`claim`); any other request naming the object
+discards it first.
 
 Invisibility rule: a discarded speculation is `calls.undo`ne — its reservation released,
 nothing committed — so forks, `kv_tokens`, `kv_stat`, exports and files never see it,
@@ -31,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 import symphony_protocol as p
 from predd.engine import calls, sampling
 from predd.engine.calls import Call
@@ -40,6 +46,7 @@ if TYPE_CHECKING:
     from predd.engine.scheduler import Scheduler
 
 MODES = ("auto", "on", "off")
+HIT_RATE = 0.6         # a pred loop's argmax is speculated once this share of calls took it
 
 # Requests that neither read nor change a KV object or a quota: they leave speculations be.
 NEUTRAL = (p.Hello, p.Bye, p.Ping, p.Info, p.Stats, p.Ps, p.Tokenize, p.Detokenize,
@@ -82,6 +89,7 @@ class Speculation:
         self.store = store
         self.by_oid: dict[int, Call] = {}
         self.stats = SpeculationStats()
+        self.guesses: dict[int, tuple[int, float]] = {}   # oid -> (argmax told, hit rate)
         self.drop_all = False     # a call found no room: drop every one before the next step
         self.hold_off = False     # ... and admit none in that step
 
@@ -96,20 +104,39 @@ class Speculation:
 
     # ------------------------------------------------------------ making one
 
-    def offer(self, done: Call, answer: p.PredSample, now: float, holds: bool,
-              context: int) -> None:
-        """After `done` (a pred_sample) was answered with `answer`: queue its object's
-        next step with the chosen token, unless the object has another call or a held
-        change (`holds`), the call was masked, or the object is full."""
-        if not self.on or done.sample is None or done.allowed is not None or done.topk \
-                or len(answer.tokens) != 1 or done.oid in self.by_oid:
+    def guess(self, oid: int, row: torch.Tensor) -> int | None:
+        """After a raw one-row pred on `oid`: its argmax, to speculate with where that
+        object's calls have been appending the argmax; None where they have not (the
+        argmax is noted to measure them)."""
+        token = int(torch.argmax(row))
+        rate = self.guesses.get(oid, (0, HIT_RATE - 0.1))[1]
+        self.guesses[oid] = (token, rate)
+        return token if rate >= HIT_RATE else None
+
+    def _measure(self, req: p.Request, oids: list[int]) -> None:
+        """A pred of one token on an object whose last raw row's argmax was noted: one
+        more hit or miss for its rate."""
+        if isinstance(req, p.Pred) and len(oids) == 1 and oids[0] in self.guesses:
+            told, rate = self.guesses[oids[0]]
+            hit = len(req.tokens) == 1 and req.tokens[0] == told
+            self.guesses[oids[0]] = (told, 0.75 * rate + 0.25 * hit)
+
+    def forget(self, oid: int) -> None:
+        self.guesses.pop(oid, None)
+
+    def offer(self, done: Call, token: int, now: float, holds: bool, context: int) -> None:
+        """After `done` (a pred) was answered: queue its object's next step with `token`
+        (the token predd chose, or the argmax), unless the object has another call or a
+        held change (`holds`), the call was masked or asked for top-k, or the object is
+        full."""
+        if not self.on or done.allowed is not None or done.topk or done.oid in self.by_oid:
             return
         obj = self.store.objects.get(done.oid)
         if obj is None or holds or obj.length + 1 > context or \
                 self.scheduler.queued_on(done.oid) > 0:
             return
         spec = Call(done.session, done.oid, total=1, uid=done.uid, identity=b"", rid=-1,
-                    tokens=[answer.tokens[0]], outputs=[0], sample=done.sample,
+                    tokens=[token], outputs=[0], sample=done.sample,
                     generator=sampling.make_generator(done.sample), speculative=True)
         self.scheduler.submit(spec, now)
         self.by_oid[done.oid] = spec
@@ -128,15 +155,15 @@ class Speculation:
     def matches(self, spec: Call, call: Call) -> bool:
         return (call.session == spec.session and call.tokens == spec.tokens
                 and (call.positions is None or call.positions == spec.positions)
-                and call.outputs == [0] and call.sample is not None
-                and call.sample == spec.sample and call.allowed is None and not call.topk)
+                and call.outputs == [0] and call.sample == spec.sample
+                and call.allowed is None and not call.topk)
 
-    def claim(self, call: Call) -> tuple[Call, p.PredSample | None] | None:
-        """Give `call` its object's speculation if it matches: (the speculation, its
-        answer) when computed — committed, out of the queue, to be answered at once —
-        or (the speculation, None) when still queued: it becomes `call` (this client,
-        this request) and is answered when computed. None when nothing matches (a
-        speculation there is discarded)."""
+    def claim(self, call: Call) -> Call | None:
+        """Give `call` its object's speculation if it matches; None when nothing does (a
+        speculation there is discarded). The speculation becomes `call` (its client, its
+        request, its logits buffer slot): when computed (`parked`) it is committed and
+        out of the queue, to be answered at once (Engine.claimed); still queued, it is
+        answered when computed."""
         spec = self.by_oid.get(call.oid)
         if spec is None:
             return None
@@ -145,14 +172,13 @@ class Speculation:
             return None
         del self.by_oid[call.oid]
         self.stats.hits += 1
-        if spec.answer is None:
-            spec.speculative = False
-            spec.identity, spec.rid, spec.generator = call.identity, call.rid, call.generator
-            spec.buffer, spec.into = call.buffer, call.into
-            return spec, None
-        calls.commit(spec, self.store, 1)
-        self.scheduler.remove(spec)
-        return spec, spec.answer
+        spec.speculative = False
+        spec.identity, spec.rid, spec.generator = call.identity, call.rid, call.generator
+        spec.buffer, spec.into = call.buffer, call.into
+        if spec.parked:
+            calls.commit(spec, self.store, 1)
+            self.scheduler.remove(spec)
+        return spec
 
     # ------------------------------------------------------------ dropping them
 
@@ -191,6 +217,8 @@ class Speculation:
 
     def settle(self, sid: int, req: p.Request, oids: list[int]) -> None:
         """Before `req` is handled: discard what it must not see or would not take."""
+        if self.guesses:
+            self._measure(req, oids)
         if not self.by_oid or isinstance(req, NEUTRAL):
             return
         if isinstance(req, p.Fsck):

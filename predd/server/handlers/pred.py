@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def pred(e: Engine, s: Session, r: p.Pred, extra: list[bytes],
-         now: float) -> p.PredSample | None:
+         now: float) -> p.PredReply | None:
     cap = e.caps.lookup(r.cap, write=True)
     e.limits.check_pred(r, e.vocab)
     n = len(r.tokens)
@@ -51,18 +51,15 @@ def generate(e: Engine, s: Session, r: p.Generate, extra: list[bytes], now: floa
                     generator=sampling.make_generator(sample)), now)
 
 
-def _submit(e: Engine, call: Call, now: float) -> p.PredSample | None:
+def _submit(e: Engine, call: Call, now: float) -> p.PredReply | None:
     """Queue the call; or, where its object's speculation matches it, take that: the
-    speculation's answer when computed (the reply; the next speculation queued), else
-    the queued speculation becomes this call (predd/engine/speculation.py)."""
+    reply at once when it was computed (the next speculation queued), else the queued
+    speculation becomes this call (predd/engine/speculation.py)."""
     if not call.tokens and e.store.get(call.oid).length == 0:
         raise ProtocolError("EINVAL", "no tokens and an empty cache: nothing to predict from")
-    claimed = e.speculation.claim(call) if e.speculation.by_oid else None
-    if claimed is not None:      # its step ran (or is queued) already
-        spec, answer = claimed
-        if answer is not None:
-            e.speculate(spec, answer)
-        return answer
+    spec = e.speculation.claim(call) if e.speculation.by_oid else None
+    if spec is not None:         # its step ran (or is queued) already
+        return e.claimed(spec) if spec.parked else None
     e.scheduler.submit(call, now)
     return None
 

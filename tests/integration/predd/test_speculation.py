@@ -50,3 +50,23 @@ def test_a_different_token_than_the_speculated_one_gets_its_own_answer(lip):
     assert lip.kv_tokens(kv) == prompt + [other]
     lip.kv_close(kv)
     lip.kv_close(ref)
+
+
+def test_a_pred_loop_taking_the_argmax_is_speculated_through_the_logits_buffer(lip):
+    prompt = lip.tokenize("A raw pred loop reads every row of logits:")
+    want = list(lip.generate(lip.kv_create(), prompt, max_tokens=16, ignore_eos=True))
+    kv = lip.kv_create()
+    before = spec(lip)
+    rows_before = lip.stats()["logits_rows"]
+    d = lip.pred(kv, prompt)
+    got = []
+    for _ in range(16):
+        got.append(d.argmax())
+        d = lip.pred(kv, [got[-1]])
+    after = spec(lip)
+    assert got == want
+    assert after["hits"] - before["hits"] == 15, (before, after)
+    # every row, speculated or not, went back through the session's logits buffer
+    rows = lip.stats()["logits_rows"]
+    assert rows["buffer"] - rows_before["buffer"] == 17 and rows["frame"] == rows_before["frame"]
+    lip.kv_close(kv)

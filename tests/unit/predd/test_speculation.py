@@ -4,6 +4,7 @@ it would see with speculation off — same replies, same entries, same pages, fs
 from __future__ import annotations
 
 import msgpack
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -43,6 +44,40 @@ def test_a_pred_sample_loop_takes_every_speculation_and_gets_the_same_tokens():
     assert spec_stats(on) == {"offered": 26, "hits": 24, "misses": 2, "wasted": 2}
     assert on.free_pages() == off.free_pages()
     on.clean()
+
+
+def argmax_loop(h: Harness, n: int, follow=lambda best: best) -> tuple[str, list[bytes]]:
+    """A raw pred loop appending `follow(argmax)` each call: the rows it got."""
+    kv = h.ok(A, "kv_create")["cap"]
+    tokens, rows = [5, 6, 7], []
+    for _ in range(n):
+        rid = h.send(A, "pred", cap=kv, tokens=tokens)
+        h.drain()
+        (frame,) = [f for i, head, f in h.replies if i == A and head["rid"] == rid][0]
+        rows.append(bytes(frame))
+        best = int(np.frombuffer(frame, np.float32).argmax())
+        tokens = [follow(best)]
+    return kv, rows
+
+
+def test_a_pred_loop_that_appends_the_argmax_is_speculated_and_gets_the_same_rows():
+    on, off = Harness(), Harness(speculate=False)
+    kv_on, got = argmax_loop(on, 16)
+    kv_off, want = argmax_loop(off, 16)
+    assert got == want
+    s = spec_stats(on)
+    # the first argmax is noted; from the second hit on, each next step is speculated
+    assert s["offered"] == 15 and s["hits"] == 14, s
+    on.ok(A, "fsck")
+    assert on.entries(kv_on) == off.entries(kv_off)
+    on.clean()
+
+
+def test_a_pred_loop_that_does_not_follow_the_argmax_is_not_speculated():
+    h = Harness()
+    argmax_loop(h, 16, follow=lambda best: (best + 1) % VOCAB)
+    assert spec_stats(h)["offered"] == 0
+    h.clean()
 
 
 def test_a_call_that_arrives_before_the_step_joins_the_queued_speculation():
@@ -135,6 +170,7 @@ ACTIONS = st.lists(st.one_of(
               st.sampled_from([GREEDY] * 3 + [SEEDED]), st.sampled_from([0] * 4 + [1, 2])),
     st.tuples(st.just("sample"), st.just("same"), st.just(GREEDY), st.just(0)),
     st.tuples(st.just("logits"), st.integers(0, VOCAB - 1), st.integers(0, 2)),
+    st.tuples(st.just("argmax"), st.sampled_from([0] * 3 + [1, 2])),
     st.tuples(st.just("generate"), st.integers(1, 4), st.integers(0, 2)),
     st.tuples(st.sampled_from(["fork", "tokens", "stat", "export", "fsck", "free", "stats"]),
               st.integers(0, 2)),
@@ -147,6 +183,7 @@ def _run(h: Harness, actions) -> tuple[list, list]:
     caps = [h.ok(A, "kv_create")["cap"]]
     h.ok(A, "pred", cap=caps[0], tokens=[9, 8, 7], outputs=[])
     last: dict[str, int] = {}
+    best: dict[str, int] = {}       # each cache's last raw row's argmax
     seen = []
     for action in actions:
         kind, cap = action[0], caps[action[-1] % len(caps)]
@@ -158,8 +195,11 @@ def _run(h: Harness, actions) -> tuple[list, list]:
             r = h.call(A, "pred", cap=cap, tokens=tokens, sample=sample)
             if r["ok"]:
                 last[cap] = r["tokens"][-1]
-        elif kind == "logits":
-            r = h.call(A, "pred", cap=cap, tokens=[action[1]])
+        elif kind in ("logits", "argmax"):
+            token = action[1] if kind == "logits" else best.get(cap, 1)
+            r = h.call(A, "pred", cap=cap, tokens=[token])
+            if r["ok"]:
+                best[cap] = int(np.frombuffer(h.replies[-1][2][0], np.float32).argmax())
         elif kind == "generate":
             r = h.call(A, "generate", cap=cap, max_tokens=action[1], sample=GREEDY,
                        stream=False)
@@ -184,7 +224,8 @@ def _run(h: Harness, actions) -> tuple[list, list]:
             r = h.call(A, op, cap=cap)
         r = {k: v for k, v in r.items() if k not in ("cost", "rid", "idle_s", "cap")}
         frames = [f for _, head, f in h.replies[-1:]]
-        seen.append((kind, r, [bytes(x) for x in frames[0]] if kind == "export" else None))
+        seen.append((kind, r, [bytes(x) for x in frames[0]]
+                     if kind in ("export", "logits", "argmax") else None))
     h.ok(A, "fsck")
     state = [(h.entries(c), h.call(A, "kv_stat", cap=c)) for c in caps]
     state = [(e, {k: v for k, v in s.items() if k not in ("rid", "idle_s")}) for e, s in state]
