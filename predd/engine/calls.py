@@ -131,21 +131,23 @@ def admit(call: Call, store: KVStore, quotas: Quotas, limits: Limits,
     (recomputed in place). Raises with the object unchanged (its pages may have moved
     up); ENOSPC means there is no room now."""
     obj = store.get(call.oid)
-    call.base = obj.length
-    if call.tokens:
-        if call.positions is None:
+    # what the call will compute, set on it only with the change (a call refused for
+    # room or quota is asked again: a re-predict must stay one)
+    tokens, positions = call.tokens, call.positions
+    if tokens:
+        if positions is None:
             first = store.last_position(obj) + 1
-            call.positions = list(range(first, first + len(call.tokens)))
-        grow = len(call.tokens)
+            positions = list(range(first, first + len(tokens)))
+        grow = len(tokens)
     else:
         if obj.length == 0:
             raise ProtocolError("EINVAL", "no tokens and an empty cache: nothing to "
                                 "predict from")
-        tokens, positions = store.entries(call.oid, obj.length - 1)
-        call.tokens, call.positions = tokens.tolist(), positions.tolist()
+        last_token, last_position = store.entries(call.oid, obj.length - 1)
+        tokens, positions = last_token.tolist(), last_position.tolist()
         grow = 0
     # A generate appends max_tokens - 1 more entries after its prompt.
-    last = call.positions[-1] + max(call.max_tokens - 1, 0)
+    last = positions[-1] + max(call.max_tokens - 1, 0)
     if last >= MAX_POSITION:
         raise ProtocolError("EOVERFLOW", f"positions would reach {last}: past the "
                             f"largest position {MAX_POSITION - 1}")
@@ -161,6 +163,8 @@ def admit(call: Call, store: KVStore, quotas: Quotas, limits: Limits,
     with memory.protecting(call.oid):
         call.swapped_in = memory.bring_in(obj)
         memory.ensure(now + future)
+        call.base = obj.length
+        call.tokens, call.positions = tokens, positions
         if grow:
             store.reserve(call.oid, grow)
         else:

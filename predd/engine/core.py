@@ -246,8 +246,8 @@ class Engine(Intake):
         obj = self.store.get(call.oid)
         pages = len(obj.pages)         # the cost's (made only for a reply that carries it)
         if call.speculative:           # kept, uncommitted, for the call that takes it
-            if call.picks is None:     # the step's logits are not kept past the step
-                call.logits = [t.clone() for t in call.logits]
+            # the step's logits are not kept past the step (nor all of them by a view)
+            call.logits = [] if call.picks is not None else [t.clone() for t in call.logits]
             call.parked = True
             return False
         if not call.generating:
@@ -263,6 +263,8 @@ class Engine(Intake):
                                      full=obj.length + 1 > self.limits.context)
         if reason is None:
             reason = calls.extend(call, token, self.store, self.quotas, self.memory)
+            if reason in ("EDQUOT", "ENOSPC") and self.speculation.make_room():
+                reason = calls.extend(call, token, self.store, self.quotas, self.memory)
         if reason is None:
             if call.stream:
                 self._reply(call.identity, call.rid,
@@ -286,7 +288,7 @@ class Engine(Intake):
                 self._cancel(call)
                 self.replay_deferred(time.monotonic())   # what waited behind it goes on
                 return True
-        held = self.deferred.remove(session, rid)
+        held = self.deferred.remove(session, rid, kinds=(p.Pred, p.Generate))
         if held is not None:
             self._reply(held.identity, rid, ErrorReply(code="ECANCELED",
                                                        message="cancelled by its caller"))
@@ -302,9 +304,9 @@ class Engine(Intake):
         call.total -= 1
         self.scheduler.remove(call)
         obj = self.store.get(call.oid)
-        last = slice(-1, None) if call.stream else slice(None)
+        every = slice(0, 0) if call.stream else slice(None)   # a stream has had them all
         self._reply(call.identity, call.rid, p.GenerateReply(
-            tokens=call.generated[last], logprobs=call.logprobs[last],
+            tokens=call.generated[every], logprobs=call.logprobs[every],
             generated=len(call.generated), finish_reason="cancelled",
             cost=call.cost(len(obj.pages))))
 
@@ -318,7 +320,14 @@ class Engine(Intake):
     def claimed(self, spec: Call) -> p.PredReply:
         """The reply to the call that took the computed speculation `spec` (its client's
         now; its token committed); the next speculation queued."""
-        reply = self._pred_reply(spec, len(self.store.get(spec.oid).pages))
+        try:
+            reply = self._pred_reply(spec, len(self.store.get(spec.oid).pages))
+        except Exception:
+            self.scheduler.remove(spec)     # the caller's error; its object as it was
+            calls.undo(spec, self.store)
+            raise
+        calls.commit(spec, self.store, 1)
+        self.scheduler.remove(spec)
         self.speculate(spec, reply)
         return reply
 
@@ -331,7 +340,7 @@ class Engine(Intake):
             token = self.speculation.guess(done.oid, done.logits[-1][-1])
         else:
             return
-        if token is not None:
+        if token is not None and token not in self.tokenizer.eos_ids:   # not past an end
             self.speculation.offer(done, token, time.monotonic(),
                                    holds=self.deferred.holds(done.oid),
                                    context=self.limits.context)

@@ -57,11 +57,14 @@ class Deferred:
         if held:
             self._queues.setdefault(oid, [])[:0] = held
 
-    def remove(self, session: Session, rid: int) -> Held | None:
-        """Take `session`'s held request `rid` out (no longer counted), if held."""
+    def remove(self, session: Session, rid: int,
+               kinds: tuple[type[p.Request], ...]) -> Held | None:
+        """Take `session`'s held request `rid` of one of `kinds` out (no longer
+        counted), if held."""
         for oid, queue in self._queues.items():
             for i, h in enumerate(queue):
-                if h.identity == session.identity and h.request.rid == rid:
+                if (h.identity == session.identity and h.request.rid == rid
+                        and isinstance(h.request, kinds)):
                     del queue[i]
                     if not queue:
                         del self._queues[oid]

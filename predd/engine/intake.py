@@ -143,8 +143,7 @@ class Intake:
         try:
             reply = handler(self, session, req, extra, now)
         except ProtocolError as exc:    # never refused for a speculation's page
-            if exc.code not in ("EDQUOT", "ENOSPC") or not spec.make_room(
-                    session.uid if exc.code == "EDQUOT" else None):
+            if exc.code not in ("EDQUOT", "ENOSPC") or not spec.make_room():
                 raise
             reply = handler(self, session, req, extra, now)
         if reply is not None:

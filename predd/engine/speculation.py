@@ -161,9 +161,9 @@ class Speculation:
     def claim(self, call: Call) -> Call | None:
         """Give `call` its object's speculation if it matches; None when nothing does (a
         speculation there is discarded). The speculation becomes `call` (its client, its
-        request, its logits buffer slot): when computed (`parked`) it is committed and
-        out of the queue, to be answered at once (Engine.claimed); still queued, it is
-        answered when computed."""
+        request, its logits buffer slot): when computed (`parked`) it is answered at
+        once (Engine.claimed: the reply built, then its token committed); still queued,
+        it is answered when computed."""
         spec = self.by_oid.get(call.oid)
         if spec is None:
             return None
@@ -175,9 +175,6 @@ class Speculation:
         spec.speculative = False
         spec.identity, spec.rid, spec.generator = call.identity, call.rid, call.generator
         spec.buffer, spec.into = call.buffer, call.into
-        if spec.parked:
-            calls.commit(spec, self.store, 1)
-            self.scheduler.remove(spec)
         return spec
 
     # ------------------------------------------------------------ dropping them
@@ -221,8 +218,8 @@ class Speculation:
             self._measure(req, oids)
         if not self.by_oid or isinstance(req, NEUTRAL):
             return
-        if isinstance(req, p.Fsck):
-            self.discard_where()
+        if isinstance(req, (p.Fsck, p.KvPolicy)):   # fsck; an eviction, which must not
+            self.discard_where()                      # find a fork's pages kept busy
             return
         if isinstance(req, p.IoWait) and not req.caps:    # every object of the session
             self.discard_where(lambda c: c.session != sid)
@@ -231,10 +228,11 @@ class Speculation:
             if not self.may_claim(sid, req, oid):
                 self.discard(oid)
 
-    def make_room(self, uid: int | None) -> bool:
-        """Drop the speculations of `uid` (None: all) because a request found no quota
-        (no room); whether any were dropped, so the request is worth trying again."""
-        return self.discard_where(lambda c: uid is not None and c.uid != uid) > 0
+    def make_room(self) -> bool:
+        """Drop every speculation because a request found no quota or no room (a page
+        is charged to its object's owner, who need not be the one who speculated);
+        whether any were dropped, so the request is worth trying again."""
+        return self.discard_where() > 0
 
     def check(self) -> list[str]:
         problems = []

@@ -250,3 +250,49 @@ def test_speculation_is_never_a_reply_to_nobody():
     h.ok(A, "fsck")
     assert all(ident == A for ident, _, _ in h.replies)
     assert all(msgpack.packb(head) for _, head, _ in h.replies)
+
+
+# ------------------------------------------------------------ found by review
+
+def test_a_generate_elsewhere_is_not_cut_short_by_a_speculations_page():
+    from predd.server.quotas import QuotaConfig
+
+    def generated(spec: bool) -> dict:
+        h = Harness(page_size=4, quota=QuotaConfig(session_pages=3), speculate=spec)
+        first = h.ok(A, "kv_create")["cap"]
+        h.ok(A, "pred", cap=first, tokens=[1, 2, 3, 4], sample=GREEDY)   # spec: a 2nd page
+        other = h.ok(A, "kv_create")["cap"]
+        r = h.call(A, "generate", cap=other, tokens=[5, 6, 7], max_tokens=12, stop=[],
+                   stream=False)
+        h.clean()
+        return {k: r[k] for k in ("finish_reason", "generated", "tokens")}
+    assert generated(True) == generated(False) == {**generated(False), "finish_reason": "EDQUOT"}
+
+
+def test_a_re_predict_that_waits_for_room_stays_a_re_predict():
+    for spec in (False, True):
+        h = Harness(kv_pages=3, page_size=4, speculate=spec)
+        x = h.ok(A, "kv_create")["cap"]
+        h.ok(A, "pred", cap=x, tokens=[1, 2, 3], outputs=[])
+        h.ok(A, "kv_fork", cap=x)                    # its last page shared: reopening copies
+        z = h.ok(A, "kv_create")["cap"]
+        h.ok(A, "pred", cap=z, tokens=list(range(1, 9)), outputs=[])   # the pool full
+        rid = h.send(A, "pred", cap=x, tokens=[], sample=GREEDY)
+        h.drain()                                    # no room: it waits
+        h.ok(A, "kv_free", cap=z)
+        h.drain()
+        assert h.reply(A, rid)["ok"]
+        assert h.entries(x) == ([1, 2, 3], [0, 1, 2])
+        h.clean()
+
+
+def test_a_taken_speculation_whose_reply_fails_leaves_the_object_as_it_was():
+    seeded = {"temperature": 0.8, "seed": 7}
+    h = Harness()
+    kv = h.ok(A, "kv_create")["cap"]
+    h.runner.nan = lambda chunk: len(chunk.tokens) == 1     # one-token steps give NaN
+    token = h.ok(A, "pred", cap=kv, tokens=[3, 4], sample=seeded)["tokens"][0]
+    r = h.call(A, "pred", cap=kv, tokens=[token], sample=seeded)
+    assert r["error"]["code"] == "EIO"
+    assert h.entries(kv)[0] == [3, 4]
+    h.clean()
