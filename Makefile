@@ -60,6 +60,7 @@ bench: setup
 	$(PY) scripts/bench_overhead.py
 	$(PY) scripts/bench_agent.py
 	$(PY) scripts/bench_loop.py
+	$(PY) scripts/bench_http.py
 
 # Caches and build output only; run/ is skipped since it may hold a live mount.
 clean:

@@ -24,6 +24,7 @@ from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 from gatewayd.errors import ApiError
 from gatewayd.gateway import Gateway, json_body
 
+NO_PING_S = 365 * 24 * 3600    # sse_starlette's keep-alive interval, i.e. never
 router = APIRouter()
 _keys = itertools.count(1)
 
@@ -112,7 +113,10 @@ async def _answer(request: Request, op: str, body) -> Response:
         finally:
             await finish()
 
-    return EventSourceResponse(chunks(), sep="\n")
+    # No keep-alive comments: OpenAI's API sends none, and clients written against it
+    # (vLLM's benchmark client) lose the whole rest of a stream when a `: ping` comment
+    # arrives in the same read as an event.
+    return EventSourceResponse(chunks(), sep="\n", ping=NO_PING_S)
 
 
 @router.get("/v1/models")

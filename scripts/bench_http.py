@@ -121,6 +121,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.concurrency, args.output_len = 8, 4, 16
+    asked = args.dtype
     args.dtype = machine(args.dtype)
     try:
         python, tokenizer = bench_vllm.locate()
@@ -128,7 +129,8 @@ def main() -> int:
         log(f"bench: B7 needs vLLM's benchmark client: {e}")
         return 0
     log("bench: symphony serve ...")
-    server = Symphony(args.dtype)
+    # `auto` lets predd make the rest of auto's choices too (int8 dot products on AVX2)
+    server = Symphony("auto" if asked == "auto" else args.dtype)
     try:
         ours = run_client(python, tokenizer, server.url, server.model, args)
     finally:
