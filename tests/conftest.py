@@ -32,10 +32,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA (marked gpu)"))
 
 
-# Speculative continuation on (its CPU default is off): every integration test then
-# checks that no program sees a speculated step.
 PREDD_ARGS = ("--kv-pages", "1024", "--host-pages", "128", "--max-step-tokens", "256",
-              "--lease", "3", "--speculate", "on")
+              "--lease", "3")
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,33 @@
-"""Speculative continuation on the real model: a pred_sample loop takes predd's
-speculation at every token after the first, gets generate's greedy tokens, and the
-cache, its forks and `kv_tokens` never show a speculated token."""
+"""Speculative continuation on the real model (a predd of its own with `--speculate on`,
+the CPU's default being off): a pred_sample loop takes predd's speculation at every
+token after the first, gets generate's greedy tokens, and the cache, its forks and
+`kv_tokens` never show a speculated token."""
 from __future__ import annotations
 
+import pytest
+
+from tests.conftest import PREDD_ARGS, start_predd
+
 GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def speculating(tmp_path_factory):
+    daemon = start_predd(str(tmp_path_factory.mktemp("predd-spec")), *PREDD_ARGS,
+                         "--speculate", "on")
+    yield daemon
+    assert daemon.stop() == 0
+
+
+@pytest.fixture
+def lip(speculating):
+    """liblip connected to the speculating predd; fsck must be clean after the test."""
+    import liblip
+    liblip.connect(speculating.addr)
+    yield liblip
+    report = liblip.fsck()
+    assert report["clean"], report["problems"]
+    liblip.client().close()
 
 
 def spec(lip) -> dict:
