@@ -252,7 +252,7 @@ def test_speculation_is_never_a_reply_to_nobody():
     assert all(msgpack.packb(head) for _, head, _ in h.replies)
 
 
-# ------------------------------------------------------------ found by review
+# ------------------------------------------------------------ room, quota, failed replies
 
 def test_a_generate_elsewhere_is_not_cut_short_by_a_speculations_page():
     from predd.server.quotas import QuotaConfig
