@@ -12,22 +12,12 @@ GREEDY = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def speculating(tmp_path_factory):
+def predd(tmp_path_factory):
+    """This module's own predd, speculating; conftest's `lip` connects to it."""
     daemon = start_predd(str(tmp_path_factory.mktemp("predd-spec")), *PREDD_ARGS,
                          "--speculate", "on")
     yield daemon
     assert daemon.stop() == 0
-
-
-@pytest.fixture
-def lip(speculating):
-    """liblip connected to the speculating predd; fsck must be clean after the test."""
-    import liblip
-    liblip.connect(speculating.addr)
-    yield liblip
-    report = liblip.fsck()
-    assert report["clean"], report["problems"]
-    liblip.client().close()
 
 
 def spec(lip) -> dict:
