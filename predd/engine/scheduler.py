@@ -180,8 +180,9 @@ class Scheduler:
     def busy(self, oid: int) -> bool:
         return oid in self._queues
 
-    def queued_on(self, oid: int) -> int:
-        return len(self._queues.get(oid, ()))
+    def calls_on(self, oid: int) -> list[Call]:
+        """The calls queued on `oid`, in arrival order (empty: none)."""
+        return self._queues.get(oid, [])
 
     def admitted(self, oid: int) -> bool:
         """Whether a call on `oid` is admitted (holds its memory) and not done."""

@@ -32,6 +32,7 @@ in `ps` and `stats` as any call in flight does.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -88,6 +89,8 @@ class Speculation:
         self.scheduler = scheduler
         self.store = store
         self.by_oid: dict[int, Call] = {}
+        self._of_session: Counter[int] = Counter()   # speculations per session and uid
+        self._of_uid: Counter[int] = Counter()
         self.stats = SpeculationStats()
         self.guesses: dict[int, tuple[int, float]] = {}   # oid -> (argmax told, hit rate)
         self.drop_all = False     # a call found no room: drop every one before the next step
@@ -97,10 +100,29 @@ class Speculation:
         return len(self.by_oid)
 
     def of_session(self, sid: int) -> int:
-        return sum(1 for c in self.by_oid.values() if c.session == sid) if self.by_oid else 0
+        return self._of_session[sid]
 
     def of_uid(self, uid: int) -> int:
-        return sum(1 for c in self.by_oid.values() if c.uid == uid) if self.by_oid else 0
+        return self._of_uid[uid]
+
+    def _put(self, spec: Call) -> None:
+        self.by_oid[spec.oid] = spec
+        self._of_session[spec.session] += 1
+        self._of_uid[spec.uid] += 1
+
+    def _take(self, oid: int) -> Call | None:
+        """`oid`'s speculation out of the table (not out of the queue), if any."""
+        spec = self.by_oid.pop(oid, None)
+        if spec is not None:
+            for counts, key in ((self._of_session, spec.session), (self._of_uid, spec.uid)):
+                counts[key] -= 1
+                if not counts[key]:
+                    del counts[key]
+        return spec
+
+    def _missed(self, spec: Call) -> None:
+        self.stats.misses += 1
+        self.stats.wasted += spec.computed
 
     # ------------------------------------------------------------ making one
 
@@ -133,13 +155,13 @@ class Speculation:
             return
         obj = self.store.objects.get(done.oid)
         if obj is None or holds or obj.length + 1 > context or \
-                self.scheduler.queued_on(done.oid) > 0:
+                self.scheduler.calls_on(done.oid):
             return
         spec = Call(done.session, done.oid, total=1, uid=done.uid, identity=b"", rid=-1,
                     tokens=[token], outputs=[0], sample=done.sample,
                     generator=sampling.make_generator(done.sample), speculative=True)
         self.scheduler.submit(spec, now)
-        self.by_oid[done.oid] = spec
+        self._put(spec)
         self.stats.offered += 1
 
     # ------------------------------------------------------------ taking one
@@ -170,7 +192,7 @@ class Speculation:
         if not self.matches(spec, call):
             self.discard(call.oid)
             return None
-        del self.by_oid[call.oid]
+        self._take(call.oid)
         self.stats.hits += 1
         spec.speculative = False
         spec.identity, spec.rid, spec.generator = call.identity, call.rid, call.generator
@@ -189,13 +211,12 @@ class Speculation:
 
     def discard(self, oid: int) -> None:
         """Drop `oid`'s speculation, if any: out of the queue, its reservation released."""
-        spec = self.by_oid.pop(oid, None)
+        spec = self._take(oid)
         if spec is None:
             return
         self.scheduler.remove(spec)
         calls.undo(spec, self.store)
-        self.stats.misses += 1
-        self.stats.wasted += spec.computed
+        self._missed(spec)
 
     def discard_where(self, keep=lambda c: False) -> int:
         """Drop every speculation `keep` does not keep; how many were dropped."""
@@ -208,9 +229,8 @@ class Speculation:
         """A speculation left the queue without a claim (its session or object ended, it
         failed, admission refused it): forget it; the caller has undone it."""
         if self.by_oid.get(call.oid) is call:
-            del self.by_oid[call.oid]
-            self.stats.misses += 1
-            self.stats.wasted += call.computed
+            self._take(call.oid)
+            self._missed(call)
 
     def settle(self, sid: int, req: p.Request, oids: list[int]) -> None:
         """Before `req` is handled: discard what it must not see or would not take."""
@@ -240,6 +260,11 @@ class Speculation:
             if not spec.speculative or spec.oid != oid:
                 problems.append(f"speculation on object {oid} is call {spec.rid} of "
                                 f"object {spec.oid}")
-            elif spec not in self.scheduler.all_calls():
+            elif spec not in self.scheduler.calls_on(oid):
                 problems.append(f"speculation on object {oid} is not queued")
+        counted = Counter(c.session for c in self.by_oid.values()), \
+            Counter(c.uid for c in self.by_oid.values())
+        if counted != (self._of_session, self._of_uid):
+            problems.append(f"speculations counted per session and uid {self._of_session}, "
+                            f"{self._of_uid}; found {counted}")
         return problems
