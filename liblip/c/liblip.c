@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <msgpack.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -380,13 +381,20 @@ static int descriptor_value(const char *text, const char *key, char *out, size_t
     return 0;
 }
 
-int lip_kv_open(lip_client *c, const char *path, int write, lip_kv *kv) {
-    char full[4096], text[DESCRIPTOR_MAX + 1];
+/* `path` as a file of the mount: absolute as given, relative under $KVFS_MOUNT (default
+ * /mnt/kvfs); -ENAMETOOLONG where it does not fit PATH_MAX. */
+static int mount_path(lip_client *c, const char *path, char full[PATH_MAX]) {
     const char *mount = getenv("KVFS_MOUNT");
-    if (path[0] == '/')
-        snprintf(full, sizeof full, "%s", path);
-    else
-        snprintf(full, sizeof full, "%s/%s", mount && *mount ? mount : "/mnt/kvfs", path);
+    int n = path[0] == '/' ? snprintf(full, PATH_MAX, "%s", path)
+        : snprintf(full, PATH_MAX, "%s/%s", mount && *mount ? mount : "/mnt/kvfs", path);
+    return n < 0 || n >= PATH_MAX ? fail(c, ENAMETOOLONG, "a path of %d bytes", n) : 0;
+}
+
+int lip_kv_open(lip_client *c, const char *path, int write, lip_kv *kv) {
+    char full[PATH_MAX], text[DESCRIPTOR_MAX + 1];
+    int rc = mount_path(c, path, full);
+    if (rc)
+        return rc;
     int fd = open(full, write ? O_RDWR : O_RDONLY);
     if (fd < 0)
         return fail(c, errno, "%s: %s", full, strerror(errno));
@@ -425,12 +433,10 @@ int lip_kv_close(lip_client *c, lip_kv *kv) {
 
 int lip_kv_remove(lip_client *c, lip_kv *kv, const char *path) {
     if (path != NULL) {
-        char full[4096];
-        const char *mount = getenv("KVFS_MOUNT");
-        if (path[0] == '/')
-            snprintf(full, sizeof full, "%s", path);
-        else
-            snprintf(full, sizeof full, "%s/%s", mount && *mount ? mount : "/mnt/kvfs", path);
+        char full[PATH_MAX];
+        int rc = mount_path(c, path, full);
+        if (rc)
+            return rc;
         if (unlink(full))
             return fail(c, errno, "%s: %s", full, strerror(errno));
     }

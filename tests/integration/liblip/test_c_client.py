@@ -53,6 +53,8 @@ def test_the_c_client_reports_errno_names(lip, kvfs, built, tmp_path):
     run = greedy(built, "missing.kv", "4")
     assert run.returncode == 1
     assert run.stderr.startswith("lip-greedy: open: ENOENT: ")
+    run = greedy(built, "x" * 5000 + ".kv", "4")
+    assert run.returncode == 1 and "open: ENAMETOOLONG: " in run.stderr
     (tmp_path / "notes.txt").write_text("hello")
     run = greedy(built, str(tmp_path / "notes.txt"), "4")
     assert run.returncode == 1 and "open: EINVAL: " in run.stderr
