@@ -31,7 +31,7 @@ from predd.engine.deferred import Deferred
 from predd.engine.intake import Handler, Intake, Send
 from predd.engine.metrics import Counters
 from predd.engine.scheduler import Plan, PlanItem, Scheduler
-from predd.engine.speculation import Speculation
+from predd.engine.speculation import ROOM_ERRORS, Speculation
 from predd.memory.kvstore import KVStore
 from predd.memory.policy import Memory, NoRoom
 from predd.memory.pool import Pool
@@ -90,9 +90,9 @@ class Engine(Intake):
             return self._admit_speculation(call)
         try:
             calls.admit(call, self.store, self.quotas, self.limits, self.memory)
-        except (NoRoom, ProtocolError) as exc:
-            if len(self.speculation) and (isinstance(exc, NoRoom) or exc.code in ("EDQUOT", "ENOSPC")):
-                self.speculation.drop_all = True
+        except ProtocolError as exc:    # NoRoom among them
+            if exc.code in ROOM_ERRORS and len(self.speculation):
+                self.speculation.drop_all = True     # dropped before the next step
                 return None
             if not isinstance(exc, NoRoom):
                 self._reply(call.identity, call.rid, ErrorReply.of(exc))
@@ -263,7 +263,7 @@ class Engine(Intake):
                                      full=obj.length + 1 > self.limits.context)
         if reason is None:
             reason = calls.extend(call, token, self.store, self.quotas, self.memory)
-            if reason in ("EDQUOT", "ENOSPC") and self.speculation.make_room():
+            if self.speculation.make_room(reason):
                 reason = calls.extend(call, token, self.store, self.quotas, self.memory)
         if reason is None:
             if call.stream:

@@ -143,7 +143,7 @@ class Intake:
         try:
             reply = handler(self, session, req, extra, now)
         except ProtocolError as exc:    # never refused for a speculation's page
-            if exc.code not in ("EDQUOT", "ENOSPC") or not spec.make_room():
+            if not spec.make_room(exc.code):
                 raise
             reply = handler(self, session, req, extra, now)
         if reply is not None:

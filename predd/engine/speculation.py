@@ -50,6 +50,7 @@ MODES = ("auto", "on", "off")
 HIT_RATE = 0.6         # a pred loop's argmax is speculated once this share of calls took it
 
 # Requests that neither read nor change a KV object or a quota: they leave speculations be.
+ROOM_ERRORS = ("EDQUOT", "ENOSPC")   # what a speculation's page may cause another to get
 NEUTRAL = (p.Hello, p.Bye, p.Ping, p.Info, p.Stats, p.Ps, p.Tokenize, p.Detokenize,
            p.ChatTemplate)
 
@@ -248,11 +249,12 @@ class Speculation:
             if not self.may_claim(sid, req, oid):
                 self.discard(oid)
 
-    def make_room(self) -> bool:
-        """Drop every speculation because a request found no quota or no room (a page
-        is charged to its object's owner, who need not be the one who speculated);
-        whether any were dropped, so the request is worth trying again."""
-        return self.discard_where() > 0
+    def make_room(self, code: str | None) -> bool:
+        """A request was refused `code`: where that is no quota or no room and
+        speculations hold pages, drop them all (a page is charged to its object's owner,
+        who need not be the one who speculated); whether the request is worth trying
+        again."""
+        return code in ROOM_ERRORS and self.discard_where() > 0
 
     def check(self) -> list[str]:
         problems = []
