@@ -31,32 +31,18 @@ target >= 1.5) and `agent_throughput` (tasks/s; ratio = Symphony / baseline).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import queue
 import random
-import shutil
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
     sys.path.insert(0, ROOT)
-import liblip as lip  # noqa: E402
-from scripts import bench_vllm  # noqa: E402
-from scripts.bench_common import (Mount, log, machine, percentile,  # noqa: E402
-                                  quick_defaults, result, serving_flags, start_predd)
-from scripts.rag_workload import WORDS, Run, closed_loop  # noqa: E402
-
-PAGE = 16                     # predd's page, in tokens
-VLLM_BLOCK = 32               # the smallest block vLLM's CPU attention takes
-GREEDY = {"temperature": 0.0}
-TIMEOUT_S = 900
-SYSTEMS = ("symphony", "vllm", "vllm_nocache")
+from scripts import bench_apps  # noqa: E402
+from scripts.bench_apps import GREEDY, PAGE, VLLM_BLOCK, at_least, generated, lip, words  # noqa: E402
+from scripts.bench_common import log, machine, quick_defaults, serving_flags  # noqa: E402
 
 SYSTEM = """You are a research agent. Answer the user's question by reasoning step by \
 step and calling tools; you may call several tools before you answer.
@@ -98,18 +84,6 @@ class Workload:
             len(t.question) + sum(map(len, t.observations)) +
             len(t.observations) * turn_tokens + answer_tokens
             for t in self.warmup + self.timed)
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def at_least(make, target: int) -> list[int]:
-    """make(n) (tokens of a text of n words) for the fewest n that make `target`."""
-    n = 1
-    while len(toks := make(n)) < target:
-        n += 1
-    return toks
 
 
 def make_workload(tokenizer, seed: int, warmup: int, tasks: int, turns: int,
@@ -156,16 +130,10 @@ def lip_main(system_path: str) -> None:
     written on stdin (JSON lines) one at a time, each on a fork of it; one JSON line
     back per task. Imports liblip only: a LIP stays a small process."""
     system = lip.kv_open(system_path)
-    print(json.dumps({"ready": lip.kv_stat(system)["tokens"]}), flush=True)
-    for line in sys.stdin:
-        job = json.loads(line)
-        task = Task(tuple(job["question"]), tuple(map(tuple, job["observations"])))
-        try:
-            reply = run_task_lip(system, task, job["turn_tokens"],
-                                 job["answer_tokens"], job["tool_ms"])
-        except lip.LipError as exc:
-            reply = {"error": exc.code, "message": str(exc)}
-        print(json.dumps(reply), flush=True)
+    bench_apps.serve_jobs(lambda job: run_task_lip(
+        system, Task(tuple(job["question"]), tuple(map(tuple, job["observations"]))),
+        job["turn_tokens"], job["answer_tokens"], job["tool_ms"]),
+        ready=lip.kv_stat(system)["tokens"])
     lip.kv_close(system)
 
 
@@ -181,9 +149,7 @@ def run_task_lip(system: lip.KV, task: Task, turn_tokens: int, answer_tokens: in
         for turn in range(len(task.observations) + 1):
             n = answer_tokens if turn == len(task.observations) else turn_tokens
             out = lip.generate(kv, pending, max_tokens=n, sample=GREEDY, ignore_eos=True)
-            if len(out) != n:
-                raise lip.LipError("EIO", f"generate returned {len(out)} tokens, not {n}")
-            tokens += out
+            tokens += generated(out, n)
             computed += out.cost.get("computed", 0)
             reused += out.cost.get("reused", 0)
             if turn == len(task.observations):
@@ -196,255 +162,33 @@ def run_task_lip(system: lip.KV, task: Task, turn_tokens: int, answer_tokens: in
     return {"tokens": tokens, "computed": computed, "reused": reused}
 
 
-# ------------------------------------------------------------------ systems
-
-class Agents:
-    """--agents LIP processes; a task goes to whichever is free."""
-
-    def __init__(self, args, env: dict, system_path: str) -> None:
-        from predd.server.launch import die_with_parent
-        self.args = args
-        self.procs: list[subprocess.Popen] = []
-        self.free: queue.SimpleQueue = queue.SimpleQueue()
-        try:
-            for _ in range(args.agents):
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), "lip", system_path],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                    cwd=ROOT, preexec_fn=die_with_parent))
-            for proc in self.procs:
-                ready = json.loads(proc.stdout.readline() or "{}")
-                if "ready" not in ready:
-                    raise RuntimeError(f"an agent LIP did not start (exit {proc.poll()})")
-                self.free.put(proc)
-        except BaseException:
-            self.close()
-            raise
-
-    def submit(self, task: Task) -> dict:
-        proc = self.free.get(timeout=TIMEOUT_S)
-        try:
-            proc.stdin.write(json.dumps({
-                "question": task.question, "observations": task.observations,
-                "turn_tokens": self.args.turn_tokens,
-                "answer_tokens": self.args.answer_tokens,
-                "tool_ms": self.args.tool_ms}) + "\n")
-            proc.stdin.flush()
-            line = proc.stdout.readline()
-        finally:
-            self.free.put(proc)
-        if not line:
-            raise RuntimeError(f"an agent LIP exited {proc.poll()}")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"{reply['error']}: {reply.get('message')}")
-        return reply
-
-    def close(self) -> None:
-        """End of input: each LIP frees its handles and exits (else it is stopped)."""
-        from predd.server.launch import terminate
-        for proc in self.procs:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
-            if terminate(proc, 10.0) != 0:
-                log(f"bench: an agent LIP exited {proc.returncode}")
-            proc.stdout.close()
+def job(args, task: Task) -> dict:
+    return {"question": task.question, "observations": task.observations,
+            "turn_tokens": args.turn_tokens, "answer_tokens": args.answer_tokens,
+            "tool_ms": args.tool_ms}
 
 
-class SymphonyRig:
-    """predd with `kv_tokens` of KV memory, kvfsd on a private mount, the system prompt
-    prefilled once into `system.kv` there, and the agent LIPs."""
+# ------------------------------------------------------------------ the vLLM client
 
-    def __init__(self, args, work: Workload, kv_tokens: int) -> None:
-        self.args = args
-        self.pages = -(-kv_tokens // PAGE)
-        self.daemon = start_predd("--dtype", args.dtype, "--kv-pages", str(self.pages),
-                                  "--max-step-tokens", str(args.step_tokens))
-        self.mount = self.agents = None
-        try:
-            self.mount = Mount(self.daemon.addr)
-            lip.connect(self.daemon.addr)
-            system_path = os.path.join(self.mount.path, "system.kv")
-            kv = lip.kv_create()
-            cost = lip.prefill(kv, work.system)
-            lip.kv_save(kv, system_path)
-            lip.kv_close(kv)
-            log(f"bench: symphony: the system prompt prefilled once ({cost['computed']} "
-                f"tokens) into {system_path}")
-            env = {**os.environ, "PREDD_ADDR": self.daemon.addr,
-                   "KVFS_MOUNT": self.mount.path,
-                   "PYTHONPATH": os.path.dirname(os.path.dirname(lip.__file__))}
-            self.agents = Agents(args, env, system_path)
-        except BaseException:
-            self.close()
-            raise
-
-    def run(self, tasks: list[Task]) -> Run:
-        before = lip.stats()
-        run = closed_loop(tasks, self.args.agents, self.agents.submit)
-        after = lip.stats()
-        steps = after["steps"] - before["steps"]
-        log(f"bench: symphony, {len(tasks)} tasks: {run.seconds:.1f}s, "
-            f"{run.rate():.3f} tasks/s, mean {sum(run.latencies) / len(tasks):.2f}s p50 "
-            f"{percentile(run.latencies, 50):.2f}s p99 {percentile(run.latencies, 99):.2f}s;"
-            f" {sum(r['computed'] for r in run.replies) / len(tasks):.0f} tokens computed "
-            f"and {sum(r['reused'] for r in run.replies) / len(tasks):.0f} reused a task; "
-            f"predd {steps} steps, mean batch "
-            f"{(after['calls'] - before['calls']) / max(steps, 1):.1f}, step "
-            f"{(after['step_ms'] - before['step_ms']) / max(steps, 1):.0f} ms")
-        return run
-
-    def close(self) -> None:
-        if self.agents is not None:
-            self.agents.close()
-        with contextlib.suppress(Exception):
-            lip.client().close()
-        if self.mount is not None:
-            self.mount.close()
-        self.daemon.stop()
-
-
-class VllmRig:
-    """vLLM's OpenAI server with `kv_tokens` of KV memory; an agent is a client thread
-    that sends the whole conversation each turn."""
-
-    def __init__(self, args, work: Workload, kv_tokens: int, prefix_caching: bool) -> None:
-        self.args, self.work, self.prefix_caching = args, work, prefix_caching
-        self.blocks = kv_tokens // VLLM_BLOCK + 1          # and one for its null block
-        self.server = bench_vllm.Server(args.dtype, self.blocks * VLLM_BLOCK, args.agents,
-                                        args.step_tokens, log=log,
-                                        prefix_caching=prefix_caching,
-                                        block_tokens=VLLM_BLOCK)
-        self.local = threading.local()
-
-    def complete(self, prompt: list[int], n: int) -> list[int]:
-        import httpx
-        if not hasattr(self.local, "client"):          # one connection per agent
-            self.local.client = httpx.Client(base_url=self.server.url, timeout=TIMEOUT_S)
-        reply = self.local.client.post("/v1/completions",
-                                       json=bench_vllm.completion_request(prompt, n))
-        reply.raise_for_status()
-        ids = bench_vllm.completion_ids(reply.json())
-        if len(ids) != n:
-            raise RuntimeError(f"vLLM returned {len(ids)} ids, not {n}")
-        return ids
-
-    def submit(self, task: Task) -> dict:
-        conversation = self.work.system + list(task.question)
-        tokens: list[int] = []
-        sent = 0
-        for turn in range(len(task.observations) + 1):
-            last = turn == len(task.observations)
-            out = self.complete(conversation,
-                                self.args.answer_tokens if last else self.args.turn_tokens)
-            sent += len(conversation)
-            tokens += out
-            if last:
-                break
-            conversation = conversation + out + tool(task, turn, self.args.tool_ms)
-        return {"tokens": tokens, "sent": sent}
-
-    def run(self, tasks: list[Task]) -> tuple[Run, float]:
-        """(the timed run, the prompt tokens it computed per task: those vLLM's prefix
-        cache did not hold)."""
-        before = self.server.metrics()
-        run = closed_loop(tasks, self.args.agents, self.submit)
-        after = self.server.metrics()
-        hits = after.get("vllm:prefix_cache_hits_total", 0) - \
-            before.get("vllm:prefix_cache_hits_total", 0)
-        sent = sum(r["sent"] for r in run.replies)
-        system = len(self.work.system) * (self.args.turns + 1) * len(tasks)
-        log(f"bench: {self.name()} ({self.blocks} blocks), {len(tasks)} tasks: "
-            f"{run.seconds:.1f}s, {run.rate():.3f} tasks/s, mean "
-            f"{sum(run.latencies) / len(tasks):.2f}s p50 {percentile(run.latencies, 50):.2f}s"
-            f" p99 {percentile(run.latencies, 99):.2f}s; prompt tokens sent {sent} "
-            f"(system prompts alone {system}), found in its prefix cache {hits:.0f}")
-        return run, (sent - hits) / len(tasks)
-
-    def name(self) -> str:
-        return "vllm" if self.prefix_caching else "vllm_nocache"
-
-    def close(self) -> None:
-        self.server.stop()
-
-
-# ------------------------------------------------------------------ run and report
-
-def measure(args, work: Workload, kv_tokens: int) -> dict:
-    """system -> (Run, extra) for each system that ran. vLLM's servers run one at a
-    time, each while predd idles (idle, neither takes CPU from the other)."""
-    out: dict = {}
-    with contextlib.ExitStack() as stack:
-        rig = stack.enter_context(contextlib.closing(SymphonyRig(args, work, kv_tokens))) \
-            if "symphony" in args.systems else None
-        for name in [s for s in args.systems if s.startswith("vllm")]:
-            try:
-                base = VllmRig(args, work, kv_tokens, prefix_caching=name == "vllm")
-            except bench_vllm.Unavailable as e:
-                log(f"bench: vLLM baseline unavailable: {str(e).splitlines()[0]}")
-                break
-            try:
-                closed_loop(work.warmup, args.agents, base.submit)
-                out[name] = base.run(work.timed)
-            except Exception as e:      # noqa: BLE001 - the bench goes on without it
-                log(f"bench: {name} failed: {e}; going on without it "
-                    f"(log {base.server.log_path})")
-            finally:
-                base.close()
-        if rig is not None:
-            closed_loop(work.warmup, args.agents, rig.agents.submit)
-            out["symphony"] = (rig.run(work.timed), None)
-    return out
-
-
-def summary(run: Run) -> dict:
-    return {"mean_s": sum(run.latencies) / len(run.latencies),
-            "p50_s": round(percentile(run.latencies, 50), 3),
-            "p99_s": round(percentile(run.latencies, 99), 3)}
-
-
-def report(args, work: Workload, kv_tokens: int, measured: dict) -> None:
-    common = {"agents": args.agents, "tasks": args.tasks, "turns": args.turns,
-              "turn_tokens": args.turn_tokens, "answer_tokens": args.answer_tokens,
-              "tool_ms": args.tool_ms, "system_tokens": len(work.system),
-              "kv_tokens": kv_tokens, "dtype": args.dtype}
-    if "symphony" not in measured:
-        return
-    run, _ = measured["symphony"]
-    ours = summary(run)
-    mine = {"symphony_p50_s": ours["p50_s"], "symphony_p99_s": ours["p99_s"],
-            "symphony_computed_per_task": round(
-                sum(r["computed"] for r in run.replies) / len(run.replies), 1)}
-    baselines = {"vllm": "vllm_prefix_caching", "vllm_nocache": "vllm_no_prefix_caching"}
-    for name, label in baselines.items():
-        if name not in measured:
-            continue
-        base, computed = measured[name]
-        theirs = summary(base)
-        same = sum(a == b for a, b in zip(run.outputs, base.outputs))
-        extra = {**mine, "baseline_p50_s": theirs["p50_s"], "baseline_p99_s": theirs["p99_s"],
-                 "baseline_computed_prompt_per_task": round(computed, 1),
-                 "vllm_blocks": kv_tokens // VLLM_BLOCK + 1, "vllm_block_tokens": VLLM_BLOCK,
-                 "same_tokens_as_baseline": f"{same}/{len(run.outputs)}", **common}
-        result("agent_latency", "seconds_per_task", ours["mean_s"], label, theirs["mean_s"],
-               ratio=round(theirs["mean_s"] / ours["mean_s"], 3),
-               ratio_is="baseline / symphony", **extra)
-        result("agent_throughput", "tasks_per_s", run.rate(), label, base.rate(),
-               ratio_is="symphony / baseline", **extra)
-    if not any(name in measured for name in baselines):
-        result("agent_latency", "seconds_per_task", ours["mean_s"], "none", 0.0, **mine,
-               **common)
-        result("agent_throughput", "tasks_per_s", run.rate(), "none", 0.0, **mine, **common)
+def run_task_vllm(complete, args, work: Workload, task: Task) -> dict:
+    """The same task as a client: each turn sends the whole conversation again."""
+    conversation = work.system + list(task.question)
+    tokens: list[int] = []
+    sent = 0
+    for turn in range(len(task.observations) + 1):
+        last = turn == len(task.observations)
+        out = complete(conversation, args.answer_tokens if last else args.turn_tokens)
+        sent += len(conversation)
+        tokens += out
+        if last:
+            break
+        conversation = conversation + out + tool(task, turn, args.tool_ms)
+    return {"tokens": tokens, "sent": sent}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--agents", type=int, default=8, help="concurrent agents")
-    ap.add_argument("--tasks", type=int, default=16, help="timed tasks")
-    ap.add_argument("--warmup", type=int, default=8, help="untimed tasks first")
+    bench_apps.app_flags(ap, "agents")
     ap.add_argument("--turns", type=int, default=4, help="tool turns per task")
     ap.add_argument("--turn-tokens", type=int, default=32,
                     help="tokens of each thought and action")
@@ -452,17 +196,14 @@ def main() -> int:
     ap.add_argument("--question-tokens", type=int, default=20)
     ap.add_argument("--observation-tokens", type=int, default=40)
     ap.add_argument("--tool-ms", type=float, default=50.0, help="each tool call's wait")
-    ap.add_argument("--systems", default="symphony,vllm",
-                    help=f"of {','.join(SYSTEMS)}")
     serving_flags(ap, "a smoke run: 2 agents, 2+2 tasks, 8-token turns and answers "
                       "(each unless given)")
     args = ap.parse_args()
     quick_defaults(ap, args, {"agents": 2, "tasks": 2, "warmup": 2, "turn_tokens": 8,
                               "answer_tokens": 8})
-    args.systems = args.systems.split(",")
-    if set(args.systems) - set(SYSTEMS) or min(args.agents, args.tasks, args.turns,
-                                                  args.turn_tokens, args.answer_tokens) < 1:
-        ap.error(f"bad --systems or counts: {args.systems}")
+    bench_apps.parse_systems(ap, args)
+    if min(args.agents, args.tasks, args.turns, args.turn_tokens, args.answer_tokens) < 1:
+        ap.error("counts must be at least 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.dtype = machine(args.dtype)
 
@@ -472,9 +213,7 @@ def main() -> int:
                          args.tasks, args.turns, args.question_tokens,
                          args.observation_tokens)
     longest = work.longest(args.turn_tokens, args.answer_tokens)
-    # every agent's whole conversation, system prompt included, in whole vLLM blocks:
-    # no side ever evicts or preempts, with or without sharing the system prompt
-    kv_tokens = args.agents * -(-longest // VLLM_BLOCK) * VLLM_BLOCK
+    kv_tokens = bench_apps.kv_tokens_for(args.agents, longest)
     qlens = sorted(len(t.question) for t in work.timed)
     olens = sorted(len(o) for t in work.timed for o in t.observations)
     log(f"bench: system prompt {len(work.system)} tokens, questions {qlens[0]}..{qlens[-1]},"
@@ -482,14 +221,20 @@ def main() -> int:
         f"{args.turn_tokens} tokens + a {args.answer_tokens}-token answer, tools "
         f"{args.tool_ms:g} ms; {args.agents} agents, {args.warmup} warm-up + {args.tasks} "
         f"timed tasks; longest conversation {longest} tokens; KV memory {kv_tokens} "
-        f"tokens (predd {-(-kv_tokens // PAGE)} pages, vLLM {kv_tokens // VLLM_BLOCK + 1} "
+        f"tokens (predd {-(-kv_tokens // PAGE)} pages, vLLM {bench_apps.vllm_blocks(kv_tokens)} "
         f"blocks of {VLLM_BLOCK} with its null block)")
-    report(args, work, kv_tokens, measure(args, work, kv_tokens))
+    measured = bench_apps.measure(
+        args, lambda: bench_apps.SymphonyRig(args, __file__, {"system": work.system},
+                                             kv_tokens),
+        lambda task: job(args, task),
+        lambda rig, task: run_task_vllm(rig.complete, args, work, task),
+        work.warmup, work.timed, kv_tokens)
+    bench_apps.report("agent", measured, kv_tokens, {
+        "agents": args.agents, "tasks": args.tasks, "turns": args.turns,
+        "turn_tokens": args.turn_tokens, "answer_tokens": args.answer_tokens,
+        "tool_ms": args.tool_ms, "system_tokens": len(work.system), "dtype": args.dtype})
     return 0
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["lip"]:
-        lip_main(sys.argv[2])
-    else:
-        sys.exit(main())
+    bench_apps.entry(lip_main, main)

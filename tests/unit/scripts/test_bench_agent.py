@@ -6,60 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from scripts import bench_agent
-
-
-class FakeTokenizer:
-    """One id per character (a chat template of role headers), so counts are exact."""
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-
-def model(context: list[int], n: int) -> list[int]:
-    """A deterministic fake LM: each token is a function of everything before it."""
-    ctx, out = list(context), []
-    for _ in range(n):
-        out.append(hash(tuple(ctx)) % 49152)
-        ctx.append(out[-1])
-    return out
-
-
-class FakeLip:
-    """liblip's calls run_task_lip makes, on lists: `generate` leaves its last token out
-    of the cache, as predd's does; every context the model saw is recorded."""
-    LipError = RuntimeError
-
-    def __init__(self, system: list[int]) -> None:
-        self.caches: dict[int, list[int]] = {0: list(system)}
-        self.seen: list[list[int]] = []
-        self.sent: list[int] = []
-        self.waits = 0
-
-    def kv_fork(self, kv: int) -> int:
-        self.caches[len(self.caches)] = list(self.caches[kv])
-        return len(self.caches) - 1
-
-    def generate(self, kv: int, tokens, max_tokens: int, sample, ignore_eos: bool):
-        assert sample == {"temperature": 0.0} and ignore_eos
-        context = self.caches[kv] + list(tokens)
-        self.seen.append(context)
-        self.sent.append(len(tokens))
-        out = model(context, max_tokens)
-        self.caches[kv] = context + out[:-1]
-        ids = bench_agent.lip.Generated(out)
-        ids.cost = {"computed": len(tokens), "reused": len(context) - len(tokens)}
-        return ids
-
-    def io_wait(self, kv: int):
-        self.waits += 1
-        return bench_agent.contextlib.nullcontext()
-
-    def kv_close(self, kv: int) -> None:
-        del self.caches[kv]
+from tests.unit.scripts.fake_lip import FakeLip, FakeTokenizer, model
 
 
 def workload(seed: int = 0):
@@ -84,25 +31,21 @@ def test_workload_is_seeded_and_sized():
 def test_lip_and_client_feed_the_model_the_same_tokens(monkeypatch):
     work = workload()
     args = SimpleNamespace(turn_tokens=32, answer_tokens=16, tool_ms=0.0, turns=4)
-    fake = FakeLip(work.system)
-    monkeypatch.setattr(bench_agent, "lip", SimpleNamespace(
-        Generated=bench_agent.lip.Generated, LipError=RuntimeError, kv_fork=fake.kv_fork,
-        generate=fake.generate, io_wait=fake.io_wait, kv_close=fake.kv_close))
+    fake = FakeLip(system=work.system)
+    monkeypatch.setattr(bench_agent, "lip", fake)
 
     prompts: list[list[int]] = []
 
     def complete(prompt: list[int], n: int) -> list[int]:
         prompts.append(list(prompt))
         return model(prompt, n)
-    client = bench_agent.VllmRig.__new__(bench_agent.VllmRig)
-    client.args, client.work, client.complete = args, work, complete
 
     for task in work.timed:
         fake.seen.clear()
         fake.sent.clear()
         prompts.clear()
-        ours = bench_agent.run_task_lip(0, task, 32, 16, 0.0)
-        theirs = client.submit(task)
+        ours = bench_agent.run_task_lip(fake.names["system"], task, 32, 16, 0.0)
+        theirs = bench_agent.run_task_vllm(complete, args, work, task)
         assert ours["tokens"] == theirs["tokens"]
         assert len(ours["tokens"]) == 4 * 32 + 16
         assert fake.seen == prompts and len(prompts) == 5
@@ -113,7 +56,7 @@ def test_lip_and_client_feed_the_model_the_same_tokens(monkeypatch):
         # the LIP sent only the new tokens: the question, then last token + observation
         assert fake.sent == [len(task.question)] + [1 + len(o) for o in task.observations]
         assert ours["computed"] == sum(fake.sent)
-        assert list(fake.caches) == [0]          # the fork was closed
+        assert fake.open() == []                 # the fork was closed
     assert fake.waits == 4 * len(work.timed)     # every tool call inside io_wait
 
 
