@@ -59,6 +59,8 @@ bench: setup
 	$(PY) scripts/bench_fork.py
 	$(PY) scripts/bench_overhead.py
 	$(PY) scripts/bench_agent.py
+	$(PY) scripts/bench_got.py
+	$(PY) scripts/bench_swarm.py
 	$(PY) scripts/bench_loop.py
 	$(PY) scripts/bench_http.py
 

@@ -19,8 +19,8 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
+from gatewayd import sse
 from gatewayd.errors import ApiError
 from gatewayd.gateway import Gateway, json_body
 
@@ -104,19 +104,19 @@ async def _answer(request: Request, op: str, body) -> Response:
             while (msg := await replies.next()) is not None:
                 if msg.get("done"):
                     last = msg
-                    yield ServerSentEvent(data="[DONE]")
+                    yield sse.event("[DONE]")
                     return
                 if "chunk" in msg:
-                    yield ServerSentEvent(data=json.dumps(msg["chunk"], separators=(",", ":")))
+                    yield sse.event(json.dumps(msg["chunk"], separators=(",", ":")))
                 elif msg.get("status", 200) >= 400:      # failed after it started
-                    yield ServerSentEvent(data=json.dumps(msg.get("body")))
+                    yield sse.event(json.dumps(msg.get("body")))
         finally:
             await finish()
 
     # No keep-alive comments: OpenAI's API sends none, and clients written against it
     # (vLLM's benchmark client) lose the whole rest of a stream when a `: ping` comment
     # arrives in the same read as an event.
-    return EventSourceResponse(chunks(), sep="\n", ping=NO_PING_S)
+    return sse.response(chunks(), ping=NO_PING_S)
 
 
 @router.get("/v1/models")

@@ -22,8 +22,9 @@ import secrets
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from sse_starlette.sse import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import EventSourceResponse
 
+from gatewayd import sse
 from gatewayd.errors import ApiError
 from gatewayd.gateway import Gateway, json_body
 from gatewayd.programs import Program, save_upload
@@ -49,11 +50,11 @@ def _stream(gw: Gateway, run: Run, after: int = 0, owner: bool = False) -> Event
     async def events():
         try:
             async for e in run.follow(after):
-                yield ServerSentEvent(data=e.data, event=e.kind, id=str(e.seq))
+                yield sse.event(e.data, kind=e.kind, id=str(e.seq))
         finally:
             if owner and not run.detached and run.active:
                 asyncio.create_task(gw.runs.kill(run, "client disconnected", wait=False))
-    return EventSourceResponse(events(), sep="\n", headers={"X-Symphony-Run": run.id})
+    return sse.response(events(), headers={"X-Symphony-Run": run.id})
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:

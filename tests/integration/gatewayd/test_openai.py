@@ -160,6 +160,29 @@ def test_streamed_chat_reuses_the_cached_conversation(client, predd, model):
     assert usage.prompt_tokens_details.cached_tokens == len(tokens) - 1
 
 
+def test_a_stream_is_written_as_openai_writes_it(server, predd, model):
+    """Byte for byte: `data: {json}` events, each ended by LF and an empty line (no CR,
+    no comments), the usage chunk with no choices, then `data: [DONE]`. Clients split
+    the body on "\\n\\n" (vLLM's benchmark client does), whatever the reads."""
+    import httpx
+    prompt = predd.call("tokenize", text="The river")["tokens"]
+    with httpx.Client(base_url=server.url, timeout=300) as http:
+        body = http.post("/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}).content.decode()
+    assert "\r" not in body and body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    # a chunk per token, then the finish reason in a chunk of its own
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * 6 + ["length"]
+    assert chunks[-2]["choices"][0]["text"] == ""
+
+
 def test_n_forks_one_prefill(client, predd, model):
     messages = [{"role": "system", "content": "You are Quill, a poet who names colours."},
                 {"role": "user", "content": "Name a colour you like."}]
