@@ -35,11 +35,47 @@ class Request:
     """One request: whether it was cancelled, and the caches it holds (all freed when
     it ends, or at once on cancel — predd frees them after their running call)."""
 
-    def __init__(self, rid) -> None:
+    def __init__(self, rid, room=None) -> None:
         self.rid = rid
+        self.room = room                    # openai_lip.room.Room, or None
         self.cancelled = threading.Event()
         self.kvs: list[lip.KV] = []
         self.lock = threading.Lock()
+
+    def no_room(self, exc: lip.LipError, kv: lip.KV) -> lip.KV:
+        """The cache to try again on after `exc` refused a call on `kv` (its tokens the
+        same; openai_lip/room.py); raises `exc` when that is all."""
+        if self.room is None:
+            raise exc
+        return self.room.no_room(exc, kv, self._give_back, self._rebuild, self.cancelled)
+
+    def _give_back(self, kv: lip.KV) -> None:
+        with self.lock:
+            if kv in self.kvs:
+                self.kvs.remove(kv)
+        try:
+            lip.kv_close(kv)
+        except lip.LipError:
+            pass
+
+    def _rebuild(self, tokens: list[int]) -> lip.KV:
+        kv = self.track(lip.kv_create())
+        while True:
+            have = lip.kv_stat(kv)["tokens"]
+            try:
+                if tokens[have:]:
+                    lip.prefill(kv, tokens[have:])
+                return kv
+            except lip.LipError as exc:
+                kv = self.no_room(exc, kv)
+
+    def retrying(self, kv: lip.KV, call):
+        """call(kv), tried again while there is no room: (its result, the cache)."""
+        while True:
+            try:
+                return call(kv), kv
+            except lip.LipError as exc:
+                kv = self.no_room(exc, kv)
 
     def track(self, kv: lip.KV) -> lip.KV:
         with self.lock:
@@ -180,6 +216,7 @@ class Choice:
         self.finish_reason = "length"
         self.text_offset = 0               # completions logprobs: where the next token starts
         self.queue_ms = self.step_ms = 0.0
+        self.kv: lip.KV | None = None      # the cache it ended on (after any rebuild)
 
     def add_cost(self, cost: dict) -> None:
         self.queue_ms += cost.get("queue_ms", 0.0)
@@ -201,55 +238,71 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
     cancels the generate in predd after its current step. `ignore_eos`: EOS ends nothing
     (it is sampled like any token and left out of the text); `min_tokens`: the first
     that many tokens are sampled with EOS masked out, one `pred_sample` each, as vLLM
-    masks it."""
+    masks it. A generate that predd stops for want of room (openai_lip/room.py) goes on
+    from its last token once there is room; a seeded one with the seed moved on by the
+    tokens so far."""
+    ch.kv = kv
     if min_tokens and not ignore_eos:
-        last = _without_eos(req, kv, last, ch, min(min_tokens, max_tokens), sample, emit)
+        last = _without_eos(req, last, ch, min(min_tokens, max_tokens), sample, emit)
         if last is None:
             return
-    budget = max_tokens - len(ch.ids)
-    if budget <= 0:
-        ch.finish_reason = "length"
-        return
     stop = [*stops] if ignore_eos else [*eos_ids(), *stops]
-    out = lip.Generated()
-    stream = lip.generate_stream(kv, [last], budget, stop=stop, sample=sample, out=out)
-    try:
-        for token in stream:
-            req.check()
-            lp = out.logprobs[len(out) - 1] if len(out.logprobs) >= len(out) else 0.0
-            ch.ids.append(token)
-            entries = [] if token in eos_ids() else [(token, lp, [])]
-            ch.entries += entries
-            text = ch.out.feed([token]) if emit or stops else ch.out.add([token])
-            if emit:
-                emit(text, entries)
-            if ch.out.stopped:   # seen here at the same token as predd, or first
-                break
-    finally:
-        stream.close()          # before its end: predd cancels the rest
-    req.check()
-    ch.add_cost(out.cost)
-    if ch.out.stopped:
-        ch.finish_reason = "stop"
-        return
-    reason = out.finish_reason
-    if not reason and out:   # a predd whose last token reply ends the stream
-        reason = "stop" if out[-1] in eos_ids() and not ignore_eos else \
-            "length" if len(out) >= budget else ""
-    if reason not in ("stop", "length"):
-        raise lip.LipError(reason or "EIO", "generation failed")
-    ch.finish_reason = reason
+    while True:
+        budget = max_tokens - len(ch.ids)
+        if budget <= 0:
+            ch.finish_reason = "length"
+            return
+        seed = sample.get("seed")
+        fields = sample if seed is None else {**sample, "seed": (seed + len(ch.ids)) % 2**63}
+        out = lip.Generated()
+        refused = None
+        produced = 0
+        stream = lip.generate_stream(ch.kv, [last], budget, stop=stop, sample=fields, out=out)
+        try:
+            for token in stream:
+                req.check()
+                produced += 1
+                lp = out.logprobs[len(out) - 1] if len(out.logprobs) >= len(out) else 0.0
+                ch.ids.append(token)
+                entries = [] if token in eos_ids() else [(token, lp, [])]
+                ch.entries += entries
+                text = ch.out.feed([token]) if emit or stops else ch.out.add([token])
+                if emit:
+                    emit(text, entries)
+                if ch.out.stopped:   # seen here at the same token as predd, or first
+                    break
+        except lip.LipError as exc:
+            refused = exc
+        finally:
+            stream.close()          # before its end: predd cancels the rest
+        req.check()
+        ch.add_cost(out.cost)
+        if ch.out.stopped:
+            ch.finish_reason = "stop"
+            return
+        reason = out.finish_reason if refused is None else refused.code
+        if not reason and out:   # a predd whose last token reply ends the stream
+            reason = "stop" if out[-1] in eos_ids() and not ignore_eos else \
+                "length" if len(out) >= budget else ""
+        if reason in ("stop", "length"):
+            ch.finish_reason = reason
+            return
+        if produced:
+            last = ch.ids[-1]       # the cache holds all the others
+        ch.kv = req.no_room(refused or lip.LipError(reason or "EIO", "generation failed"),
+                            ch.kv)
 
 
-def _without_eos(req: Request, kv: lip.KV, last: int, ch: Choice, count: int,
-                 sample: dict, emit) -> int | None:
+def _without_eos(req: Request, last: int, ch: Choice, count: int, sample: dict,
+                 emit) -> int | None:
     """`count` tokens sampled with EOS masked out; the last one (to feed on), or None
     where a stop string ended the choice."""
     rng = np.random.default_rng(sample["seed"])
     mask = without_eos()
     for _ in range(count):
-        s = lip.pred_sample(kv, [last], {**sample, "seed": int(rng.integers(2**31))},
-                            mask=mask)
+        fields = {**sample, "seed": int(rng.integers(2**31))}
+        s, ch.kv = req.retrying(ch.kv, lambda kv: lip.pred_sample(kv, [last], fields,
+                                                                   mask=mask))
         req.check()
         ch.add_cost(s.cost)
         last = s.token
@@ -272,6 +325,7 @@ def decode_pred(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int
     """A pred per token: predd samples under the grammar's mask, or, for top
     logprobs, returns the raw (masked) logits and the program samples. EOS is masked
     out of the first `min_tokens` tokens, and ends nothing with `ignore_eos`."""
+    ch.kv = kv
     rng = np.random.default_rng(sample["seed"])
     nbytes = (lip.info_cached()["vocab_size"] + 7) // 8
     no_eos = np.frombuffer(without_eos(), np.uint8) if min_tokens and not ignore_eos else None
@@ -282,7 +336,7 @@ def decode_pred(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int
             mask = (no_eos if mask is None else
                     np.frombuffer(bytes(mask), np.uint8) & no_eos).tobytes()
         if top:
-            d = lip.pred(kv, pending, mask=mask)
+            d, ch.kv = req.retrying(ch.kv, lambda kv: lip.pred(kv, pending, mask=mask))
             token = d.argmax() if sample["temperature"] < 1e-4 else d.sample(
                 sample["temperature"], sample["top_p"], rng=rng)
             lps = d.logprobs()
@@ -290,8 +344,9 @@ def decode_pred(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int
             lp, alts = float(lps[token]), list(zip(ids, top_lps))
             cost = d.cost
         else:
-            s = lip.pred_sample(kv, pending, {**sample, "seed": int(rng.integers(2**31))},
-                                mask=mask)
+            fields = {**sample, "seed": int(rng.integers(2**31))}
+            s, ch.kv = req.retrying(ch.kv, lambda kv: lip.pred_sample(kv, pending, fields,
+                                                                       mask=mask))
             token, lp, alts, cost = s.token, s.logprob, [], s.cost
         req.check()
         ch.add_cost(cost)

@@ -11,7 +11,8 @@ system prompt or conversation is computed once. Policy, all the program's own:
 * a new sequence that extends a file's replaces that file; one already covered by a
   file only refreshes it;
 * at most `max_files` files, least recently used removed first (`rm`: their pages go
-  back to predd's pool unless a request still holds a fork).
+  back to predd's pool unless a request still holds a fork); all of them when predd
+  has no room for a request's call (openai_lip/room.py).
 The token lists are kept in memory and read back from the files at start-up
 (`kv_tokens`), so the cache survives a restart of the program (and of the daemons, for
 files that were `sync`ed).
@@ -120,6 +121,15 @@ class PrefixCache:
             while len(self.entries) > self.max_files:
                 self._remove(next(iter(self.entries)))
         return path
+
+    def drop_all(self) -> bool:
+        """Remove every file (predd has no room: their pages go back, except those a
+        request's fork still holds); False when there was none."""
+        with self.lock:
+            paths = list(self.entries)
+            for path in paths:
+                self._remove(path)
+        return bool(paths)
 
     def _remove(self, path: str) -> None:
         self.entries.pop(path, None)

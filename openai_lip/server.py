@@ -17,7 +17,9 @@ How it uses the system calls:
 * n > 1 forks the prefilled prompt n times (one prefill, n branches, one thread each);
 * plain decoding is predd's own loop (`generate`); top_logprobs and response_format
   take a pred per token: raw logits and/or an llguidance mask (decode.py);
-* a cancelled request stops at its next call and frees its caches.
+* a cancelled request stops at its next call and frees its caches;
+* 64 requests run at once, the rest wait in a queue; a call predd refuses for room
+  waits, or gives its cache back and computes it again, rather than fail (room.py).
 
     python -m openai_lip [--model PATH.gguf] [--cache-dir DIR] [--cache-files 16]
 """
@@ -38,9 +40,11 @@ from openai_lip.decode import (Cancelled, Choice, Grammar, Request, decode_gener
 from openai_lip.format import Formatter
 from openai_lip.prefix_cache import PrefixCache
 from openai_lip.requests import DEFAULT_MAX_TOKENS, Completion, RequestError, parse
+from openai_lip.room import Room
 from symphony_protocol import default_mount
 
-MAX_REQUESTS = 64
+MAX_REQUESTS = 64       # requests running at once; more wait in a queue
+MAX_QUEUED = 4096       # requests waiting to start; more are a 429
 STATUS_OF = {"EINVAL": 400, "EDQUOT": 429, "EAGAIN": 429, "ENOSPC": 503, "EIO": 503}
 
 
@@ -70,6 +74,7 @@ class Server:
         self.format = Formatter(self.model)
         self.requests: dict = {}
         self.lock = threading.Lock()
+        self.room = Room(self.cache.drop_all, MAX_REQUESTS, MAX_QUEUED)
 
     # ------------------------------------------------------------ dispatch
 
@@ -81,20 +86,30 @@ class Server:
             if req is not None:
                 req.cancelled.set()
                 req.free()
+                if self.room.withdraw(req):          # it had not started
+                    with self.lock:
+                        self.requests.pop(rid, None)
+                    self.replies.send({"id": rid, "done": True, "cancelled": True})
             return
         if op == "models":
             self.replies.send({"id": rid, "status": 200, "body": self.models()})
             self.replies.send({"id": rid, "done": True})
             return
         with self.lock:
-            busy = len(self.requests) >= MAX_REQUESTS
-            req = None if busy or rid in self.requests else Request(rid)
+            req = None if rid in self.requests else Request(rid, self.room)
             if req is not None:
                 self.requests[rid] = req
         if req is None:
-            self._error(rid, RequestError(429, "too many requests in progress", None, "EAGAIN"))
+            self._error(rid, RequestError(400, "a request with this id is in progress",
+                                          None, "EEXIST"))
             return
-        threading.Thread(target=self._serve, args=(req, msg), daemon=True).start()
+        start = threading.Thread(target=self._serve, args=(req, msg), daemon=True).start
+        if not self.room.submit(req, start):
+            with self.lock:
+                self.requests.pop(rid, None)
+            self._error(rid, RequestError(429, f"too many requests waiting ({MAX_QUEUED})",
+                                          None, "EAGAIN"))
+
 
     def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -122,6 +137,7 @@ class Server:
             req.free()
             with self.lock:
                 self.requests.pop(req.rid, None)
+            self.room.end()
 
     def _error(self, rid, exc: RequestError) -> None:
         kind = {400: "invalid_request_error", 404: "invalid_request_error",
@@ -165,7 +181,14 @@ class Server:
 
         base, cached = self.cache.lookup(scope, prompt[:-1])
         req.track(base)
-        prefill_cost = lip.prefill(base, prompt[cached:-1]) if prompt[cached:-1] else {}
+        rest, prefill_cost = prompt[cached:-1], {}
+        while rest:
+            try:
+                prefill_cost = lip.prefill(base, rest)
+                break
+            except lip.LipError as exc:
+                base = req.no_room(exc, base)
+                rest = prompt[lip.kv_stat(base)["tokens"]:-1]
         req.check()
         kvs = [base] if c.n == 1 else [req.track(lip.kv_fork(base)) for _ in range(c.n)]
 
@@ -185,7 +208,7 @@ class Server:
         run_threads(branch, c.n)
         req.check()
         try:
-            self.cache.store(scope, kvs[0], lip.kv_tokens(kvs[0]))
+            self.cache.store(scope, choices[0].kv, lip.kv_tokens(choices[0].kv))
         except (lip.LipError, OSError) as exc:   # a cache that cannot grow fails no answer
             print(f"openai_lip: prefix cache: {exc}", file=sys.stderr, flush=True)
 

@@ -1,0 +1,70 @@
+"""The OpenAI program under memory pressure, through a real `symphony serve` whose
+predd gives the program's uid few KV pages (`--uid-quota`): concurrent requests that do
+not fit together all finish, none with a 429, as in vLLM (openai_lip/room.py); one that
+cannot fit even alone is a 429 EDQUOT."""
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.integration.gateway_fixtures import checked_client, finish, start_serve
+
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="symphony serve needs root"),
+              pytest.mark.slow]
+QUOTA = 40          # pages of 16 tokens for the OpenAI program's uid
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_serve(str(tmp_path_factory.mktemp("room")), "--uid-quota", str(QUOTA))
+    yield s
+    finish(s)
+
+
+def complete(url: str, model: str, prompt: list[int], max_tokens: int,
+             stream: bool) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+    with httpx.Client(base_url=url, timeout=600) as http:
+        return http.post("/v1/completions", json=body)
+
+
+def test_requests_that_do_not_fit_together_all_finish(server):
+    with checked_client(server) as predd:
+        model = predd.call("info")["model"]
+        prompts = [predd.call("tokenize", text=f"Story {i}: the river and the lantern "
+                              f"{'went on and on ' * 12}")["tokens"] for i in range(8)]
+    need = [-(-(len(p) + 48) // PAGE) for p in prompts]
+    assert max(need) < QUOTA < sum(need)        # each fits alone, all together do not
+
+    def one(i: int) -> tuple[int, int, str]:
+        r = complete(server.url, model, prompts[i], 48, stream=i % 2 == 1)
+        if i % 2 == 0:
+            body = r.json()
+            assert "usage" in body, body
+            return r.status_code, body["usage"]["completion_tokens"], \
+                body["choices"][0]["finish_reason"]
+        chunks = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: {")]
+        last = json.loads(chunks[-1])
+        reasons = [c["choices"][0]["finish_reason"] for c in map(json.loads, chunks[:-1])]
+        assert "error" not in r.text, r.text[-500:]
+        return r.status_code, last["usage"]["completion_tokens"], reasons[-1]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert results == [(200, 48, "length")] * 8
+
+
+def test_a_request_that_cannot_fit_alone_is_a_429(server):
+    with checked_client(server) as predd:
+        prompt = predd.call("tokenize", text="lantern " * 300)["tokens"]
+        model = predd.call("info")["model"]
+    assert -(-(len(prompt) + 400) // PAGE) > QUOTA
+    r = complete(server.url, model, prompt, 400, stream=False)
+    assert r.status_code == 429
+    assert r.json()["error"]["code"] == "EDQUOT"
