@@ -4,9 +4,11 @@ pool is full).
 
 As in vLLM, which queues requests and preempts running ones rather than fail them, no
 request fails because others hold the memory:
-* requests past `max_running` wait in a queue, first come first started (past
-  `max_queued`: 429, EAGAIN); none starts while a running one waits for room, so new
-  arrivals do not take the pages the waiting ones need;
+* requests past `max_running` wait in a queue per caller (scope), the callers taken in
+  turn and each caller's requests first come first started, so one caller's flood does
+  not hold back the others; past `max_queued` in all, or a quarter of that for one
+  caller: 429, EAGAIN. None starts while a running one waits for room, so new arrivals
+  do not take the pages the waiting ones need;
 * a refused call first has the prefix cache's files removed (their pages go back unless
   a request holds a fork of one) and is tried again;
 * otherwise the request waits until another makes progress or ends, and tries again;
@@ -34,7 +36,8 @@ class Room:
         self.drop_cache = drop_cache          # True when it removed something
         self.max_running, self.max_queued = max_running, max_queued
         self.cond = threading.Condition()
-        self.queue: collections.deque = collections.deque()
+        self.queues: dict[str, collections.deque] = {}   # per scope, in turn order
+        self.queued = 0
         self.running = 0        # started and not ended
         self.waiting = 0        # of those, waiting for room with their caches
         self.parked = 0         # of those, waiting with their caches given back
@@ -42,13 +45,16 @@ class Room:
 
     # ------------------------------------------------------------ admission
 
-    def submit(self, item, start: Callable[[], None]) -> bool:
-        """Queue `item`; `start()` is called (under no lock) when it may run. False
-        when the queue is full."""
+    def submit(self, item, start: Callable[[], None], scope: str = "") -> bool:
+        """Queue `item` for `scope` (a caller); `start()` is called (under no lock) when
+        it may run. False when the queue is full, in all or for this caller."""
         with self.cond:
-            if len(self.queue) >= self.max_queued:
+            mine = self.queues.get(scope)
+            if self.queued >= self.max_queued or \
+                    (mine is not None and len(mine) >= max(1, self.max_queued // 4)):
                 return False
-            self.queue.append((item, start))
+            self.queues.setdefault(scope, collections.deque()).append((item, start))
+            self.queued += 1
             ready = self._take()
         self._start(ready)
         return True
@@ -56,17 +62,28 @@ class Room:
     def withdraw(self, item) -> bool:
         """Take a queued `item` out (a request cancelled before it started)."""
         with self.cond:
-            for entry in self.queue:
-                if entry[0] is item:
-                    self.queue.remove(entry)
-                    return True
+            for scope, q in self.queues.items():
+                for entry in q:
+                    if entry[0] is item:
+                        q.remove(entry)
+                        self.queued -= 1
+                        if not q:
+                            del self.queues[scope]
+                        return True
         return False
 
     def _take(self) -> list:
+        """Whom to start now: a request of each caller in turn (the one served goes to
+        the back of the turn order)."""
         ready = []
-        while self.queue and self.running < self.max_running and \
+        while self.queues and self.running < self.max_running and \
                 self.waiting + self.parked == 0:
-            ready.append(self.queue.popleft())
+            scope = next(iter(self.queues))
+            q = self.queues.pop(scope)
+            ready.append(q.popleft())
+            if q:
+                self.queues[scope] = q
+            self.queued -= 1
             self.running += 1
         return ready
 

@@ -104,11 +104,10 @@ class Server:
                                           None, "EEXIST"))
             return
         start = threading.Thread(target=self._serve, args=(req, msg), daemon=True).start
-        if not self.room.submit(req, start):
+        if not self.room.submit(req, start, str(msg.get("scope") or "")):
             with self.lock:
                 self.requests.pop(rid, None)
-            self._error(rid, RequestError(429, f"too many requests waiting ({MAX_QUEUED})",
-                                          None, "EAGAIN"))
+            self._error(rid, RequestError(429, "too many requests waiting", None, "EAGAIN"))
 
 
     def models(self) -> dict:

@@ -41,16 +41,32 @@ def eventually(predicate, timeout: float = 5.0) -> None:
 
 
 def test_past_the_running_limit_requests_queue_first_come_first_started():
-    r = Room(never, max_running=2, max_queued=2)
+    r = Room(never, max_running=2, max_queued=12)
     calls = started(r, 4)
     assert calls == [[0], [1], [], []] and r.running == 2
-    assert not r.submit(4, lambda: None)             # the queue is full
+    assert r.submit(4, lambda: None)
+    assert not r.submit(5, lambda: None)             # a quarter of the queue is one caller's
     assert r.withdraw(3) and not r.withdraw(3)       # cancelled before it started
     r.end()
     assert calls[2] == [2] and r.running == 2 and calls[3] == []
     r.end()
     r.end()
-    assert r.running == 0 and not r.queue
+    r.end()
+    assert r.running == 0 and not r.queues and r.queued == 0
+
+
+def test_callers_are_started_in_turn():
+    r = Room(never, max_running=1, max_queued=64)
+    order = []
+    for i in range(4):
+        assert r.submit(("flood", i), lambda i=i: order.append(("flood", i)), "flood")
+    assert r.submit(("alice", 0), lambda: order.append(("alice", 0)), "alice")
+    assert r.submit(("bob", 0), lambda: order.append(("bob", 0)), "bob")
+    for _ in range(6):
+        r.end()
+    assert order == [("flood", 0), ("flood", 1), ("alice", 0), ("bob", 0), ("flood", 2),
+                     ("flood", 3)]
+    assert r.queued == 0 and not r.queues
 
 
 def test_the_prefix_cache_goes_first():
