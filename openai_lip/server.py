@@ -189,7 +189,12 @@ class Server:
                 base = req.no_room(exc, base)
                 rest = prompt[lip.kv_stat(base)["tokens"]:-1]
         req.check()
-        kvs = [base] if c.n == 1 else [req.track(lip.kv_fork(base)) for _ in range(c.n)]
+        kvs = [base]
+        if c.n > 1:             # a fork copies the last page: it too may wait for room
+            kvs = []
+            for _ in range(c.n):
+                fork, base = req.retrying(base, lip.kv_fork)
+                kvs.append(req.track(fork))
 
         def branch(i: int) -> None:
             ch = choices[i]
