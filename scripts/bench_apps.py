@@ -17,6 +17,7 @@ Symphony. `report` prints RESULT lines `<bench>_latency` (mean seconds per task;
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -71,6 +72,13 @@ def kv_tokens_for(agents: int, longest: int, shared: Sequence[int] = ()) -> int:
 
 def vllm_blocks(kv_tokens: int) -> int:
     return kv_tokens // VLLM_BLOCK + 1                  # and one for its null block
+
+
+def fields_of(cls, source):
+    """A `cls` dataclass from the same-named entries of `source`: a LIP's JSON job (a
+    dict) or the bench's argparse namespace."""
+    get = source.get if isinstance(source, dict) else lambda k: getattr(source, k)
+    return cls(**{f.name: get(f.name) for f in dataclasses.fields(cls)})
 
 
 def generated(out: Sequence[int], n: int) -> list[int]:

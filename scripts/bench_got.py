@@ -51,7 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
     sys.path.insert(0, ROOT)
 from scripts import bench_apps  # noqa: E402
-from scripts.bench_apps import GREEDY, PAGE, generated, lip  # noqa: E402
+from scripts.bench_apps import GREEDY, PAGE, fields_of, generated, lip  # noqa: E402
 from scripts.bench_common import log, machine, quick_defaults, serving_flags  # noqa: E402
 
 SYSTEM = """You are a careful problem solver who explores several approaches before \
@@ -284,13 +284,6 @@ class ClientBackend:
 
 # ------------------------------------------------------------------ the two sides
 
-def params(job_or_args) -> Params:
-    get = job_or_args.get if isinstance(job_or_args, dict) else \
-        lambda k: getattr(job_or_args, k)
-    return Params(get("branches"), get("keep"), get("rounds"), get("thought_tokens"),
-                  get("score_tokens"))
-
-
 def lip_main(system_path: str) -> None:
     """A task process: opens the system prompt's cache file, then runs the problems
     written on stdin (JSON lines) one at a time; one JSON line back per task."""
@@ -301,7 +294,7 @@ def lip_main(system_path: str) -> None:
             work = Workload([], job["hints"], job["score"], job["refine"],
                             {int(k): v for k, v in job["digits"].items()}, [], [])
             backend = LipBackend(system, pool, system_tokens)
-            outs = solve(backend, work, job["problem"], params(job))
+            outs = solve(backend, work, job["problem"], fields_of(Params, job))
             return {"tokens": [t for o in outs for t in o], "calls": outs,
                     "computed": backend.computed, "reused": backend.reused}
         bench_apps.serve_jobs(run, ready=system_tokens)
@@ -317,7 +310,7 @@ def job(args, work: Workload, problem) -> dict:
 
 def run_task_vllm(complete_many, args, work: Workload, problem) -> dict:
     backend = ClientBackend(complete_many, work.system)
-    outs = solve(backend, work, problem, params(args))
+    outs = solve(backend, work, problem, fields_of(Params, args))
     return {"tokens": [t for o in outs for t in o], "calls": outs, "sent": backend.sent}
 
 
@@ -359,7 +352,7 @@ def main() -> int:
     from predd.model.tokenizer import load_tokenizer
     work = make_workload(load_tokenizer(default_model_path()), args.seed, args.warmup,
                          args.tasks, args.branches, args.problem_tokens)
-    p = params(args)
+    p = fields_of(Params, args)
     kv_tokens = bench_apps.kv_tokens_for(args.agents, work.peak(p))
     plens = sorted(map(len, work.timed))
     log(f"bench: system prompt {len(work.system)} tokens, problems {plens[0]}..{plens[-1]}; "

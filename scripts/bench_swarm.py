@@ -57,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
     sys.path.insert(0, ROOT)
 from scripts import bench_apps  # noqa: E402
-from scripts.bench_apps import GREEDY, PAGE, generated, lip, seeded_text  # noqa: E402
+from scripts.bench_apps import GREEDY, PAGE, fields_of, generated, lip, seeded_text  # noqa: E402
 from scripts.bench_common import log, machine, quick_defaults, serving_flags  # noqa: E402
 
 COMMON = """You work for Harbor Supplies, an online shop, in a team of agents who share \
@@ -275,11 +275,6 @@ class ClientBackend:
 
 # ------------------------------------------------------------------ the two sides
 
-def params(get) -> Params:
-    return Params(get("handoff_tokens"), get("call_tokens"), get("answer_tokens"),
-                  get("tool_ms"))
-
-
 def lip_main(*system_paths: str) -> None:
     """A task process: opens each agent's system prompt file, then runs the
     conversations written on stdin (JSON lines) one at a time."""
@@ -290,7 +285,7 @@ def lip_main(*system_paths: str) -> None:
         work = Workload([], job["handoffs"], [], [])
         task = tuple(Turn(tuple(m), a, tuple(o)) for m, a, o in job["turns"])
         backend = LipBackend(systems, lengths)
-        outs = converse(backend, work, task, params(job.get))
+        outs = converse(backend, work, task, fields_of(Params, job))
         return {"tokens": [t for o in outs for t in o], "calls": outs,
                 "computed": backend.computed, "reused": backend.reused}
     bench_apps.serve_jobs(run, ready=lengths)
@@ -307,7 +302,7 @@ def job(args, work: Workload, task: tuple[Turn, ...]) -> dict:
 
 def run_task_vllm(complete, args, work: Workload, task: tuple[Turn, ...]) -> dict:
     backend = ClientBackend(complete, work.systems)
-    outs = converse(backend, work, task, params(lambda k: getattr(args, k)))
+    outs = converse(backend, work, task, fields_of(Params, args))
     return {"tokens": [t for o in outs for t in o], "calls": outs, "sent": backend.sent}
 
 
@@ -345,7 +340,7 @@ def main() -> int:
     work = make_workload(load_tokenizer(default_model_path()), args.seed, args.warmup,
                          args.tasks, args.turns, args.specialists, args.message_tokens,
                          args.observation_tokens)
-    p = params(lambda k: getattr(args, k))
+    p = fields_of(Params, args)
     kv_tokens = bench_apps.kv_tokens_for(args.agents, work.peak(p), map(len, work.systems))
     conv = sorted(work.conversation(t, p) for t in work.timed)
     log(f"bench: system prompts {[len(s) for s in work.systems]} tokens; {args.turns} "
