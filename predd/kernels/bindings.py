@@ -33,7 +33,7 @@ SIGNATURES = {
     "linear_q4_1_int8": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]),
     "linear_q8_0_int8": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]),
     "linear_int8_vector": (ctypes.c_int, []),
-    "linear_bf16_native": (ctypes.c_int, []),
+    "linear_bf16_dots": (ctypes.c_int, []),
     "linear_bf16_tiles": (ctypes.c_int, [ctypes.c_int]),
     "attention_tiles_bf16": (ctypes.c_int, [ctypes.c_int]),
     "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),

@@ -81,8 +81,10 @@ class Kernels:
         self._typed = {(op, dtype): getattr(lib, f"{op}_{t}")
                        for op in bindings.TYPED for dtype, t in SUFFIX.items()}
         self._lib = lib
-        # the block kernels take bfloat16 rows where the CPU has bf16 dot products
-        self.bf16_blocks = bool(lib.linear_bf16_native())
+        # how the block kernels multiply bfloat16 rows: "vdpbf16ps" (bf16 dot products),
+        # "fma" (AVX2: float32 FMAs of the same products), or None (they take none)
+        self.bf16_dots = (None, "fma", "vdpbf16ps")[lib.linear_bf16_dots()]
+        self.bf16_blocks = self.bf16_dots is not None
         # how the int8 block kernels (predd/kernels/csrc/quant_int8.c) sum: "vnni" (VPDPBUSD),
         # "avx2" (VPMADDUBSW), or "portable" (C loops, for a CPU without AVX2)
         self.int8_dots = ("portable", "avx2", "vnni")[lib.linear_int8_vector()]
@@ -415,7 +417,7 @@ class Kernels:
             blocks = blocks.in_tiles()
         if dtype == torch.bfloat16 and not self.bf16_blocks:
             raise ValueError("the block kernels take bfloat16 rows only where the CPU has "
-                             "bf16 dot products (avx512_bf16)")
+                             "bf16 dot products (avx512_bf16) or AVX2 and FMA")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the block kernels take float32 or bfloat16 rows, not {dtype}")
         t = "int8" if int8 else SUFFIX[dtype]

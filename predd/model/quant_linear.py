@@ -17,7 +17,8 @@ AMX-BF16 tiles, 2 rows or more are multiplied by them, each block unpacked once 
 to 96 rows (`Kernels.bf16_tiles`): there the blocks beat the dense GEMM up to ~100 rows.
 Without AMX, Q4_1 blocks are held with 16 weight rows across the lanes
 (`Kernels.bf16_lanes`, predd/kernels/csrc/quant_lanes.c) and multiplied as the exact weights
-d q + m (bf16 rows, float32 sums), not bf16-rounded ones.
+d q + m (bf16 rows, float32 sums), not bf16-rounded ones. A CPU with AVX2 and FMA but
+no bf16 dot products makes the same products by float32 FMAs (`Kernels.bf16_dots`).
 
 In float32 the blocks beat the packed GEMM up to 24 rows and lose beyond (measured:
 docs/kernels.md, "Float32 rows from the blocks up to 24 rows").
@@ -43,10 +44,10 @@ from predd.model.llama import FUSED
 # competes with reads 2 bytes a weight, not 4, so the blocks pay only at the fewest
 # rows (measured: docs/kernels.md, "Widened bfloat16 rows from the blocks up to 4 rows").
 QUANT_ROWS = {torch.float32: 24, torch.bfloat16: 4}
-# bfloat16 rows where the CPU has bf16 dot products (`Kernels.bf16_blocks`) take another
-# kernel: each weight rounded to bf16 as the bf16 model holds it, bf16 products summed
-# in float32, no widening of the rows: these pay up to 12 calls a step (measured:
-# docs/kernels.md, "bf16 dot products from the blocks up to 12 rows").
+# bfloat16 rows where the CPU has bf16 dot products, or AVX2 and FMA to make the same
+# products (`Kernels.bf16_blocks`), take another kernel: each weight rounded to bf16 as
+# the bf16 model holds it, bf16 products summed in float32: these pay up to 12 calls a
+# step (measured: docs/kernels.md, "bf16 dot products from the blocks up to 12 rows").
 BF16_NATIVE_ROWS = 12
 # Both limits above were measured on one machine each; where the dense GEMM is faster
 # (oneDNN's AMX tiles can beat these kernels at 8 bf16 rows: docs/kernels.md, "Row

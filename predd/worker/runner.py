@@ -135,12 +135,13 @@ class Runner:
         if requested == "plain":
             return "plain", "asked for"
         why = "asked for" if requested != "auto" else "auto"
-        problem = linear.packing_problem(self.device, self.dtype)
-        if problem:
-            if requested != "auto":
-                raise ValueError(f"--linear {requested}: {problem} (EINVAL)")
-            return "plain", f"auto: {problem}"
-        packed = f"{linear.pack_linears(self.model)} projections packed for oneDNN"
+        # the blocks need no packing: where oneDNN cannot pack this dtype (bf16 on an
+        # AVX2 CPU), rows beyond the blocks' limit take the plain dense weight
+        unpackable = linear.packing_problem(self.device, self.dtype)
+        if unpackable and requested == "packed":
+            raise ValueError(f"--linear packed: {unpackable} (EINVAL)")
+        packed = (f"not packed: {unpackable}" if unpackable else
+                  f"{linear.pack_linears(self.model)} projections packed for oneDNN")
         if requested == "packed":
             return "packed", f"{why}: {packed}"
         int8, int8_why = self._int8(requested)
@@ -148,7 +149,8 @@ class Runner:
         if problem:
             if requested in ("quantized", "int8"):
                 raise ValueError(f"--linear {requested}: {problem} (EINVAL)")
-            return "packed", f"{why}: {packed}; not quantized: {problem}"
+            return (("plain", f"auto: {unpackable}; not quantized: {problem}") if unpackable
+                    else ("packed", f"{why}: {packed}; not quantized: {problem}"))
         rows = self.config.quant_rows
         if int8:
             # every row count by the int8 kernels, measured or not: a row's int8 result
@@ -167,8 +169,10 @@ class Runner:
         else:
             quant_linear.set_limit(self.model, rows)
             upto, how = f"<= {rows} rows", "--quant-rows"
-        tiles = (" (bf16 rows by AMX tiles)" if self.dtype == torch.bfloat16
-                 and cpu_kernels.kernels().bf16_tiles else "")
+        kernels = cpu_kernels.kernels()
+        tiles = "" if self.dtype != torch.bfloat16 else (
+            " (bf16 rows by AMX tiles)" if kernels.bf16_tiles else
+            " (bf16 rows by float32 FMAs)" if kernels.bf16_dots == "fma" else "")
         if int8:
             return "int8", (f"{why}: {packed}, {count} of them computed from the "
                             f"checkpoint's Q4_1/Q8_0 blocks by int8 dot products "

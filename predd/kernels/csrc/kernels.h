@@ -64,7 +64,7 @@ void linear_q8_0_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
                       const float *d, int64_t N, const float *bias, uint16_t *y);
 int linear_q8_0_bf16_f32(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
                          const float *d, int64_t N, const float *bias, float *y);
-int linear_bf16_native(void);
+int linear_bf16_dots(void);
 void linear_q4_1_lanes_bf16(const uint16_t *x, int64_t M, int64_t K, const uint32_t *q,
                             const float *d, const float *m, int64_t N, const float *bias,
                             uint16_t *y);

@@ -159,11 +159,4 @@ void linear_q4_1_lanes_bf16(const uint16_t *x, int64_t M, int64_t K, const uint3
         }
     }
 }
-#else
-void linear_q4_1_lanes_bf16(const uint16_t *x, int64_t M, int64_t K, const uint32_t *q,
-                            const float *d, const float *m, int64_t N, const float *bias,
-                            uint16_t *y)
-{
-    (void)x; (void)M; (void)K; (void)q; (void)d; (void)m; (void)N; (void)bias; (void)y;
-}
-#endif
+#endif   /* (without VDPBF16PS: quant_linear.c, by float32 FMAs) */

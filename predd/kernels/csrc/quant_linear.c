@@ -33,6 +33,21 @@
 
 #define ROWS 8                               /* rows of x per pass over a weight row */
 
+/* Where a weight's block lies and what its weights are: `ROWS_EXACT` the layout above,
+ * the weights exactly (the float32 kernels); `TILES_BF16` tiles of 16 weight rows
+ * (quant_blocks.h), the weights rounded to bfloat16 (the bf16 kernels' table);
+ * `LANES_EXACT` Q4_1 in lanes (quant_lanes.c), the weights exactly. */
+enum { ROWS_EXACT, TILES_BF16, LANES_EXACT };
+/* What x's rows are and what y takes: float32 both; bfloat16 rows (widened as they are
+ * read, or by `linear_widened` before) and y their sum (+ bias) rounded to bfloat16 once,
+ * stored as bfloat16 (`OUT_BF16`) or widened (`OUT_WIDE`, a head's logits) */
+enum { IN_F32 = 0, IN_BF16 = 1, OUT_F32 = 0, OUT_BF16 = 2, OUT_WIDE = 4 };
+
+static inline int64_t block_at(const int layout, int64_t n, int64_t b, int64_t blocks)
+{
+    return layout == ROWS_EXACT ? n * blocks + b : tile_block(n, b, blocks);
+}
+
 #ifdef VECTOR
 /* The same weights in four vectors (weights 0-7, 8-15, 16-23, 24-31). */
 static inline void q4_1_vectors(const uint8_t *q, float d, float m, __m256 *w)
@@ -57,6 +72,60 @@ static inline void q8_0_vectors(const int8_t *q, float d, __m256 *w)
     }
 }
 
+/* A Q4_1 block in lanes (quant_lanes.c): word g of weight row n's block holds weights
+ * 8g + 2s in bits 4s.. and 8g + 2s + 1 in bits 16 + 4s..; made as q4_1_vectors makes them */
+static inline void q4_1_lane_vectors(const uint32_t *words, float d, float m, __m256 *w)
+{
+    const __m256i shifts = _mm256_setr_epi32(0, 16, 4, 20, 8, 24, 12, 28);
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    for (int g = 0; g < 4; g++) {
+        const __m256i q = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32((int)words[g * 16]), shifts),
+            _mm256_set1_epi32(0x0F));
+        w[g] = _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(q)), vm);
+    }
+}
+
+/* bf16_round (bf16.h) on 8 lanes */
+static inline __m256 bf16_round8(__m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v), top = _mm256_set1_epi32((int)0xFFFF0000);
+    const __m256i even = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_and_si256(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), even), top);
+    const __m256i quiet = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x00400000)),
+                                           top);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet),
+                            _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+/* Weight row n's block b as four vectors, as `layout` makes them */
+static inline void block_vectors(const int layout, const int kind, const uint8_t *q,
+                                 const float *d, const float *m, int64_t n, int64_t b,
+                                 int64_t blocks, __m256 *w)
+{
+    const int64_t at = block_at(layout, n, b, blocks);
+    if (layout == LANES_EXACT)
+        q4_1_lane_vectors((const uint32_t *)q + (((n >> 4) * blocks + b) * 4) * 16 + (n & 15),
+                          d[at], m[at], w);
+    else if (kind == 4)
+        q4_1_vectors(q + at * 16, d[at], m[at], w);
+    else
+        q8_0_vectors((const int8_t *)q + at * BLOCK, d[at], w);
+    if (layout == TILES_BF16)
+        for (int i = 0; i < 4; i++)
+            w[i] = bf16_round8(w[i]);
+}
+
+/* 8 values of x from p: float32, or bfloat16 widened */
+static inline __m256 load8(const void *p, const int bf16)
+{
+    if (!bf16)
+        return _mm256_loadu_ps(p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
 static inline float hsum(__m256 a)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -66,38 +135,51 @@ static inline float hsum(__m256 a)
 }
 #endif
 
+/* y[r, n] = sum (+ bias[n]) as `io` stores it (OUT_*) */
+static inline void store_sum(const int io, void *y, int64_t at, float sum)
+{
+    if (io & OUT_BF16)
+        ((uint16_t *)y)[at] = bf16_narrow(sum);
+    else if (io & OUT_WIDE)
+        ((float *)y)[at] = bf16_round(sum);
+    else
+        ((float *)y)[at] = sum;
+}
+
 /* y[r, n] = x[r] . w_n (+ bias[n]) for the rows r < R of xs (R a constant where this
  * is inlined, so that its R accumulators stay in registers), w_n's blocks of `kind` 4
- * (Q4_1) or 8 (Q8_0); y row r at y + r * N. */
+ * (Q4_1) or 8 (Q8_0) where `layout` puts them; y row r at y + r * N. Each row's sum
+ * runs in the same order whatever R is. */
 static inline __attribute__((always_inline)) void rows_times_weight_row(
-    const int R, const int kind, const float *xs, int64_t K, const uint8_t *q,
-    const float *d, const float *m, int64_t n, const float *bias, float *y, int64_t N)
+    const int R, const int kind, const int layout, const int io, const void *xs, int64_t K,
+    const uint8_t *q, const float *d, const float *m, int64_t n, const float *bias, void *y,
+    int64_t N)
 {
     const int64_t blocks = K / BLOCK;
-    prefetch_weight_row(kind, q, d, m, n + PREFETCH_ROWS, blocks);
+    const int bf16 = io & IN_BF16;
+    if (layout == ROWS_EXACT)
+        prefetch_weight_row(kind, q, d, m, n + PREFETCH_ROWS, blocks);
 #ifdef VECTOR
+    const int64_t size = bf16 ? 2 : 4;
     __m256 acc[ROWS];
     for (int r = 0; r < R; r++)
         acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m256 w[4];
-        const int64_t at = n * blocks + b;
-        if (kind == 4)
-            q4_1_vectors(q + at * 16, d[at], m[at], w);
-        else
-            q8_0_vectors((const int8_t *)q + at * BLOCK, d[at], w);
-        const float *xb = xs + b * BLOCK;
+        block_vectors(layout, kind, q, d, m, n, b, blocks, w);
+        const char *xb = (const char *)xs + b * BLOCK * size;
         for (int r = 0; r < R; r++) {
-            const float *xr = xb + r * K;
-            __m256 a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], acc[r]);
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], a);
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], a);
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], a);
+            const char *xr = xb + r * K * size;
+            __m256 a = _mm256_fmadd_ps(load8(xr, bf16), w[0], acc[r]);
+            a = _mm256_fmadd_ps(load8(xr + 8 * size, bf16), w[1], a);
+            a = _mm256_fmadd_ps(load8(xr + 16 * size, bf16), w[2], a);
+            acc[r] = _mm256_fmadd_ps(load8(xr + 24 * size, bf16), w[3], a);
         }
     }
     for (int r = 0; r < R; r++)
-        y[r * N + n] = hsum(acc[r]) + (bias ? bias[n] : 0.0f);
+        store_sum(io, y, r * N + n, hsum(acc[r]) + (bias ? bias[n] : 0.0f));
 #else
+    (void)layout;         /* (without AVX2 the bf16 kernels compute nothing: ROWS_EXACT) */
     float acc[ROWS] = {0};
     for (int64_t b = 0; b < blocks; b++) {
         float w[BLOCK];
@@ -107,15 +189,14 @@ static inline __attribute__((always_inline)) void rows_times_weight_row(
         else
             q8_0_block((const int8_t *)q + at * BLOCK, d[at], w);
         for (int r = 0; r < R; r++) {
-            const float *xr = xs + r * K + b * BLOCK;
             float s = 0.0f;
             for (int j = 0; j < BLOCK; j++)
-                s += xr[j] * w[j];
+                s += load1(xs, r * K + b * BLOCK + j, bf16) * w[j];
             acc[r] += s;
         }
     }
     for (int r = 0; r < R; r++)
-        y[r * N + n] = acc[r] + (bias ? bias[n] : 0.0f);
+        store_sum(io, y, r * N + n, acc[r] + (bias ? bias[n] : 0.0f));
 #endif
 }
 
@@ -125,7 +206,8 @@ static void weight_row_f32(int64_t rows, const int kind, const void *xs, int64_t
                            const float *bias, void *ys, int64_t N)
 {
     switch (rows) {
-#define CASE(R) case R: rows_times_weight_row(R, kind, xs, K, q, d, m, n, bias, ys, N); break;
+#define CASE(R) case R: rows_times_weight_row(R, kind, ROWS_EXACT, IN_F32 | OUT_F32, xs, K, \
+                                              q, d, m, n, bias, ys, N); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     }
@@ -162,6 +244,97 @@ void linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *q,
 {
     linear(weight_row_f32, ROWS, 4, 8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
 }
+
+#ifdef VECTOR
+/* The calling thread's buffer of at least `bytes` for x's rows as the bf16 kernels
+ * below take them (in block order, or widened), kept from call to call (a step makes
+ * ~120 calls; 144 KB at most for SmolLM2's widest K, held until the thread ends); NULL
+ * where memory is short */
+static void *rows_buffer(size_t bytes)
+{
+    static __thread void *buffer;
+    static __thread size_t held;
+    if (bytes > held) {
+        free(buffer);
+        buffer = malloc(bytes);
+        held = buffer ? bytes : 0;
+    }
+    return buffer;
+}
+#endif
+
+/* bfloat16 rows where the CPU has AVX2 and FMA but no bf16 dot products (VDPBF16PS): the
+ * same products as the bf16 kernels below (weights rounded to bf16 for blocks in tiles;
+ * Q4_1 in lanes exactly, as quant_lanes.c), in float32 FMAs on 8 lanes. A bf16 widens to
+ * a float32 exactly, and a bf16 times a bf16 fits a float32's 24 bits, so only the order
+ * of the sums differs from those kernels; each row's sum runs in one order whatever
+ * rows come with it. x's rows are widened once a pass into a buffer (their values
+ * widened at every load cost ~2 more instructions an FMA); where memory for it is short,
+ * a row a pass widened as it is read. */
+#if defined(VECTOR) && !defined(__AVX512BF16__)
+#define WEIGHT_ROW(name, layout, io) \
+static void name(int64_t rows, const int kind, const void *xs, int64_t K, const uint8_t *q, \
+                 const float *d, const float *m, int64_t n, const float *bias, void *ys, \
+                 int64_t N) \
+{ \
+    switch (rows) { \
+    case 1: rows_times_weight_row(1, kind, layout, io, xs, K, q, d, m, n, bias, ys, N); break; \
+    case 2: rows_times_weight_row(2, kind, layout, io, xs, K, q, d, m, n, bias, ys, N); break; \
+    case 3: rows_times_weight_row(3, kind, layout, io, xs, K, q, d, m, n, bias, ys, N); break; \
+    case 4: rows_times_weight_row(4, kind, layout, io, xs, K, q, d, m, n, bias, ys, N); break; \
+    case 5: rows_times_weight_row(5, kind, layout, io, xs, K, q, d, m, n, bias, ys, N); break; \
+    case 6: rows_times_weight_row(6, kind, layout, io, xs, K, q, d, m, n, bias, ys, N); break; \
+    case 7: rows_times_weight_row(7, kind, layout, io, xs, K, q, d, m, n, bias, ys, N); break; \
+    case 8: rows_times_weight_row(8, kind, layout, io, xs, K, q, d, m, n, bias, ys, N); break; \
+    } \
+}
+WEIGHT_ROW(tiles_row, TILES_BF16, IN_F32 | OUT_BF16)
+WEIGHT_ROW(tiles_wide_row, TILES_BF16, IN_F32 | OUT_WIDE)
+WEIGHT_ROW(lanes_row, LANES_EXACT, IN_F32 | OUT_BF16)
+#undef WEIGHT_ROW
+
+/* one row of bf16 x, widened as it is read */
+static void widened_row(const int layout, const int out, const int kind, const uint16_t *x,
+                        int64_t K, const uint8_t *q, const float *d, const float *m,
+                        int64_t n, const float *bias, void *y, int64_t N)
+{
+    if (layout == LANES_EXACT)
+        rows_times_weight_row(1, kind, LANES_EXACT, IN_BF16 | OUT_BF16, x, K, q, d, m, n,
+                              bias, y, N);
+    else if (out == OUT_WIDE)
+        rows_times_weight_row(1, kind, TILES_BF16, IN_BF16 | OUT_WIDE, x, K, q, d, m, n,
+                              bias, y, N);
+    else
+        rows_times_weight_row(1, kind, TILES_BF16, IN_BF16 | OUT_BF16, x, K, q, d, m, n,
+                              bias, y, N);
+}
+
+/* y = x w^T (+ bias), x bfloat16, y as `out` (OUT_BF16 or OUT_WIDE) stores it */
+static void linear_widened(const int layout, const int out, const int kind, const uint16_t *x,
+                           int64_t M, int64_t K, const uint8_t *q, const float *d,
+                           const float *m, int64_t N, const float *bias, void *y)
+{
+    const int64_t per = M < ROWS ? M : ROWS, ysize = out == OUT_WIDE ? 4 : 2;
+    float *xs = rows_buffer((size_t)(per * K) * sizeof *xs);
+    const weight_row_fn row = layout == LANES_EXACT ? lanes_row
+                              : out == OUT_WIDE ? tiles_wide_row : tiles_row;
+    const int64_t pass = xs ? per : 1;
+    for (int64_t r0 = 0; r0 < M; r0 += pass) {
+        const int64_t rows = M - r0 < pass ? M - r0 : pass;
+        char *ys = (char *)y + r0 * N * ysize;
+        if (xs)
+            for (int64_t i = 0; i < rows * K; i++)
+                xs[i] = bf16_widen(x[r0 * K + i]);
+        #pragma omp parallel for schedule(static) if (N * K >= 65536)
+        for (int64_t n = 0; n < N; n++) {
+            if (xs)
+                row(rows, kind, xs, K, q, d, m, n, bias, ys, N);
+            else
+                widened_row(layout, out, kind, x + r0 * K, K, q, d, m, n, bias, ys, N);
+        }
+    }
+}
+#endif
 
 /* bfloat16 rows, where the CPU has VDPBF16PS: each block's weights made as above, then
  * rounded to bfloat16 (to nearest even: the values a bfloat16 model's packed weight
@@ -317,20 +490,6 @@ static void weight_tile_bf16(int64_t rows, const int kind, const uint16_t *xs, i
     }
 }
 
-/* The calling thread's buffer of at least `values` bf16 for x's rows in block order,
- * kept from call to call (a step makes ~120 calls; PASS_ROWS x K values at most, 144
- * KB for SmolLM2's widest K, held until the thread ends); NULL where memory is short */
-static uint16_t *rows_buffer(size_t values)
-{
-    static __thread uint16_t *buffer;
-    static __thread size_t held;
-    if (values > held) {
-        free(buffer);
-        buffer = malloc(values * sizeof *buffer);
-        held = buffer ? values : 0;
-    }
-    return buffer;
-}
 
 /* y = x w^T (+ bias) in bfloat16: up to PASS_ROWS rows of x per pass over the weight,
  * its tiles of TILE rows split over the threads */
@@ -343,7 +502,7 @@ static void linear_bf16(const int kind, const uint16_t *x, int64_t M, int64_t K,
      * were, and than 64 rows in one pass, whose sums no longer stay in L1 (measured:
      * docs/kernels.md, "48 rows of x a pass over the weight") */
     const int64_t per = M < PASS_ROWS ? M : PASS_ROWS;
-    uint16_t *xs = per > 1 ? rows_buffer((size_t)per * K) : NULL;
+    uint16_t *xs = per > 1 ? rows_buffer((size_t)per * K * sizeof *xs) : NULL;
     const int64_t pass = xs ? per : 1;       /* one row is in block order as it lies */
     for (int64_t r0 = 0; r0 < M; r0 += pass) {
         const int64_t rows = M - r0 < pass ? M - r0 : pass;
@@ -365,10 +524,13 @@ static void linear_bf16(const int kind, const uint16_t *x, int64_t M, int64_t K,
 }
 #endif
 
-/* 1 where the bfloat16 kernels below compute (VDPBF16PS), else 0: they do nothing */
-int linear_bf16_native(void)
+/* How the bfloat16 kernels below compute: 2 by bf16 dot products (VDPBF16PS), 1 by
+ * float32 FMAs (AVX2), 0 not at all (they do nothing) */
+int linear_bf16_dots(void)
 {
 #if defined(__AVX512BF16__)
+    return 2;
+#elif defined(VECTOR)
     return 1;
 #else
     return 0;
@@ -382,6 +544,8 @@ void linear_q4_1_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *q,
         return;
 #if defined(__AVX512BF16__)
     linear_bf16(4, x, M, K, q, d, m, N, bias, y, NULL);
+#elif defined(VECTOR)
+    linear_widened(TILES_BF16, OUT_BF16, 4, x, M, K, q, d, m, N, bias, y);
 #else
     (void)x; (void)M; (void)K; (void)q; (void)d; (void)m; (void)N; (void)bias; (void)y;
 #endif
@@ -394,6 +558,8 @@ void linear_q8_0_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
         return;
 #if defined(__AVX512BF16__)
     linear_bf16(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y, NULL);
+#elif defined(VECTOR)
+    linear_widened(TILES_BF16, OUT_BF16, 8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
 #else
     (void)x; (void)M; (void)K; (void)q; (void)d; (void)N; (void)bias; (void)y;
 #endif
@@ -402,7 +568,7 @@ void linear_q8_0_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
 /* linear_q8_0_bf16's result as float32 (the same bf16 values, widened as they are
  * stored): a model's logits without a second pass over them (measured: docs/kernels.md,
  * "Logits widened as they are stored"). 0, or -1 where it did nothing (no bf16 dot
- * products, or memory short for AMX tiles' bf16 result). */
+ * products or FMAs, or memory short for AMX tiles' bf16 result). */
 int linear_q8_0_bf16_f32(const uint16_t *x, int64_t M, int64_t K, const int8_t *q,
                          const float *d, int64_t N, const float *bias, float *y)
 {
@@ -424,8 +590,25 @@ int linear_q8_0_bf16_f32(const uint16_t *x, int64_t M, int64_t K, const int8_t *
     }
     linear_bf16(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, NULL, y);
     return 0;
+#elif defined(VECTOR)
+    linear_widened(TILES_BF16, OUT_WIDE, 8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
+    return 0;
 #else
     (void)x; (void)M; (void)K; (void)q; (void)d; (void)N; (void)bias; (void)y;
     return -1;
 #endif
 }
+
+#if !defined(__AVX512BF16__)
+/* (quant_lanes.c, where the CPU has VDPBF16PS) */
+void linear_q4_1_lanes_bf16(const uint16_t *x, int64_t M, int64_t K, const uint32_t *q,
+                            const float *d, const float *m, int64_t N, const float *bias,
+                            uint16_t *y)
+{
+#if defined(VECTOR)
+    linear_widened(LANES_EXACT, OUT_BF16, 4, x, M, K, (const uint8_t *)q, d, m, N, bias, y);
+#else
+    (void)x; (void)M; (void)K; (void)q; (void)d; (void)m; (void)N; (void)bias; (void)y;
+#endif
+}
+#endif

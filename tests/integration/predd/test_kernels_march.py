@@ -1,8 +1,8 @@
 """predd's CPU kernels as an older x86 CPU builds them ($SYMPHONY_KERNELS_MARCH): the
 kernel tests and the layer-loop tests pass on the AVX2 paths (x86-64-v3: the float32 C
-layer loop, the float32 and int8 block kernels, attention 8 lanes wide) and on the plain C
-paths (x86-64-v2), not only on this machine's own build; the int8 kernels give the same
-bits in every build. Each build goes to a cache of its own
+layer loop, the float32 and int8 block kernels, bf16 rows by float32 FMAs, attention 8
+lanes wide) and on the plain C paths (x86-64-v2), not only on this machine's own build;
+the int8 kernels give the same bits in every build. Each build goes to a cache of its own
 and runs the tests in a process of its own."""
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from predd.kernels import build
 
 ROOT = Path(__file__).resolve().parents[3]
 TESTS = ["tests/unit/predd/test_cpu_kernels.py", "tests/unit/predd/test_quant_int8.py",
+         "tests/unit/predd/test_quant_linear.py",
          "tests/integration/predd/test_layer_loop.py"]
 # the int8 kernels' result for fixed blocks and rows, as bytes' digest: the portable
 # build sums in the vector build's lanes and order
@@ -40,8 +41,10 @@ def test_the_kernels_built_for_an_older_cpu_pass_the_kernel_tests(march, tmp_pat
         [sys.executable, "-c", "from predd.kernels import cpu_kernels as c; k = c.kernels(); "
          "print(c.problem(), k.bf16_blocks, k.bf16_tiles)"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    # it builds and agrees with torch; no bf16 dot products or tiles below AVX-512
-    assert probe.stdout.split() == ["None", "False", "False"], probe.stderr[-2000:]
+    # it builds and agrees with torch; bf16 rows by float32 FMAs with AVX2 (v3), none
+    # without (v2); no AMX tiles below AVX-512
+    assert probe.stdout.split() == ["None", str(march == "x86-64-v3"), "False"], \
+        probe.stderr[-2000:]
     assert [p.name.startswith("predd-cpu-") for p in (tmp_path / "kernels").glob("*.so")] \
         == [True]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",

@@ -55,10 +55,13 @@ def _both(runner: Runner, chunks: list[Chunk]) -> tuple[list, torch.Tensor, list
                                            ("bfloat16", "quantized")])
 def test_the_loop_in_c_gives_the_python_loops_bits(gguf_path, dtype, linear):
     if dtype == "bfloat16" and not cpu_kernels.kernels().bf16_blocks:
-        pytest.skip("no bf16 dot products here: a bf16 model's layers stay in Python")
+        pytest.skip("no bf16 block kernels here: a bf16 model's layers stay in Python")
     runner = _runner(gguf_path, dtype, linear)
     assert runner.layer_loop is not None and runner.layer_loop_reason is None
     assert runner.linear == linear
+    if dtype == "bfloat16":     # AVX2 without bf16 dot products: the same products by FMAs
+        assert ("(bf16 rows by float32 FMAs)" in runner.linear_reason) is \
+            (cpu_kernels.kernels().bf16_dots == "fma")
     torch.manual_seed(0)                              # a pool with something in it
     runner.cache.kv.copy_(torch.randn(runner.cache.kv.shape).to(runner.cache.kv.dtype))
     # decodes, chunks the tiles take (>= 4 rows: in bf16 where AMX runs), a 2-row

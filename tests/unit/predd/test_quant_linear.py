@@ -79,7 +79,19 @@ def test_a_bfloat16_model_takes_the_blocks_at_its_own_limit_in_float32(monkeypat
 
 
 BF16_DOTS = pytest.mark.skipif(not cpu_kernels.kernels().bf16_blocks,
-                               reason="this CPU has no bf16 dot products (avx512_bf16)")
+                               reason="this CPU has neither bf16 dot products (avx512_bf16) "
+                               "nor AVX2 and FMA")
+# the bf16 block kernels to test: AMX tiles where the CPU has them (and the kernel grants
+# them), and dot products (VDPBF16PS, or float32 FMAs) at every row count everywhere
+AMX = cpu_kernels.kernels().bf16_tiles
+BF16_KERNELS = pytest.mark.parametrize(
+    "tiles", [pytest.param(True, id="amx")] * AMX + [pytest.param(False, id="dots")])
+
+
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16 tiles (or the kernel does not "
+                    "grant them): the bf16 block kernels' tests run on dot products only")
+def test_the_bf16_block_kernels_are_tested_on_amx_tiles_where_the_cpu_has_them():
+    assert cpu_kernels.kernels().bf16_dots == "vdpbf16ps"
 
 
 @BF16_DOTS
@@ -97,7 +109,7 @@ BF16_DOTS = pytest.mark.skipif(not cpu_kernels.kernels().bf16_blocks,
 # 32 the dot products unpack at a time (33: 32 and a tail of 1)
 @pytest.mark.parametrize("out, cols", [(70, 160), (96, 128), (21, 1056)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "dots"])
+@BF16_KERNELS
 def test_bf16_block_kernel_is_the_bf16_weight_times_bf16_rows_rounded_once(
         kind, rows, out, cols, bias, tiles):
     """bf16 rows and the blocks' weights rounded to bf16 (what a bf16 model holds),
@@ -265,7 +277,7 @@ def test_a_bfloat16_model_holds_its_blocks_in_tiles_and_a_float32_one_by_rows():
 @BF16_DOTS
 @pytest.mark.parametrize("rows", [1, 5, 8, 13, 50])   # few rows, many rows, two passes
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "dots"])
+@BF16_KERNELS
 def test_the_widened_head_kernel_stores_the_bf16_kernel_s_values_as_float32(rows, bias, tiles):
     """A head's logits (bind(widen=True)) are the bf16 kernel's result widened, bit for
     bit, at every row count and by either kernel."""
