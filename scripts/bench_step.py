@@ -47,10 +47,14 @@ def main() -> int:
     ap.add_argument("--shared", type=int, default=0,
                     help="the first N entries (whole pages) are one set of pages in every "
                          "call's table: forks of one cached document (B2)")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="one more call a step: a fresh prompt of N tokens (a mixed step, "
+                         "as a server's steps carry new requests beside decodes)")
     args = ap.parse_args()
     per = -(-(args.context + 1) // PAGE)
+    fresh = -(-args.prefill // PAGE)
     runner = Runner(RunnerConfig(args.model or default_model_path(), args.device, args.dtype,
-                                 kv_pages=args.calls * per + 8, page_size=PAGE,
+                                 kv_pages=args.calls * per + fresh + 8, page_size=PAGE,
                                  threads=args.threads, attention=args.attention,
                                  linear=args.linear, cuda_graphs=args.cuda_graphs,
                                  max_batch=max(args.calls, 64),
@@ -58,13 +62,17 @@ def main() -> int:
                                  cascade=args.cascade == "on"),
                     progress=lambda msg: print(msg, file=sys.stderr)
                     if "ready" in msg or "CUDA graphs" in msg else None)
-    order = np.random.default_rng(0).permutation(args.calls * per).astype(np.int32)
+    order = np.random.default_rng(0).permutation(args.calls * per + fresh).astype(np.int32)
     tables = [order[b * per:(b + 1) * per] for b in range(args.calls)]
     shared = min(args.shared // PAGE, per - 1)
     for table in tables[1:]:
         table[:shared] = tables[0][:shared]
     chunks = [Chunk(np.array([5], np.int32), np.array([args.context], np.int32),
                     table, args.context + 1, np.array([0])) for table in tables]
+    if args.prefill:       # the same prompt every step, its entries written again each time
+        chunks.append(Chunk(np.arange(args.prefill, dtype=np.int32) % 1000 + 100,
+                            np.arange(args.prefill, dtype=np.int32), order[-fresh:],
+                            args.prefill, np.array([args.prefill - 1])))
     with torch.inference_mode():
         for _ in range(3):
             runner.execute(chunks)
@@ -76,7 +84,8 @@ def main() -> int:
     times.sort()
     graphs = f", CUDA graphs ({runner.graphs.replays} replays)" if runner.graphs else ""
     print(f"{runner.backend.name}, {runner.linear}{graphs}, {args.device} {args.dtype}: "
-          f"calls {args.calls} context {args.context} (shared {shared * PAGE}): "
+          f"calls {args.calls} context {args.context} (shared {shared * PAGE})"
+          f"{f' + a prompt of {args.prefill}' if args.prefill else ''}: "
           f"best {times[0] * 1e3:.1f} ms, "
           f"median {times[len(times) // 2] * 1e3:.1f} ms a step")
     return 0

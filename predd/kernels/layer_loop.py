@@ -30,6 +30,7 @@ from predd.attention.backends import CpuAttention
 from predd.model.llama import LlamaModel, every_row
 from predd.attention.page_table import PageTables
 from predd.worker.paged_kv import PagedKVCache
+from predd.model import quant_linear
 from predd.model.quant_linear import QuantLinear
 
 KINDS = {"Q4_1": 4, "Q8_0": 8}
@@ -82,6 +83,9 @@ class LayerLoop:
         cfg = model.cfg
         layers = model.model.layers
         self.quant = [m for layer in layers for m in _projections(layer)]
+        self.call_limit = min(backend.KERNEL_ROWS, quant_linear.INT8_CALL_ROWS
+                              if any(m.calls is not None for m in self.quant)
+                              else backend.KERNEL_ROWS)
         self._limits = (-1, 0)      # (QuantLinear.limits_set then, rows_limit)
         pool = cache.kv          # [layers, ...]: one tensor, made once with the cache
         self.layers = (Layer * len(layers))(*(
@@ -125,8 +129,9 @@ class LayerLoop:
         return self._addresses, self._buffers[1].ctypes.data
 
     def takes(self, tables: PageTables) -> bool:
-        """Whether the Python loop would call exactly the kernels `run` calls."""
-        return (bool(len(tables)) and int(tables.q_len.max()) <= self.backend.KERNEL_ROWS
+        """Whether the Python loop would call exactly the kernels `run` calls (a longer
+        call takes SDPA, and under int8 the dense weight: QuantLinear.by_call)."""
+        return (bool(len(tables)) and int(tables.q_len.max()) <= self.call_limit
                 and int(tables.qo_indptr[-1]) <= self.rows_limit())
 
     def rows_limit(self) -> int:

@@ -30,6 +30,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -56,10 +57,48 @@ BF16_NATIVE_ROWS = 12
 CALIBRATION_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
+# The int8 kernels' rows, by call (`CallRows`): a call of up to this many new tokens (a
+# decode, a short chunk) takes the int8 blocks, a longer one the dense weight, where a
+# GEMM pays. All of SmolLM2-135M's decoder projections, 2 AVX2 Zen 3 vCPUs, int8 / dense
+# ms: 32 rows 93 / 99, 64 rows 201 / 163, 128 rows 414 / 258 (measured: docs/kernels.md,
+# "Long calls on the dense weight beside int8 rows"). The same count as the row kernel's
+# (`CpuAttention.KERNEL_ROWS`), so a step of calls no longer than both runs in C.
+INT8_CALL_ROWS = 64
+
+
+@dataclass
+class CallRows:
+    """A step's rows by call, for the int8 projections (`QuantLinear.forward`): each
+    call's rows take the kernel its own length chooses, so a row's result never depends
+    on the other calls of its step. `rows` the step's (0: no split this step); `long`
+    the [start, end) of each call of more than INT8_CALL_ROWS rows (the dense weight,
+    one GEMM a call); `short` every other row's index (the int8 blocks), or None."""
+    rows: int = 0
+    long: list[tuple[int, int]] = field(default_factory=list)
+    short: torch.Tensor | None = None
+
+    def plan(self, qo_indptr: np.ndarray) -> None:
+        """The split for a step whose calls' rows start at `qo_indptr` ([calls + 1])."""
+        starts, ends = qo_indptr[:-1].tolist(), qo_indptr[1:].tolist()
+        self.long = [(s, e) for s, e in zip(starts, ends) if e - s > INT8_CALL_ROWS]
+        self.short = None
+        if not self.long:
+            self.rows = 0
+            return
+        self.rows = ends[-1]
+        short = [np.arange(s, e) for s, e in zip(starts, ends) if e - s <= INT8_CALL_ROWS]
+        if short:
+            self.short = torch.from_numpy(np.concatenate(short))
+
+    def clear(self) -> None:
+        self.rows, self.long, self.short = 0, [], None
+
+
 class QuantLinear(nn.Module):
     """`inner` (a PackedLinear or nn.Linear) with its weight's blocks too."""
 
     limits_set = 0      # how many times any one's `limit` was set (LayerLoop caches by it)
+    calls: CallRows | None = None      # a decoder layer's under int8 (`attach`)
 
     def __init__(self, inner: nn.Module, blocks: QuantBlocks, kernels,
                  dtype: torch.dtype = torch.float32, int8: bool = False) -> None:
@@ -112,7 +151,20 @@ class QuantLinear(nn.Module):
                 if self.kernels.bf16_blocks and self.blocks.kind == "Q8_0" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        calls = self.calls
+        if calls is not None and calls.rows and calls.rows == x.shape[0]:
+            return self.by_call(x, calls)
         return self.from_blocks(x) if self.takes(x) else self.inner(x)
+
+    def by_call(self, x: torch.Tensor, calls: CallRows) -> torch.Tensor:
+        """x's rows by `calls`: the short calls' from the blocks, each long call's by the
+        dense weight alone."""
+        y = x.new_empty(x.shape[0], self.out_features)
+        if calls.short is not None:
+            y[calls.short] = self.from_blocks(x[calls.short])
+        for start, end in calls.long:
+            y[start:end] = self.inner(x[start:end])
+        return y
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether x's rows are computed from the blocks (up to `limit` rows)."""
@@ -165,8 +217,9 @@ def attach(model: nn.Module, blocks: dict[str, QuantBlocks], kernels, tied: bool
            dtype: torch.dtype = torch.float32, int8: bool = False) -> int:
     """Wraps every projection of `model` (of `dtype`) whose weight is in `blocks` (with
     the shape the projection has) in a QuantLinear (by int8 dot products: `int8`); the
-    count."""
+    count. Under int8 the decoder layers' share one `CallRows` (`call_rows`)."""
     count = 0
+    calls = CallRows()
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
@@ -176,9 +229,18 @@ def attach(model: nn.Module, blocks: dict[str, QuantBlocks], kernels, tied: bool
             if found is None or found.rows() != child.out_features \
                     or found.columns() != child.in_features:
                 continue
-            setattr(parent, child_name, QuantLinear(child, found, kernels, dtype, int8))
+            layer = QuantLinear(child, found, kernels, dtype, int8)
+            if int8 and name != "lm_head":          # (the head takes a step's out rows)
+                layer.calls = calls
+            setattr(parent, child_name, layer)
             count += 1
     return count
+
+
+def call_rows(model: nn.Module) -> CallRows | None:
+    """The split by call its int8 projections share (`attach`), or None."""
+    return next((m.calls for m in model.modules()
+                 if isinstance(m, QuantLinear) and m.calls is not None), None)
 
 
 def group_of(name: str) -> str:

@@ -87,6 +87,8 @@ class Runner:
         self.model.inv_freq = self.model.inv_freq.float()
         del weights
         self.linear, self.linear_reason = self._pack(config.linear)
+        # int8: a step's long calls by the dense weight (quant_linear.CallRows)
+        self.call_rows = quant_linear.call_rows(self.model)
         attention, _ = resolve_attention(config.attention, config.device, config.dtype)
         graphs, self.graphs_reason = cuda_graphs.resolve(config.cuda_graphs, config.device,
                                                          attention, tp is not None)
@@ -153,16 +155,17 @@ class Runner:
                     else ("packed", f"{why}: {packed}; not quantized: {problem}"))
         rows = self.config.quant_rows
         if int8:
-            # every row count by the int8 kernels, measured or not: a row's int8 result
-            # is its own alone, where the dense weight (float32 rows) beyond a limit
-            # would make it depend on how many rows share its step; and the dense GEMM
-            # gains nothing at any row count (measured: docs/kernels.md, "int8 kernels
-            # at every row count")
+            # by call, not measured: the int8 kernels every row of a call of up to
+            # INT8_CALL_ROWS, the dense weight a longer call's (`call_rows`), so a row's
+            # result is its own whatever shares its step, where a limit on the step's
+            # rows would make it depend on them (measured: docs/kernels.md, "Long calls
+            # on the dense weight beside int8 rows")
             if rows is not None:
                 raise ValueError("--quant-rows applies to --linear quantized: int8 dot "
-                                 "products compute every row count (EINVAL)")
+                                 "products take calls by their own length (EINVAL)")
             quant_linear.set_limit(self.model, quant_linear.EVERY_ROW)
-            upto, how = "every row count", "a row's result its own, whatever its step"
+            upto = f"calls of up to {quant_linear.INT8_CALL_ROWS} rows"
+            how = "longer calls by the dense weight; a row's result its own, whatever its step"
         elif rows is None:
             limits, how = quant_linear.calibrated(self.model, self.dtype)
             upto = quant_linear.describe_limits(limits)
@@ -292,7 +295,15 @@ class Runner:
             out = self.layer_loop.run(tables, tokens_t, positions_t, out_rows_t)
             if out is not None:
                 return out
-        return self.model(tokens_t, positions_t, self.backend.prepare(tables), out_rows_t).cpu()
+        if self.call_rows is None:
+            return self.model(tokens_t, positions_t, self.backend.prepare(tables),
+                              out_rows_t).cpu()
+        self.call_rows.plan(tables.qo_indptr)   # int8: long calls on the dense weight
+        try:
+            return self.model(tokens_t, positions_t, self.backend.prepare(tables),
+                              out_rows_t).cpu()
+        finally:
+            self.call_rows.clear()
 
     def keepalive(self) -> None:
         """Called by the server when idle: under tensor parallelism rank 0 pings the

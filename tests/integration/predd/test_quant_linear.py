@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from predd.model.loader import load_weights, quantized_blocks
+from predd.model import quant_linear
 from predd.model.quant_linear import QuantLinear
 from predd.engine.chunk import Chunk
 from predd.worker.runner import Runner, RunnerConfig
@@ -62,14 +63,16 @@ def test_quantized_runner_gives_the_packed_runners_tokens(gguf_path):
 
 @pytest.mark.slow
 def test_int8_rows_are_their_own_whatever_shares_their_step(gguf_path):
-    """By int8 dot products at every row count, a decode's logits are the same bits alone
-    and beside another call's 40-token prefill (the dense weight beyond a limit would
-    change x's quantisation, and with it the tokens); against the packed float32 runner
+    """By int8 dot products, a decode's logits are the same bits alone and beside another
+    call's 40-token prefill (the dense weight beyond a limit of the step's rows would
+    change x's quantisation, and with it the tokens) or a 100-token one (the dense weight
+    for that call alone), and that prompt's are its own; against the packed float32 runner
     the logits move (x quantised per block: here up to ~0.85 of values up to ~20), the
     first tokens of this prompt do not."""
     prompt = [1, 504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30]
     runner = Runner(RunnerConfig(gguf_path, kv_pages=16, linear="int8", attention="cpu"))
-    assert runner.linear == "int8" and "every row count" in runner.linear_reason
+    assert runner.call_rows is not None
+    assert runner.linear == "int8" and "calls of up to 64 rows" in runner.linear_reason
     n = len(prompt)
     pages = np.arange(2, dtype=np.int32)
     with torch.inference_mode():
@@ -81,7 +84,15 @@ def test_int8_rows_are_their_own_whatever_shares_their_step(gguf_path):
         other = Chunk(np.arange(100, 140, dtype=np.int32), np.arange(40, dtype=np.int32),
                       np.arange(4, 7, dtype=np.int32), 40, np.array([39]))
         beside = runner.execute([decode, other])[0]
+        # a prompt longer than INT8_CALL_ROWS takes the dense weight, by itself: the
+        # decode beside it keeps its int8 bits, and the prompt its own
+        long = Chunk(np.arange(100, 200, dtype=np.int32), np.arange(100, dtype=np.int32),
+                     np.arange(8, 15, dtype=np.int32), 100, np.array([99]))
+        assert len(long.tokens) > quant_linear.INT8_CALL_ROWS
+        prompt_alone = runner.execute([long])[0]
+        with_long = runner.execute([decode, long])
     assert torch.equal(alone, beside)
+    assert torch.equal(alone, with_long[0]) and torch.equal(prompt_alone, with_long[1])
     runs = {}
     for mode in ("packed", "int8"):
         runner = Runner(RunnerConfig(gguf_path, kv_pages=8, linear=mode))

@@ -34,6 +34,52 @@ def test_block_kernels_match_f_linear_on_the_dequantised_weight(kind, rows, out,
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_call_rows_split_a_step_by_each_call_s_own_length():
+    limit = quant_linear.INT8_CALL_ROWS
+    calls = quant_linear.CallRows()
+    calls.plan(np.array([0, 1, 1 + limit, 2 + limit, 3 + 2 * limit + 100]))
+    assert calls.rows == 3 + 2 * limit + 100
+    assert calls.long == [(2 + limit, 3 + 2 * limit + 100)]
+    assert calls.short.tolist() == list(range(2 + limit))
+    calls.plan(np.array([0, limit + 1]))             # one long call and nothing else
+    assert (calls.rows, calls.long, calls.short) == (limit + 1, [(0, limit + 1)], None)
+    calls.plan(np.array([0, 1, 1 + limit]))          # none longer than the limit
+    assert calls.rows == 0
+    calls.plan(np.array([0, limit + 1]))
+    calls.clear()
+    assert (calls.rows, calls.long, calls.short) == (0, [], None)
+
+
+def test_int8_layers_take_long_calls_by_the_dense_weight_and_the_rest_from_blocks():
+    """Under int8 a decoder layer's rows go by `CallRows`: a long call's by the inner
+    weight alone, every other row from the blocks; the head (which takes a step's out
+    rows) and a step with no long call are not split."""
+    model = _tiny(tied=False)
+    blocks = {f"model.layers.{layer}.{part}.weight": random_blocks("Q4_1", rows, cols)[0]
+              for layer in range(2) for part, (rows, cols) in TINY_SIZES.items()}
+    blocks["lm_head.weight"] = random_blocks("Q8_0", 50, 64)[0]
+    assert quant_linear.attach(model, blocks, cpu_kernels.kernels(), False,
+                               int8=True) == 2 * 4 + 1
+    quant_linear.set_limit(model, quant_linear.EVERY_ROW)      # as the runner sets int8
+    calls = quant_linear.call_rows(model)
+    assert calls is not None and model.lm_head.calls is None
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.calls is calls
+    with torch.no_grad():
+        layer.inner.weight.mul_(2)                   # the two paths tell apart
+    rows = 1 + quant_linear.INT8_CALL_ROWS + 1 + 3
+    x = torch.randn(rows, layer.inner.in_features, generator=torch.Generator().manual_seed(0))
+    calls.plan(np.array([0, 1, 2 + quant_linear.INT8_CALL_ROWS, rows]))
+    with torch.inference_mode():
+        got = layer(x)
+        blocks_rows, dense_rows = layer.from_blocks(x), layer.inner(x[1:-3])
+        calls.clear()
+        unsplit = layer(x)
+    assert torch.equal(got[:1], blocks_rows[:1]) and torch.equal(got[-3:], blocks_rows[-3:])
+    assert torch.equal(got[1:-3], dense_rows)
+    assert torch.equal(unsplit, blocks_rows)
+
+
 def test_block_kernel_refuses_a_wrong_width():
     blocks, _ = random_blocks("Q4_1", 4, 64)
     with pytest.raises(ValueError, match="x has 96 columns, the weight 64"):
