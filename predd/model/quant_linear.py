@@ -71,17 +71,22 @@ class CallRows:
     """A step's rows by call, for the int8 projections (`QuantLinear.forward`): each
     call's rows take the kernel its own length chooses, so a row's result never depends
     on the other calls of its step. `rows` the step's (0: no split this step); `long`
-    the [start, end) of each call of more than INT8_CALL_ROWS rows (the dense weight,
-    one GEMM a call); `short` every other row's index (the int8 blocks), or None."""
+    the [start, end) of each call of more than INT8_CALL_ROWS rows (the dense weight);
+    `short` every other row's index (the int8 blocks), or None. `together`: the long
+    calls' rows in one GEMM (`long_rows`), where the dense weight gives a row the same
+    bits whatever rows come with it (`independent_rows`: measured at start); else one
+    GEMM a call."""
     rows: int = 0
     long: list[tuple[int, int]] = field(default_factory=list)
     short: torch.Tensor | None = None
+    long_rows: torch.Tensor | None = None
+    together: bool = False
 
     def plan(self, qo_indptr: np.ndarray) -> None:
         """The split for a step whose calls' rows start at `qo_indptr` ([calls + 1])."""
         starts, ends = qo_indptr[:-1].tolist(), qo_indptr[1:].tolist()
         self.long = [(s, e) for s, e in zip(starts, ends) if e - s > INT8_CALL_ROWS]
-        self.short = None
+        self.short = self.long_rows = None
         if not self.long:
             self.rows = 0
             return
@@ -89,9 +94,12 @@ class CallRows:
         short = [np.arange(s, e) for s, e in zip(starts, ends) if e - s <= INT8_CALL_ROWS]
         if short:
             self.short = torch.from_numpy(np.concatenate(short))
+        if self.together and len(self.long) > 1:
+            self.long_rows = torch.from_numpy(np.concatenate(
+                [np.arange(s, e) for s, e in self.long]))
 
     def clear(self) -> None:
-        self.rows, self.long, self.short = 0, [], None
+        self.rows, self.long, self.short, self.long_rows = 0, [], None, None
 
 
 class QuantLinear(nn.Module):
@@ -162,8 +170,11 @@ class QuantLinear(nn.Module):
         y = x.new_empty(x.shape[0], self.out_features)
         if calls.short is not None:
             y[calls.short] = self.from_blocks(x[calls.short])
-        for start, end in calls.long:
-            y[start:end] = self.inner(x[start:end])
+        if calls.long_rows is not None:
+            y[calls.long_rows] = self.inner(x[calls.long_rows])
+        else:
+            for start, end in calls.long:
+                y[start:end] = self.inner(x[start:end])
         return y
 
     def takes(self, x: torch.Tensor) -> bool:
@@ -238,9 +249,36 @@ def attach(model: nn.Module, blocks: dict[str, QuantBlocks], kernels, tied: bool
 
 
 def call_rows(model: nn.Module) -> CallRows | None:
-    """The split by call its int8 projections share (`attach`), or None."""
-    return next((m.calls for m in model.modules()
-                 if isinstance(m, QuantLinear) and m.calls is not None), None)
+    """The split by call its int8 projections share (`attach`), or None; `together` set
+    where each of their dense weights gives a row the same bits whatever rows come with
+    it (`independent_rows`)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.calls is not None]
+    if not layers:
+        return None
+    calls = layers[0].calls
+    shapes = {}
+    for m in layers:       # one of each kind of projection (the kernels differ by shape)
+        shapes.setdefault((m.inner.in_features, m.out_features), m.inner)
+    calls.together = all(independent_rows(inner) for inner in shapes.values())
+    return calls
+
+
+def independent_rows(inner: nn.Module, counts: tuple[int, ...] = (65, 100, 300, 1000)
+                     ) -> bool:
+    """Whether `inner` (a projection's dense weight) gives rows of float32 the same bits
+    in calls of each of `counts` rows, at any offset, as in one call of all of them: then
+    several long calls can share one GEMM with no call's result depending on the others
+    (oneDNN's packed GEMM does on a 2-core AVX2 Zen 3; a library is free not to)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), inner.in_features, generator=gen)
+    with torch.inference_mode():
+        whole = inner(x)
+        start = 0
+        for n in counts:
+            if not torch.equal(inner(x[start:start + n]), whole[start:start + n]):
+                return False
+            start += n
+    return True
 
 
 def group_of(name: str) -> str:

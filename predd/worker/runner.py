@@ -86,9 +86,9 @@ class Runner:
         self.model.to(self.device).eval()
         self.model.inv_freq = self.model.inv_freq.float()
         del weights
+        # int8: a step's long calls by the dense weight (quant_linear.CallRows; `_pack`)
+        self.call_rows: quant_linear.CallRows | None = None
         self.linear, self.linear_reason = self._pack(config.linear)
-        # int8: a step's long calls by the dense weight (quant_linear.CallRows)
-        self.call_rows = quant_linear.call_rows(self.model)
         attention, _ = resolve_attention(config.attention, config.device, config.dtype)
         graphs, self.graphs_reason = cuda_graphs.resolve(config.cuda_graphs, config.device,
                                                          attention, tp is not None)
@@ -165,7 +165,11 @@ class Runner:
                                  "products take calls by their own length (EINVAL)")
             quant_linear.set_limit(self.model, quant_linear.EVERY_ROW)
             upto = f"calls of up to {quant_linear.INT8_CALL_ROWS} rows"
-            how = "longer calls by the dense weight; a row's result its own, whatever its step"
+            self.call_rows = quant_linear.call_rows(self.model)
+            gemm = ("in one GEMM (a row's bits the same whatever its rows)"
+                    if self.call_rows.together else "one GEMM a call")
+            how = (f"longer calls by the dense weight, {gemm}; a row's result its own, "
+                   f"whatever its step")
         elif rows is None:
             limits, how = quant_linear.calibrated(self.model, self.dtype)
             upto = quant_linear.describe_limits(limits)

@@ -91,8 +91,17 @@ def test_int8_rows_are_their_own_whatever_shares_their_step(gguf_path):
         assert len(long.tokens) > quant_linear.INT8_CALL_ROWS
         prompt_alone = runner.execute([long])[0]
         with_long = runner.execute([decode, long])
+        # two long prompts: in one GEMM where the dense weight's rows are independent
+        # (`together`), each a GEMM of its own elsewhere; either way each its own bits
+        second = Chunk(np.arange(300, 370, dtype=np.int32), np.arange(70, dtype=np.int32),
+                       np.arange(2, 7, dtype=np.int32), 70, np.array([69]))
+        second_alone = runner.execute([second])[0]
+        both = runner.execute([long, decode, second])
     assert torch.equal(alone, beside)
     assert torch.equal(alone, with_long[0]) and torch.equal(prompt_alone, with_long[1])
+    assert torch.equal(both[0], prompt_alone) and torch.equal(both[1], alone)
+    assert torch.equal(both[2], second_alone)
+    assert ("in one GEMM" in runner.linear_reason) is runner.call_rows.together
     runs = {}
     for mode in ("packed", "int8"):
         runner = Runner(RunnerConfig(gguf_path, kv_pages=8, linear=mode))

@@ -80,6 +80,55 @@ def test_int8_layers_take_long_calls_by_the_dense_weight_and_the_rest_from_block
     assert torch.equal(unsplit, blocks_rows)
 
 
+class _ByCount(nn.Module):
+    """A dense weight whose rows' values depend on how many come at once."""
+    in_features, out_features = 8, 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :3] + x.shape[0]
+
+
+def test_independent_rows_tells_a_weight_whose_rows_depend_on_their_count():
+    assert not quant_linear.independent_rows(_ByCount())
+    exact = nn.Linear(8, 3, bias=False)
+    with torch.no_grad():           # a row's values exact whatever the GEMM's order
+        exact.weight.copy_(torch.eye(3, 8))
+    assert quant_linear.independent_rows(exact)
+
+
+def test_long_calls_share_one_gemm_only_where_rows_are_independent():
+    limit = quant_linear.INT8_CALL_ROWS
+    qo = np.array([0, limit + 1, limit + 2, 2 * limit + 12])
+    calls = quant_linear.CallRows()
+    calls.plan(qo)
+    assert calls.long_rows is None and calls.long == [(0, limit + 1), (limit + 2, 2 * limit + 12)]
+    calls.together = True
+    calls.plan(qo)
+    assert calls.long_rows.tolist() == [*range(limit + 1), *range(limit + 2, 2 * limit + 12)]
+    assert calls.short.tolist() == [limit + 1]
+    layer = QuantLinearOf(_ByCount())
+    x = torch.zeros(2 * limit + 12, 8)
+    with torch.inference_mode():
+        got = layer.by_call(x, calls)
+    assert (got[:limit + 1] == 2 * limit + 11).all() and (got[limit + 2:] == 2 * limit + 11).all()
+    calls.together = False
+    calls.plan(qo)
+    with torch.inference_mode():
+        got = layer.by_call(x, calls)
+    assert (got[:limit + 1] == limit + 1).all() and (got[limit + 2:] == limit + 10).all()
+
+
+class QuantLinearOf(quant_linear.QuantLinear):
+    """A QuantLinear over `inner` whose blocks' rows are -1 (no kernels)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self.inner, self.out_features = inner, inner.out_features
+
+    def from_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full((x.shape[0], self.out_features), -1.0)
+
+
 def test_block_kernel_refuses_a_wrong_width():
     blocks, _ = random_blocks("Q4_1", 4, 64)
     with pytest.raises(ValueError, match="x has 96 columns, the weight 64"):
