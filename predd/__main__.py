@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="with --linear quantized: compute from the blocks up to N "
                     "rows, dense beyond (default: measured on the first start on this "
                     "machine and kept in the cache dir, so every start sums alike; int8 "
-                    "computes every row count from the blocks)")
+                    "takes calls of up to 64 new tokens from the blocks, longer ones "
+                    "dense)")
     ap.add_argument("--session-quota", type=int, default=0, metavar="PAGES",
                     help="KV pages one session may hold (0: no limit; EDQUOT beyond)")
     ap.add_argument("--uid-quota", type=int, default=None, metavar="PAGES",
