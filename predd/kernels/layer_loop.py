@@ -83,9 +83,11 @@ class LayerLoop:
         cfg = model.cfg
         layers = model.model.layers
         self.quant = [m for layer in layers for m in _projections(layer)]
-        self.call_limit = min(backend.KERNEL_ROWS, quant_linear.INT8_CALL_ROWS
-                              if any(m.calls is not None for m in self.quant)
-                              else backend.KERNEL_ROWS)
+        # the most new tokens a call of a step it takes may have: the row kernel's, and
+        # under int8 the blocks' (a longer call takes the dense weight: CallRows)
+        int8 = any(m.calls is not None for m in self.quant)
+        self.call_limit = (min(backend.KERNEL_ROWS, quant_linear.INT8_CALL_ROWS) if int8
+                           else backend.KERNEL_ROWS)
         self._limits = (-1, 0)      # (QuantLinear.limits_set then, rows_limit)
         pool = cache.kv          # [layers, ...]: one tensor, made once with the cache
         self.layers = (Layer * len(layers))(*(

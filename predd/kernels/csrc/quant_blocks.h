@@ -9,6 +9,7 @@
 #ifndef PREDD_QUANT_BLOCKS_H
 #define PREDD_QUANT_BLOCKS_H
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -109,6 +110,22 @@ static inline __m512bh q8_0_bf16(const int8_t *q, float d)
     return _mm512_cvtne2ps_pbh(w1, w0);
 }
 #endif
+
+/* The calling thread's buffer of at least `bytes` for x's rows as a kernel takes them
+ * (quantised, in block order, or widened), kept from call to call (a step makes ~120
+ * calls; a few hundred KB at most for SmolLM2, held until the thread ends); NULL where
+ * memory is short. One buffer a file that uses it. */
+static inline void *rows_buffer(size_t bytes)
+{
+    static __thread void *buffer;
+    static __thread size_t held;
+    if (bytes > held) {
+        free(buffer);
+        buffer = malloc(bytes);
+        held = buffer ? bytes : 0;
+    }
+    return buffer;
+}
 
 /* quant_tiles.c, for quant_linear.c's bf16 entry points: y = x w^T (+ bias) in bf16 by
  * AMX tiles, the blocks in tiles (above); 0, or -1 where it did nothing (one row, no

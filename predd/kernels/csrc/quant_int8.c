@@ -234,20 +234,6 @@ static void weight_rows(int64_t rows, int64_t width, const int kind, const struc
     }
 }
 
-/* The calling thread's buffer of at least `bytes`, kept from call to call (a step
- * makes ~120); NULL where memory is short */
-static void *rows_buffer(size_t bytes)
-{
-    static __thread void *buffer;
-    static __thread size_t held;
-    if (bytes > held) {
-        free(buffer);
-        buffer = malloc(bytes);
-        held = buffer ? bytes : 0;
-    }
-    return buffer;
-}
-
 /* y = x w^T (+ bias); 0, or -1 where memory for x's quantised rows is short (y untouched) */
 static int linear(const int kind, const float *x, int64_t M, int64_t K, const uint8_t *q,
                   const float *d, const float *m, int64_t N, const float *bias, float *y)

@@ -245,24 +245,6 @@ void linear_q8_0_f32(const float *x, int64_t M, int64_t K, const int8_t *q,
     linear(weight_row_f32, ROWS, 4, 8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
 }
 
-#ifdef VECTOR
-/* The calling thread's buffer of at least `bytes` for x's rows as the bf16 kernels
- * below take them (in block order, or widened), kept from call to call (a step makes
- * ~120 calls; 144 KB at most for SmolLM2's widest K, held until the thread ends); NULL
- * where memory is short */
-static void *rows_buffer(size_t bytes)
-{
-    static __thread void *buffer;
-    static __thread size_t held;
-    if (bytes > held) {
-        free(buffer);
-        buffer = malloc(bytes);
-        held = buffer ? bytes : 0;
-    }
-    return buffer;
-}
-#endif
-
 /* bfloat16 rows where the CPU has AVX2 and FMA but no bf16 dot products (VDPBF16PS): the
  * same products as the bf16 kernels below (weights rounded to bf16 for blocks in tiles;
  * Q4_1 in lanes exactly, as quant_lanes.c), in float32 FMAs on 8 lanes. A bf16 widens to
