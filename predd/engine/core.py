@@ -192,7 +192,7 @@ class Engine(Intake):
             if item.completes and not call.speculative:   # its known tokens are all computed
                 calls.commit(call, self.store, item.start + item.count)
             ran.append(item)
-        outputs.pick_greedy([i.call for i in ran if i.completes])
+        outputs.pick_tokens([i.call for i in ran if i.completes])
         finished: set[int] = set()
         failed: set[int] = set()
         self._answered.clear()

@@ -22,7 +22,7 @@ from predd.engine.calls import Call
 def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
     """The reply to a finished pred: sampled tokens, top-k, or raw logits (one row in
     the session's logits buffer when the call names a slot, else a frame)."""
-    if call.picks is not None:    # greedy: chosen in a batch with the step's other calls
+    if call.picks is not None:    # chosen in a batch with the step's other calls
         return p.PredSample(tokens=[t for t, _ in call.picks],
                             logprobs=[lp for _, lp in call.picks], cost=cost)
     if len(call.logits) == 1:     # one chunk's rows: a view of the step's logits, not a copy
@@ -47,24 +47,34 @@ def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
                         cost=cost)
 
 
-def pick_greedy(calls: list[Call]) -> None:
-    """The tokens of every greedy, unmasked generate (its next) and pred_sample (one at
-    each of its outputs) in one batched op (the argmax `sampling.sample` gives and its
-    logprob, as close to exact as sample's float32 log_softmax or closer:
-    predd/kernels/csrc/greedy.c), not 64 small calls. A call it leaves (a failure, a NaN row)
-    picks its own in `next_token` or `pred_reply`."""
+def pick_tokens(calls: list[Call]) -> None:
+    """The tokens of every generate (its next) and pred_sample (one at each of its
+    outputs) of a step in two batched ops, not 64 small calls: the greedy, unmasked
+    ones by predd's argmax kernel (`_greedy_rows`), the rest by `sampling.sample_rows`.
+    A call left without (a failure, a NaN row) picks its own in `next_token` or
+    `pred_reply`, which fail it as they would alone."""
     def greedy(c: Call) -> bool:
         return c.allowed is None and (c.sample is None
                                       or c.sample.temperature < sampling.MIN_TEMPERATURE)
-    generates = [c for c in calls if c.generating and greedy(c)]
-    samples = [c for c in calls if not c.generating and c.sample is not None and c.logits
-               and greedy(c)]
+    generates = [c for c in calls if c.generating and c.logits]
+    samples = [c for c in calls if not c.generating and c.sample is not None and c.logits]
+    _pick(generates, samples, greedy, lambda _, rows: _greedy_rows(rows))
+    _pick([c for c in generates if c.picked is None], [c for c in samples if c.picks is None],
+          lambda c: True, _sampled_rows)
+
+
+def _pick(generates: list[Call], samples: list[Call], which: Callable[[Call], bool],
+          rows_of: Callable[[list[Call], list[torch.Tensor]], tuple[list[int], list[float]]]
+          ) -> None:
+    generates = [c for c in generates if which(c)]
+    samples = [c for c in samples if which(c)]
+    owners = generates + [c for c in samples for block in c.logits for _ in block]
     rows = ([c.logits[-1][-1] for c in generates]
             + [row for c in samples for block in c.logits for row in block])
     if not rows:
         return
     try:
-        tokens, picked = _greedy_rows(rows)
+        tokens, picked = rows_of(owners, rows)
     except Exception:
         return
     pairs = list(zip(tokens, picked))
@@ -78,6 +88,17 @@ def pick_greedy(calls: list[Call]) -> None:
         mine, at = pairs[at:at + n], at + n
         if all(token >= 0 for token, _ in mine):
             call.picks = mine
+
+
+def _sampled_rows(owners: list[Call], rows: list[torch.Tensor]
+                  ) -> tuple[list[int], list[float]]:
+    """Each row's token by its call's mask, parameters and generator, and its logprob
+    (`sampling.sample_rows`); token -1 for a row that is no distribution."""
+    masked = torch.stack([sampling.apply_mask(row, c.allowed) for c, row in zip(owners, rows)])
+    greedy = p.SampleParams(temperature=0.0)
+    picks = sampling.sample_rows(masked, [c.sample or greedy for c in owners],
+                                 [c.generator for c in owners])
+    return [t for t, _ in picks], [lp for _, lp in picks]
 
 
 def _greedy_rows(rows: list[torch.Tensor]) -> tuple[list[int], list[float]]:

@@ -6,6 +6,8 @@ A temperature below MIN_TEMPERATURE samples greedily.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -56,23 +58,65 @@ def make_generator(params: SampleParams | None) -> torch.Generator | None:
 def sample(logits: torch.Tensor, params: SampleParams, gen: torch.Generator | None
            ) -> tuple[int, float]:
     """One token from `logits` [V] (already masked) and its logprob."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    if params.temperature < MIN_TEMPERATURE:
-        token = int(torch.argmax(logits))
-        return token, float(logprobs[token])
-    scaled = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        drop = sorted_p.cumsum(0) - sorted_p >= params.top_p
-        drop[0] = False   # the most likely token always stays
-        sorted_p[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    token = int(torch.multinomial(probs, 1, generator=gen))
-    return token, float(logprobs[token])
+    [(token, logprob)] = sample_rows(logits[None], [params], [gen])
+    if token < 0:
+        raise ValueError("the logits are no distribution to sample from (NaN or -inf)")
+    return token, logprob
+
+
+def sample_rows(rows: torch.Tensor, params: Sequence[SampleParams],
+                gens: Sequence[torch.Generator | None]) -> list[tuple[int, float]]:
+    """One token from each row of `rows` [k, V] (already masked) with that row's
+    parameters and generator, and its logprob; token -1 for a row that is no
+    distribution at its temperature (a NaN, nothing finite).
+
+    Sampling is by the inverse of the row's cumulative distribution at one uniform draw
+    from the row's generator: a row's token depends on its own logits, parameters and
+    draw, never on the rows beside it. (torch.multinomial draws a random number for
+    every token of the vocabulary: ~1.3 ms a row at V = 49,152 on a 2-core CPU, this
+    ~0.15 ms.)"""
+    logprobs = torch.log_softmax(rows, dim=-1)
+    tokens = [-1] * len(params)
+    cold = [i for i, p in enumerate(params) if p.temperature < MIN_TEMPERATURE]
+    hot = [i for i, p in enumerate(params) if p.temperature >= MIN_TEMPERATURE]
+    if cold:
+        for i, token in zip(cold, torch.argmax(rows[cold], dim=-1).tolist()):
+            tokens[i] = token
+    if hot:
+        temps = [params[i].temperature for i in hot]
+        scaled = rows[hot] / torch.tensor(temps, dtype=rows.dtype)[:, None]
+        for j, i in enumerate(hot):
+            if params[i].top_k:
+                kth = torch.topk(scaled[j], min(params[i].top_k, scaled.shape[1])).values[-1]
+                scaled[j].masked_fill_(scaled[j] < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        for j, i in enumerate(hot):
+            if params[i].top_p < 1.0:
+                _nucleus(probs[j], params[i].top_p)
+        cdf = torch.cumsum(probs, dim=-1)
+        total = cdf[:, -1]
+        draws = torch.stack([torch.rand((), generator=gens[i], dtype=torch.float64)
+                             for i in hot])
+        at = (draws * total.double()).to(cdf.dtype)
+        picked = torch.searchsorted(cdf, at[:, None], right=True)[:, 0].tolist()
+        fine = (torch.isfinite(total) & (total > 0)).tolist()
+        for j, i in enumerate(hot):
+            if not fine[j]:
+                continue
+            if picked[j] >= cdf.shape[1]:   # the draw rounded up to the total: the last
+                picked[j] = int(torch.nonzero(probs[j]).max())   # token that can be drawn
+            tokens[i] = picked[j]
+    return [(t, float(logprobs[i, t]) if t >= 0 else float("nan"))
+            for i, t in enumerate(tokens)]
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> None:
+    """`probs` [V] with the tokens outside the smallest set whose mass reaches `top_p`
+    at zero (in place); the most likely token always stays."""
+    sorted_p, order = torch.sort(probs, descending=True)
+    drop = sorted_p.cumsum(0) - sorted_p >= top_p
+    drop[0] = False
+    probs[order[drop]] = 0.0
 
 
 def topk(logits: torch.Tensor, k: int) -> tuple[list[int], list[float]]:

@@ -1,7 +1,8 @@
-"""The step's batched greedy pick (predd/engine/outputs.py `pick_greedy`): which calls it serves
-(greedy, unmasked generates and pred_samples), that it gives what each call would have
-picked alone (`sampling.sample`), and the replies built from it; with predd's kernel and
-with torch's fallback."""
+"""The step's batched picks (predd/engine/outputs.py `pick_tokens`): which calls each serves
+(greedy, unmasked generates and pred_samples by the argmax kernel, the rest by
+`sampling.sample_rows`), that they give what each call would have picked alone
+(`sampling.sample`), and the replies built from them; with predd's kernel and with
+torch's fallback."""
 from __future__ import annotations
 
 import pytest
@@ -47,7 +48,7 @@ def test_greedy_pred_samples_are_picked_with_the_steps_generates(way):
     one = call(logits(1, 3), sample=p.SampleParams(temperature=1e-9))       # greedy too
     want_gen = sampling.sample(gen.logits[-1][-1], GREEDY, None)
     want_two, want_one = alone(two), alone(one)
-    outputs.pick_greedy([gen, two, one])
+    outputs.pick_tokens([gen, two, one])
     assert gen.picked[0] == want_gen[0] and gen.picked[1] == pytest.approx(want_gen[1], abs=1e-5)
     for c, want in ((two, want_two), (one, want_one)):
         assert [t for t, _ in c.picks] == [t for t, _ in want]
@@ -58,29 +59,64 @@ def test_greedy_pred_samples_are_picked_with_the_steps_generates(way):
                                                   [lp for _, lp in c.picks])
 
 
-def test_other_preds_are_left_to_their_own_reply(way):
+def seeded(seed: int, **fields) -> p.SampleParams:
+    return p.SampleParams(seed=seed, **fields)
+
+
+def test_sampled_and_masked_calls_are_picked_as_alone_and_raw_and_topk_left(way):
     mask = torch.zeros(V, dtype=torch.bool)
     mask[[5, 7]] = True
     raw = call(logits(1, 4))                                         # raw logits
     topk = call(logits(1, 5), topk=3)
-    hot = call(logits(1, 6), sample=p.SampleParams(temperature=1.0, seed=3))
-    masked = call(logits(1, 7), sample=GREEDY, allowed=mask)
-    outputs.pick_greedy([raw, topk, hot, masked])
-    assert all(c.picks is None for c in (raw, topk, hot, masked))
+    params = [seeded(3, temperature=1.0), seeded(4, temperature=0.7, top_k=20),
+              seeded(5, temperature=1.3, top_p=0.5)]
+    hot = [call(logits(2, 6 + i), sample=s, outputs=[0, 1],
+                generator=sampling.make_generator(s)) for i, s in enumerate(params)]
+    masked = call(logits(1, 10), sample=GREEDY, allowed=mask)
+    hot_masked = call(logits(1, 11), sample=seeded(6, temperature=2.0), allowed=mask,
+                      generator=sampling.make_generator(seeded(6)))
+    gen = call(logits(1, 12), generating=True, sample=seeded(7, temperature=1.0),
+               generator=sampling.make_generator(seeded(7)))
+
+    def alone_seeded(c: Call) -> list[tuple[int, float]]:
+        g = sampling.make_generator(c.sample)
+        return [sampling.sample(sampling.apply_mask(row, c.allowed), c.sample, g)
+                for row in torch.cat(c.logits)]
+    want = {id(c): alone_seeded(c) for c in hot + [masked, hot_masked, gen]}
+    outputs.pick_tokens([raw, topk, *hot, masked, hot_masked, gen])
+    assert raw.picks is None and topk.picks is None
     assert isinstance(outputs.pred_reply(raw, COST), p.PredLogits)
     assert isinstance(outputs.pred_reply(topk, COST), p.PredTopk)
-    assert outputs.pred_reply(masked, COST).tokens == [int(torch.argmax(
-        masked.logits[0][0].masked_fill(~mask, float("-inf"))))]
+    for c in hot + [masked, hot_masked]:
+        assert c.picks == want[id(c)]
+        reply = outputs.pred_reply(c, COST)
+        assert (reply.tokens, reply.logprobs) == ([t for t, _ in c.picks],
+                                                  [lp for _, lp in c.picks])
+    assert masked.picks[0][0] in (5, 7) and hot_masked.picks[0][0] in (5, 7)
+    assert [gen.picked] == want[id(gen)] and gen.logits == []
+    assert outputs.next_token(gen) == want[id(gen)][0]
 
 
-def test_a_nan_row_leaves_its_call_to_pick_alone():
+def test_a_nan_row_leaves_the_kernel_for_torchs_argmax():
     if outputs._cpu_kernels() is None:
         pytest.skip("predd's CPU kernels do not build here")
     bad = logits(2, 8)
     bad[1, 3] = float("nan")
     nan = call(bad, sample=GREEDY, outputs=[0, 1])
     fine = call(logits(1, 9), sample=GREEDY)
-    outputs.pick_greedy([nan, fine])
+    want = alone(nan)
+    outputs.pick_tokens([nan, fine])
+    assert [t for t, _ in fine.picks] == [t for t, _ in alone(fine)]   # by the kernel
+    assert [t for t, _ in nan.picks] == [t for t, _ in want] == [want[0][0], 3]
+
+
+def test_a_sampled_nan_row_fails_its_call_alone():
+    bad = logits(1, 13)
+    bad[0, 3] = float("nan")
+    s = seeded(1, temperature=1.0)
+    nan = call(bad, sample=s, generator=sampling.make_generator(s))
+    fine = call(logits(1, 14), sample=s, generator=sampling.make_generator(s))
+    outputs.pick_tokens([nan, fine])
     assert nan.picks is None and fine.picks is not None
-    reply = outputs.pred_reply(nan, COST)         # torch's sample, row by row
-    assert isinstance(reply, p.PredSample) and len(reply.tokens) == 2
+    with pytest.raises(ValueError, match="no distribution"):
+        outputs.pred_reply(nan, COST)

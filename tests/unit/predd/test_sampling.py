@@ -188,3 +188,37 @@ def test_topk_after_a_mask():
     ids, lps = sampling.topk(masked, 3)
     assert ids[:2] == [0, 9]
     assert lps[2] == float("-inf")
+
+
+# ---------------------------------------------------------------- a step's rows at once
+
+def test_a_rows_token_does_not_depend_on_the_rows_beside_it():
+    rows = torch.randn(12, 3000, generator=torch.Generator().manual_seed(1)) * 3
+    params = [SampleParams(temperature=t, top_k=k, top_p=tp, seed=s)
+              for s, (t, k, tp) in enumerate([(1.0, 0, 1.0), (0.0, 0, 1.0), (0.6, 50, 1.0),
+                                              (1.4, 0, 0.9), (2.0, 7, 0.5), (1e-5, 0, 1.0)] * 2)]
+    together = sampling.sample_rows(rows, params, [sampling.make_generator(q) for q in params])
+    for row, q, got in zip(rows, params, together):
+        assert sampling.sample(row, q, sampling.make_generator(q)) == got
+    assert together[1][0] == int(torch.argmax(rows[1]))
+    logprobs = torch.log_softmax(rows, -1)
+    assert [lp for _, lp in together] == [float(logprobs[i, t])
+                                          for i, (t, _) in enumerate(together)]
+
+
+def test_a_draw_at_the_top_of_the_range_takes_the_last_token_that_can_be_drawn(monkeypatch):
+    masked = sampling.apply_mask(LOGITS, sampling.mask_tensor([2, 6], V))   # not V - 1
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1 - 2 ** -53,
+                                                                    dtype=torch.float64))
+    assert sampling.sample(masked, SampleParams(temperature=1.0), None)[0] == 6
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(0.0, dtype=torch.float64))
+    assert sampling.sample(masked, SampleParams(temperature=1.0), None)[0] == 2
+
+
+def test_a_row_that_is_no_distribution_gets_no_token_and_the_others_theirs():
+    rows = torch.stack([LOGITS, LOGITS.clone().index_fill_(0, torch.tensor([4]), float("nan"))])
+    hot = SampleParams(temperature=1.0, seed=2)
+    (token, _), (bad, lp) = sampling.sample_rows(rows, [hot, hot], [None, None])
+    assert 0 <= token < V and bad == -1 and lp != lp
+    with pytest.raises(ValueError, match="no distribution"):
+        sampling.sample(rows[1], hot, None)
