@@ -10,7 +10,7 @@ random prompts of --input-len (128) tokens, --output-len (64) tokens each with
 side's completed and failed requests and output tokens (**all 4,096, none failed**).
 
     python scripts/bench_http.py [--num-prompts 64] [--concurrency 32] [--input-len 128]
-        [--output-len 64] [--dtype auto] [--quick]
+        [--output-len 64] [--dtype auto] [--repeat 1] [--quick]
 """
 from __future__ import annotations
 
@@ -110,6 +110,12 @@ def summary(name: str, r: dict) -> str:
             f"{r['total_output_tokens']} output tokens")
 
 
+def median(values: list[float]) -> float:
+    xs = sorted(values)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -117,6 +123,9 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of Symphony then vLLM, each server started afresh; the "
+                         "figures are each side's median (a shared host drifts within minutes)")
     ap.add_argument("--quick", action="store_true", help="8 prompts, 4 at a time, 16 tokens")
     args = ap.parse_args()
     if args.quick:
@@ -128,34 +137,41 @@ def main() -> int:
     except bench_vllm.Unavailable as e:
         log(f"bench: B7 needs vLLM's benchmark client: {e}")
         return 0
-    log("bench: symphony serve ...")
-    # `auto` lets predd make the rest of auto's choices too (int8 dot products on AVX2)
-    server = Symphony("auto" if asked == "auto" else args.dtype)
-    try:
-        ours = run_client(python, tokenizer, server.url, server.model, args)
-    finally:
-        server.stop()
-    log(summary("symphony", ours))
-    try:
-        with bench_vllm.Server(args.dtype, KV_PAGES * PAGE_SIZE, 64, STEP_TOKENS,
-                               log=log) as vllm:
-            theirs = run_client(python, tokenizer, vllm.url, "m", args)
-    except bench_vllm.Unavailable as e:
-        log(f"bench: vLLM baseline unavailable: {e}")
-        return 0
-    log(summary("vllm", theirs))
+    rounds: list[tuple[dict, dict]] = []
+    for _ in range(max(1, args.repeat)):
+        log("bench: symphony serve ...")
+        # `auto` lets predd make the rest of auto's choices too (int8 dot products on AVX2)
+        server = Symphony("auto" if asked == "auto" else args.dtype)
+        try:
+            ours = run_client(python, tokenizer, server.url, server.model, args)
+        finally:
+            server.stop()
+        log(summary("symphony", ours))
+        try:
+            with bench_vllm.Server(args.dtype, KV_PAGES * PAGE_SIZE, 64, STEP_TOKENS,
+                                   log=log) as vllm:
+                theirs = run_client(python, tokenizer, vllm.url, "m", args)
+        except bench_vllm.Unavailable as e:
+            log(f"bench: vLLM baseline unavailable: {e}")
+            return 0
+        log(summary("vllm", theirs))
+        rounds.append((ours, theirs))
     extra = {"num_prompts": args.num_prompts, "concurrency": args.concurrency,
-             "input_len": args.input_len, "output_len": args.output_len}
-    result("B7", "median_tpot_ms", ours["median_tpot_ms"], "vllm_server",
-           theirs["median_tpot_ms"], ratio_is="symphony / vllm (lower is better)", **extra)
-    result("B7", "output_tokens_per_s", ours["output_throughput"], "vllm_server",
-           theirs["output_throughput"], **extra)
-    result("B7", "mean_ttft_ms", ours["mean_ttft_ms"], "vllm_server", theirs["mean_ttft_ms"],
-           ratio_is="symphony / vllm (lower is better)", **extra)
-    for side, r in (("symphony", ours), ("vllm", theirs)):
-        result("B7", f"{side}_output_tokens", r["total_output_tokens"], "asked",
-               args.num_prompts * args.output_len, completed=r["completed"],
-               failed=r.get("failed", 0), **extra)
+             "input_len": args.input_len, "output_len": args.output_len,
+             "rounds": len(rounds)}
+    for metric, key, lower in (("median_tpot_ms", "median_tpot_ms", True),
+                               ("output_tokens_per_s", "output_throughput", False),
+                               ("mean_ttft_ms", "mean_ttft_ms", True)):
+        ours_of = [o[key] for o, _ in rounds]
+        theirs_of = [t[key] for _, t in rounds]
+        lower_is = {"ratio_is": "symphony / vllm (lower is better)"} if lower else {}
+        result("B7", metric, median(ours_of), "vllm_server", median(theirs_of), **lower_is,
+               round_ratios=[round(o / t, 3) for o, t in zip(ours_of, theirs_of)], **extra)
+    for side, runs in (("symphony", [o for o, _ in rounds]), ("vllm", [t for _, t in rounds])):
+        result("B7", f"{side}_output_tokens", min(r["total_output_tokens"] for r in runs),
+               "asked", args.num_prompts * args.output_len,
+               completed=min(r["completed"] for r in runs),
+               failed=sum(r.get("failed", 0) for r in runs), **extra)
     return 0
 
 
