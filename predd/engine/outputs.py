@@ -18,6 +18,8 @@ from predd.kernels import cpu_kernels, library
 from predd.engine import sampling
 from predd.engine.calls import Call
 
+SAMPLE_ROWS = 64   # rows sampled together (`_sampled_rows`)
+
 
 def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
     """The reply to a finished pred: sampled tokens, top-k, or raw logits (one row in
@@ -93,12 +95,20 @@ def _pick(generates: list[Call], samples: list[Call], which: Callable[[Call], bo
 def _sampled_rows(owners: list[Call], rows: list[torch.Tensor]
                   ) -> tuple[list[int], list[float]]:
     """Each row's token by its call's mask, parameters and generator, and its logprob
-    (`sampling.sample_rows`); token -1 for a row that is no distribution."""
-    masked = torch.stack([sampling.apply_mask(row, c.allowed) for c, row in zip(owners, rows)])
+    (`sampling.sample_rows`); token -1 for a row that is no distribution. SAMPLE_ROWS rows
+    at a time: a call of thousands of outputs costs the step a few copies of 64 rows, not
+    of all of them (a row's token is the same either way)."""
     greedy = p.SampleParams(temperature=0.0)
-    picks = sampling.sample_rows(masked, [c.sample or greedy for c in owners],
-                                 [c.generator for c in owners])
-    return [t for t, _ in picks], [lp for _, lp in picks]
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for at in range(0, len(rows), SAMPLE_ROWS):
+        mine = range(at, min(at + SAMPLE_ROWS, len(rows)))
+        masked = torch.stack([sampling.apply_mask(rows[i], owners[i].allowed) for i in mine])
+        picks = sampling.sample_rows(masked, [owners[i].sample or greedy for i in mine],
+                                     [owners[i].generator for i in mine])
+        tokens += [t for t, _ in picks]
+        logprobs += [lp for _, lp in picks]
+    return tokens, logprobs
 
 
 def _greedy_rows(rows: list[torch.Tensor]) -> tuple[list[int], list[float]]:

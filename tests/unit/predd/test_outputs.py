@@ -120,3 +120,18 @@ def test_a_sampled_nan_row_fails_its_call_alone():
     assert nan.picks is None and fine.picks is not None
     with pytest.raises(ValueError, match="no distribution"):
         outputs.pred_reply(nan, COST)
+
+
+def test_many_sampled_rows_go_a_slice_at_a_time_and_pick_as_alone(monkeypatch):
+    monkeypatch.setattr(outputs, "SAMPLE_ROWS", 3)
+    s = seeded(9, temperature=1.1, top_p=0.9)
+    many = call(logits(4, 15), logits(3, 16), sample=s, outputs=list(range(7)),
+                generator=sampling.make_generator(s))
+    other = call(logits(1, 17), sample=seeded(10, temperature=0.8),
+                 generator=sampling.make_generator(seeded(10)))
+    g = sampling.make_generator(s)
+    want = [sampling.sample(row, s, g) for row in torch.cat(many.logits)]
+    want_other = sampling.sample(other.logits[0][0], other.sample,
+                                 sampling.make_generator(other.sample))
+    outputs.pick_tokens([many, other])
+    assert many.picks == want and other.picks == [want_other]
