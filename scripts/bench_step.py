@@ -8,6 +8,7 @@ server, no scheduler: what the model and the attention backend cost.
                                  [--linear auto|packed|...] [--device cuda --dtype float16]
                                  [--model PATH] [--cuda-graphs auto|on|off]
                                  [--shared N] [--layer-loop on|off] [--cascade on|off]
+                                 [--prefill N [--prompts P]]
 """
 from __future__ import annotations
 
@@ -50,9 +51,12 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=0,
                     help="one more call a step: a fresh prompt of N tokens (a mixed step, "
                          "as a server's steps carry new requests beside decodes)")
+    ap.add_argument("--prompts", type=int, default=1,
+                    help="with --prefill: this many fresh prompts of that length a step")
     args = ap.parse_args()
     per = -(-(args.context + 1) // PAGE)
-    fresh = -(-args.prefill // PAGE)
+    each = -(-args.prefill // PAGE)
+    fresh = each * args.prompts if args.prefill else 0
     runner = Runner(RunnerConfig(args.model or default_model_path(), args.device, args.dtype,
                                  kv_pages=args.calls * per + fresh + 8, page_size=PAGE,
                                  threads=args.threads, attention=args.attention,
@@ -69,9 +73,11 @@ def main() -> int:
         table[:shared] = tables[0][:shared]
     chunks = [Chunk(np.array([5], np.int32), np.array([args.context], np.int32),
                     table, args.context + 1, np.array([0])) for table in tables]
-    if args.prefill:       # the same prompt every step, its entries written again each time
-        chunks.append(Chunk(np.arange(args.prefill, dtype=np.int32) % 1000 + 100,
-                            np.arange(args.prefill, dtype=np.int32), order[-fresh:],
+    for p in range(args.prompts if args.prefill else 0):
+        # the same prompts every step, their entries written again each time
+        pages = order[args.calls * per + p * each:args.calls * per + (p + 1) * each]
+        chunks.append(Chunk((np.arange(args.prefill, dtype=np.int32) + p) % 1000 + 100,
+                            np.arange(args.prefill, dtype=np.int32), pages,
                             args.prefill, np.array([args.prefill - 1])))
     with torch.inference_mode():
         for _ in range(3):
@@ -85,7 +91,7 @@ def main() -> int:
     graphs = f", CUDA graphs ({runner.graphs.replays} replays)" if runner.graphs else ""
     print(f"{runner.backend.name}, {runner.linear}{graphs}, {args.device} {args.dtype}: "
           f"calls {args.calls} context {args.context} (shared {shared * PAGE})"
-          f"{f' + a prompt of {args.prefill}' if args.prefill else ''}: "
+          f"{f' + {args.prompts} prompt(s) of {args.prefill}' if args.prefill else ''}: "
           f"best {times[0] * 1e3:.1f} ms, "
           f"median {times[len(times) // 2] * 1e3:.1f} ms a step")
     return 0

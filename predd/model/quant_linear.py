@@ -72,34 +72,60 @@ class CallRows:
     call's rows take the kernel its own length chooses, so a row's result never depends
     on the other calls of its step. `rows` the step's (0: no split this step); `long`
     the [start, end) of each call of more than INT8_CALL_ROWS rows (the dense weight);
-    `short` every other row's index (the int8 blocks), or None. `together`: the long
-    calls' rows in one GEMM (`long_rows`), where the dense weight gives a row the same
-    bits whatever rows come with it (`independent_rows`: measured at start); else one
-    GEMM a call."""
+    `short` every other row, as runs [start, end) of adjacent calls (the int8 blocks).
+    `together`: the long calls' rows in one GEMM (`long_runs`, their runs), where the
+    dense weight gives a row the same bits whatever rows come with it (`independent_rows`:
+    measured at start); else one GEMM a call. Rows go by runs, not index tensors: a run
+    is a view of x and a plain copy into y (measured: 2,080 rows of 576 and 1,536 columns
+    split 32 / 2,048, 3.2 ms a projection by index tensors, 0.25–1.0 ms by slices)."""
     rows: int = 0
     long: list[tuple[int, int]] = field(default_factory=list)
-    short: torch.Tensor | None = None
-    long_rows: torch.Tensor | None = None
+    short: list[tuple[int, int]] = field(default_factory=list)
+    long_runs: list[tuple[int, int]] | None = None
     together: bool = False
 
     def plan(self, qo_indptr: np.ndarray) -> None:
         """The split for a step whose calls' rows start at `qo_indptr` ([calls + 1])."""
         starts, ends = qo_indptr[:-1].tolist(), qo_indptr[1:].tolist()
         self.long = [(s, e) for s, e in zip(starts, ends) if e - s > INT8_CALL_ROWS]
-        self.short = self.long_rows = None
+        self.short, self.long_runs = [], None
         if not self.long:
             self.rows = 0
             return
         self.rows = ends[-1]
-        short = [np.arange(s, e) for s, e in zip(starts, ends) if e - s <= INT8_CALL_ROWS]
-        if short:
-            self.short = torch.from_numpy(np.concatenate(short))
+        self.short = runs([(s, e) for s, e in zip(starts, ends) if 0 < e - s <= INT8_CALL_ROWS])
         if self.together and len(self.long) > 1:
-            self.long_rows = torch.from_numpy(np.concatenate(
-                [np.arange(s, e) for s, e in self.long]))
+            self.long_runs = runs(self.long)
 
     def clear(self) -> None:
-        self.rows, self.long, self.short, self.long_rows = 0, [], None, None
+        self.rows, self.long, self.short, self.long_runs = 0, [], [], None
+
+
+def runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`spans` (in order, not overlapping) with each that ends where the next starts
+    joined to it."""
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def rows_of(x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """x's rows in `spans`, in order: a view where there is one."""
+    if len(spans) == 1:
+        return x[spans[0][0]:spans[0][1]]
+    return torch.cat([x[s:e] for s, e in spans])
+
+
+def put_rows(y: torch.Tensor, spans: list[tuple[int, int]], values: torch.Tensor) -> None:
+    """y's rows in `spans` = `values`' rows, in order."""
+    at = 0
+    for start, end in spans:
+        y[start:end] = values[at:at + end - start]
+        at += end - start
 
 
 class QuantLinear(nn.Module):
@@ -168,10 +194,10 @@ class QuantLinear(nn.Module):
         """x's rows by `calls`: the short calls' from the blocks, each long call's by the
         dense weight alone."""
         y = x.new_empty(x.shape[0], self.out_features)
-        if calls.short is not None:
-            y[calls.short] = self.from_blocks(x[calls.short])
-        if calls.long_rows is not None:
-            y[calls.long_rows] = self.inner(x[calls.long_rows])
+        if calls.short:
+            put_rows(y, calls.short, self.from_blocks(rows_of(x, calls.short)))
+        if calls.long_runs is not None:
+            put_rows(y, calls.long_runs, self.inner(rows_of(x, calls.long_runs)))
         else:
             for start, end in calls.long:
                 y[start:end] = self.inner(x[start:end])

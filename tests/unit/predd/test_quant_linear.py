@@ -40,14 +40,29 @@ def test_call_rows_split_a_step_by_each_call_s_own_length():
     calls.plan(np.array([0, 1, 1 + limit, 2 + limit, 3 + 2 * limit + 100]))
     assert calls.rows == 3 + 2 * limit + 100
     assert calls.long == [(2 + limit, 3 + 2 * limit + 100)]
-    assert calls.short.tolist() == list(range(2 + limit))
+    assert calls.short == [(0, 2 + limit)]
     calls.plan(np.array([0, limit + 1]))             # one long call and nothing else
-    assert (calls.rows, calls.long, calls.short) == (limit + 1, [(0, limit + 1)], None)
+    assert (calls.rows, calls.long, calls.short) == (limit + 1, [(0, limit + 1)], [])
     calls.plan(np.array([0, 1, 1 + limit]))          # none longer than the limit
     assert calls.rows == 0
     calls.plan(np.array([0, limit + 1]))
     calls.clear()
-    assert (calls.rows, calls.long, calls.short) == (0, [], None)
+    assert (calls.rows, calls.long, calls.short) == (0, [], [])
+
+
+def test_rows_go_by_runs_of_adjacent_calls():
+    assert quant_linear.runs([(0, 1), (1, 5), (7, 9), (9, 10), (12, 13)]) == \
+        [(0, 5), (7, 10), (12, 13)]
+    assert quant_linear.runs([]) == []
+    x = torch.arange(40.0).reshape(10, 4)
+    one = quant_linear.rows_of(x, [(2, 5)])
+    assert one.data_ptr() == x[2].data_ptr() and torch.equal(one, x[2:5])     # a view
+    two = quant_linear.rows_of(x, [(0, 1), (7, 10)])
+    assert torch.equal(two, x[[0, 7, 8, 9]])
+    y = torch.zeros(10, 4)
+    quant_linear.put_rows(y, [(0, 1), (7, 10)], two + 1)
+    assert torch.equal(y[[0, 7, 8, 9]], x[[0, 7, 8, 9]] + 1)
+    assert not y[1:7].any()
 
 
 def test_int8_layers_take_long_calls_by_the_dense_weight_and_the_rest_from_blocks():
@@ -101,11 +116,11 @@ def test_long_calls_share_one_gemm_only_where_rows_are_independent():
     qo = np.array([0, limit + 1, limit + 2, 2 * limit + 12])
     calls = quant_linear.CallRows()
     calls.plan(qo)
-    assert calls.long_rows is None and calls.long == [(0, limit + 1), (limit + 2, 2 * limit + 12)]
+    assert calls.long_runs is None and calls.long == [(0, limit + 1), (limit + 2, 2 * limit + 12)]
     calls.together = True
     calls.plan(qo)
-    assert calls.long_rows.tolist() == [*range(limit + 1), *range(limit + 2, 2 * limit + 12)]
-    assert calls.short.tolist() == [limit + 1]
+    assert calls.long_runs == [(0, limit + 1), (limit + 2, 2 * limit + 12)]
+    assert calls.short == [(limit + 1, limit + 2)]
     layer = QuantLinearOf(_ByCount())
     x = torch.zeros(2 * limit + 12, 8)
     with torch.inference_mode():
