@@ -50,4 +50,28 @@ static inline __m512 exp_approx16(__m512 x)
     return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
 }
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+/* exp_approx on 8 lanes at once, written out as exp_approx16 (AVX2 and FMA) */
+static inline __m256 exp_approx8(__m256 x)
+{
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 round = _mm256_set1_ps(12582912.0f);
+    const __m256 n = _mm256_sub_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), round), round);
+    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), f);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
 #endif

@@ -64,6 +64,60 @@ static double sum_exp16(const float *x, int64_t n, float *most, int64_t *at)
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline float max8(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* sum_exp16 on 8 lanes (AVX2 and FMA): the same results but for the order of the sum */
+static double sum_exp8(const float *x, int64_t n, float *most, int64_t *at)
+{
+    __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        best = _mm256_max_ps(best, v);
+    }
+    float m = max8(best);
+    for (; i < n; i++)
+        m = x[i] > m ? x[i] : m;       /* a NaN here reaches the sum below */
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + t),
+                                                         _mm256_set1_ps(m), _CMP_EQ_OQ));
+        if (hit) {
+            t += __builtin_ctz((unsigned)hit);
+            break;
+        }
+    }
+    while (t < n && x[t] != m)
+        t++;
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+    const __m256 mv = _mm256_set1_ps(m);
+    for (i = 0; i + 8 <= n; i += 8) {
+        const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    const __m256d s = _mm256_add_pd(lo, hi);
+    const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+    double sum = _mm256_movemask_ps(nan) ? NAN : _mm_cvtsd_f64(h) + _mm_cvtsd_f64(
+        _mm_unpackhi_pd(h, h));
+    for (; i < n; i++)
+        sum += (double)exp_approx(x[i] - m);
+    *most = m;
+    *at = t;
+    return sum;
+}
+#endif
+
 static void pick_row(const float *x, int64_t n, int64_t *token, float *logprob)
 {
     float m;
@@ -71,6 +125,8 @@ static void pick_row(const float *x, int64_t n, int64_t *token, float *logprob)
     double sum;
 #if defined(__AVX512F__)
     sum = sum_exp16(x, n, &m, &t);
+#elif defined(__AVX2__) && defined(__FMA__)
+    sum = sum_exp8(x, n, &m, &t);
 #else
     m = -INFINITY;
     #pragma omp simd reduction(max:m)

@@ -478,6 +478,20 @@ def test_greedy_pick_is_the_first_argmax_and_its_exact_logprob():
     assert tokens[64:] == [-1, -1]
 
 
+def test_greedy_pick_reads_a_row_whose_width_is_no_multiple_of_the_lanes():
+    """The vector loops take 8 or 16 lanes; the last 3 of 1,003 go one at a time: a max
+    there is found and a NaN there is seen."""
+    lib = cpu_kernels.kernels()
+    rows = torch.randn(3, 1003, generator=torch.Generator().manual_seed(5))
+    rows[0, 1001] = 9.0
+    rows[2, 1002] = float("nan")
+    tokens, logprobs = lib.greedy_pick(list(rows))
+    assert tokens == [1001, int(torch.argmax(rows[1])), -1]
+    exact = torch.log_softmax(rows[:2].double(), -1)
+    assert abs(logprobs[0] - float(exact[0, 1001])) < 5e-7
+    assert abs(logprobs[1] - float(exact[1, tokens[1]])) < 5e-7
+
+
 def test_greedy_pick_rejects_rows_it_cannot_read():
     lib = cpu_kernels.kernels()
     with pytest.raises(ValueError, match="one length"):
