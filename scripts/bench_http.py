@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -110,12 +111,6 @@ def summary(name: str, r: dict) -> str:
             f"{r['total_output_tokens']} output tokens")
 
 
-def median(values: list[float]) -> float:
-    xs = sorted(values)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -165,7 +160,8 @@ def main() -> int:
         ours_of = [o[key] for o, _ in rounds]
         theirs_of = [t[key] for _, t in rounds]
         lower_is = {"ratio_is": "symphony / vllm (lower is better)"} if lower else {}
-        result("B7", metric, median(ours_of), "vllm_server", median(theirs_of), **lower_is,
+        result("B7", metric, statistics.median(ours_of), "vllm_server",
+               statistics.median(theirs_of), **lower_is,
                round_ratios=[round(o / t, 3) for o, t in zip(ours_of, theirs_of)], **extra)
     for side, runs in (("symphony", [o for o, _ in rounds]), ("vllm", [t for _, t in rounds])):
         result("B7", f"{side}_output_tokens", min(r["total_output_tokens"] for r in runs),

@@ -56,7 +56,7 @@ def main() -> int:
     args = ap.parse_args()
     per = -(-(args.context + 1) // PAGE)
     each = -(-args.prefill // PAGE)
-    fresh = each * args.prompts if args.prefill else 0
+    fresh = each * args.prompts
     runner = Runner(RunnerConfig(args.model or default_model_path(), args.device, args.dtype,
                                  kv_pages=args.calls * per + fresh + 8, page_size=PAGE,
                                  threads=args.threads, attention=args.attention,

@@ -60,16 +60,17 @@ def pick_tokens(calls: list[Call]) -> None:
                                       or c.sample.temperature < sampling.MIN_TEMPERATURE)
     generates = [c for c in calls if c.generating and c.logits]
     samples = [c for c in calls if not c.generating and c.sample is not None and c.logits]
-    _pick(generates, samples, greedy, lambda _, rows: _greedy_rows(rows))
+    _pick([c for c in generates if greedy(c)], [c for c in samples if greedy(c)],
+          lambda _, rows: _greedy_rows(rows))
     _pick([c for c in generates if c.picked is None], [c for c in samples if c.picks is None],
-          lambda c: True, _sampled_rows)
+          _sampled_rows)
 
 
-def _pick(generates: list[Call], samples: list[Call], which: Callable[[Call], bool],
+def _pick(generates: list[Call], samples: list[Call],
           rows_of: Callable[[list[Call], list[torch.Tensor]], tuple[list[int], list[float]]]
           ) -> None:
-    generates = [c for c in generates if which(c)]
-    samples = [c for c in samples if which(c)]
+    """`rows_of`'s tokens for the last row of each of `generates` and every row of
+    `samples`; a call with a row left without (token -1) keeps its logits."""
     owners = generates + [c for c in samples for block in c.logits for _ in block]
     rows = ([c.logits[-1][-1] for c in generates]
             + [row for c in samples for block in c.logits for row in block])
