@@ -16,6 +16,14 @@ EIO when predd is unreachable (not connected for `dead_after_s`) or hung (connec
 silent for `silent_after_s`) — a LIP never hangs on a dead predd, and a busy one is not
 mistaken for dead.
 
+Transport: on ipc the client first tries predd's local stream socket
+(symphony_protocol/stream.py): one `sendmsg` and one `recv` a call, no ZeroMQ I/O
+thread on either side. Where it cannot be reached (an older predd, a sandbox that does
+not see it, $LIBLIP_TRANSPORT=zmq) the DEALER socket carries everything, as it does
+on tcp. A stream that
+closes fails the calls waiting on it with EIO at once (their session is gone with it);
+the next call connects again.
+
 Identity: on ipc predd learns the uid from the kernel; `hello` declares os.getuid() only
 as a check (predd answers EPERM on a mismatch). On tcp the uid comes from a token
 (`token=` or $SYMPHONY_TOKEN) when predd has --auth-keys, else the session is nobody.
@@ -26,6 +34,7 @@ import collections
 import itertools
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -39,6 +48,7 @@ from zmq.utils.monitor import recv_monitor_message
 from liblip.logits_buffer import MOST_SLOTS, SLOTS, LogitsBuffer
 from symphony_protocol import (ProtocolError, Reply, decode_reply, default_addr,
                              default_token, encode_request)
+from symphony_protocol.stream import Reader, frame, stream_path
 
 
 class LipError(ProtocolError):
@@ -67,7 +77,10 @@ KEEP_S = 0.1        # the keeper thread's round
 RETRY_S = 0.02      # a reader retries sending this often while not connected
 CANCEL_TIMEOUT_S = 5.0   # a stream left early waits this long for its call to end
 # zmq's flags as plain ints: its enum.Flag values cost a Python call at every | and &
-NOBLOCK, EVENTS, POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+NOBLOCK, EVENTS = int(zmq.NOBLOCK), int(zmq.EVENTS)
+POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+RECV_BYTES = 1 << 18           # read at most this much from the stream per round
+MAX_REPLY_BYTES = 1 << 40      # replies are predd's: no limit but the stream's sanity
 
 
 class Client:
@@ -87,7 +100,12 @@ class Client:
         self._dealer.setsockopt(zmq.IMMEDIATE, 1)
         self._monitor = self._dealer.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._dealer.connect(self.addr)
+        # the local stream, when predd has one: everything goes through it
+        self._stream_path = (None if os.environ.get("LIBLIP_TRANSPORT") == "zmq"
+                             else stream_path(self.addr))
+        self._stream: socket.socket | None = None
+        self._stream_reader: Reader | None = None
+        self._stream_out: memoryview | None = None   # the unsent end of a message
         self._pull = self._ctx.socket(zmq.PULL)            # requests handed to the reader
         self._pull.bind(f"inproc://liblip-{id(self)}")
         self._push = self._ctx.socket(zmq.PUSH)
@@ -96,10 +114,13 @@ class Client:
         self._poller = zmq.Poller()
         for sock in (self._dealer, self._pull, self._monitor):
             self._poller.register(sock, zmq.POLLIN)
+        if self._stream_path is None or not self._open_stream():
+            self._stream_path = None
+            self._dealer.connect(self.addr)
         self._outbox: collections.deque[list] = collections.deque()   # not sent yet
         self._ping_every = min(lease_s / 3, 1.0)
         self._last_heard = self._last_sent = self._down_since = time.monotonic()
-        self._connected = False
+        self._connected = self._stream is not None
         self._rids = itertools.count(1)
         self._waiting: dict[int, queue.SimpleQueue] = {}
         self._waiting_lock = threading.Lock()
@@ -303,6 +324,8 @@ class Client:
         with self._sock_lock:
             for sock in (self._dealer, self._monitor, self._pull, self._push):
                 sock.close(0)
+            if self._stream is not None:
+                self._stream.close()
         self._ctx.term()
 
     # ------------------------------------------------------------ the socket
@@ -345,11 +368,78 @@ class Client:
                     return
             self._pump(wait)
 
-    def _flush(self, now: float) -> None:
-        while self._outbox:
+    def _open_stream(self) -> bool:
+        """Connect to predd's local stream socket; whether it answered."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self._stream_path)
+        except OSError:
+            sock.close()
+            return False
+        sock.setblocking(False)
+        self._stream, self._stream_reader, self._stream_out = sock, Reader(MAX_REPLY_BYTES), None
+        self._poller.register(sock.fileno(), POLLIN)
+        self._connected = True
+        self._last_heard = time.monotonic()
+        return True
+
+    def _close_stream(self, now: float) -> None:
+        """The stream closed under us: predd ended (or dropped) the session, so no reply
+        can come to the calls that wait; the next send connects again."""
+        self._poller.unregister(self._stream.fileno())
+        self._stream.close()
+        self._stream = self._stream_reader = self._stream_out = None
+        self._connected = False
+        self._down_since = now
+        self._outbox.clear()
+        self._fail_all(LipError("EIO", f"predd at {self.addr} closed the connection"))
+
+    def _send_now(self, message: list) -> bool:
+        """Send one message or start to; False when it must wait (not connected, or the
+        stream still has an earlier message's end to send)."""
+        if self._stream_path is None:
             try:
-                self._dealer.send_multipart(self._outbox[0], NOBLOCK, copy=False)
+                self._dealer.send_multipart(message, NOBLOCK, copy=False)
             except zmq.Again:   # not connected (yet): retry, or fail in _pump
+                return False
+            return True
+        if self._stream is None and not self._open_stream():
+            return False
+        if self._stream_out is not None:
+            return False
+        buffers = frame(message)
+        try:
+            sent = self._stream.sendmsg(buffers)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            return False          # closed: seen by the next read
+        total = sum(memoryview(b).nbytes for b in buffers)
+        if sent < total:          # the rest when the socket takes it
+            self._stream_out = memoryview(b"".join(buffers))[sent:]
+            self._poller.register(self._stream.fileno(), POLLIN | POLLOUT)
+        return True
+
+    def _stream_more(self) -> bool:
+        """Send more of a message's unsent end; whether all of it is gone."""
+        try:
+            sent = self._stream.send(self._stream_out)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return False
+        self._stream_out = self._stream_out[sent:]
+        if len(self._stream_out):
+            return False
+        self._stream_out = None
+        self._poller.register(self._stream.fileno(), POLLIN)
+        return True
+
+    def _flush(self, now: float) -> None:
+        if self._stream_out is not None and not self._stream_more():
+            return                # the end of a long message goes first
+        while self._outbox:
+            if not self._send_now(self._outbox[0]):
                 return
             self._outbox.popleft()
             self._last_sent = now
@@ -363,6 +453,8 @@ class Client:
         if self._pull in events:
             self._outbox.extend(f for f in _received(self._pull, self._pull.recv_multipart)
                                 if f != [b""])        # [b""]: a wake-up from _shutdown
+        if self._stream is not None and self._stream.fileno() in events:
+            self._read_stream(now)
         self._flush(now)
         if self._dealer in events:
             for frames in _received(self._dealer, self._dealer.recv_multipart):
@@ -374,10 +466,8 @@ class Client:
                 self._connected = event["event"] == zmq.EVENT_CONNECTED
                 self._last_heard = self._down_since = now
         if now - self._last_sent >= self._ping_every:
-            try:
-                self._dealer.send_multipart([encode_request("ping", -1, {})], NOBLOCK)
-            except zmq.Again:
-                pass
+            if not self._outbox:
+                self._send_now([encode_request("ping", -1, {})])
             self._last_sent = now
         if not self._waiting:
             return
@@ -388,6 +478,25 @@ class Client:
             self._fail_all(LipError("EIO", f"predd at {self.addr} is not answering "
                                     f"({now - self._last_heard:.0f}s of silence)"))
             self._last_heard = now
+
+    def _read_stream(self, now: float) -> None:
+        try:
+            data = self._stream.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_stream(now)
+            return
+        self._last_heard = now
+        try:
+            messages = self._stream_reader.feed(data)
+        except ProtocolError:     # not predd's framing: nothing more can be read
+            self._close_stream(now)
+            return
+        for frames in messages:
+            self._deliver(frames)
 
     def _deliver(self, frames: list[bytes]) -> None:
         try:

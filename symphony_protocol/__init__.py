@@ -16,7 +16,8 @@ Its modules: `requests` (one record per op, and their validation), `replies` (on
 record per answer), `codec` (msgpack framing), `addresses` (run directories, sockets,
 the mount), `secrets` (secret files, loopback hosts, constant-time matching), `logits_buffer`
 (the layout of a buffer a client shares with predd), `descriptor` (what a `.kv` file
-holds: a capability, its rights, its home replica). Every
+holds: a capability, its rights, its home replica), `stream` (the framing of predd's
+local stream socket). Every
 name is declared once in its module; this package re-exports them, so a user writes
 `import symphony_protocol as p` and `p.Pred`, `p.default_addr`.
 """

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from liblip.client import LipError
 from liblip.sandbox import cgroups, identity, landlock, mounts, seccomp
 from liblip.sandbox.run_limits import Limits, format_size
+from symphony_protocol.stream import stream_path
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x8000000, 0x20000000, 0x40000000
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
@@ -114,7 +115,8 @@ def prepare(req: Request, uid: int, gid: int) -> Prepared:
     else:
         exe, argv = program, [program, *req.argv[1:]]
         required.append((program, os.X_OK))
-    optional = [p for p in [socket, req.kvfs_mount, *req.argv[1:]]
+    stream = stream_path(env.get("PREDD_ADDR", "")) if socket else None
+    optional = [p for p in [socket, stream, req.kvfs_mount, *req.argv[1:]]
                 if p and os.path.isabs(p) and os.path.lexists(p)]
     try:
         covers = mounts.plan([p for p, _ in required] + optional, mounts.hidden_dirs(),

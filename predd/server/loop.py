@@ -14,6 +14,10 @@ uid's whole page quota) disconnects its sender; at most HWM messages queue per p
 each direction — a peer that does not read its replies loses the excess (ROUTER drops
 them; it never blocks the loop), and one that sends faster than predd drains is held
 back by its own socket. libzmq fair-queues input across peers.
+
+Beside an ipc endpoint the loop also serves the local stream socket
+(predd/server/streams.py): the same messages from local clients without ZeroMQ's I/O
+threads, polled with the ZeroMQ socket in one `zmq.Poller`.
 """
 from __future__ import annotations
 
@@ -26,8 +30,10 @@ import time
 import zmq
 
 from symphony_protocol import pack
+from symphony_protocol.stream import stream_path
 from predd.engine.core import Engine
 from predd.server.identity import peer_of, transport_of
+from predd.server.streams import Streams
 
 IDLE_POLL_S = 0.25
 ROOM_POLL_S = 0.01   # how often calls waiting for memory are offered it again
@@ -52,6 +58,16 @@ class Server:
         # Before bind: connections copy the socket's options when they are made.
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.engine.max_message_bytes)
         self._bind(addr)
+        self.streams: Streams | None = None
+        if self.transport == "ipc":
+            config = self.engine.config
+            self.streams = Streams(stream_path(self.addr), self.engine.max_message_bytes,
+                                   HWM, self.log, per_uid=config.quota.uid_sessions,
+                                   trusted_uid=config.trusted_uid)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        if self.streams is not None:
+            self.poller.register(self.streams.fileno(), zmq.POLLIN)
         self.running = True
         self.emptied_at = 0.0   # every message that arrived before this has been handled
 
@@ -82,6 +98,8 @@ class Server:
             self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def send(self, identity: bytes, header: dict, frames: list[bytes]) -> None:
+        if self.streams is not None and self.streams.send(identity, [pack(header), *frames]):
+            return
         try:
             self.sock.send_multipart([identity, pack(header), *frames], copy=False)
         except zmq.ZMQError as exc:   # the peer is gone: nothing to tell
@@ -109,19 +127,25 @@ class Server:
                     continue
                 wait = ROOM_POLL_S   # every queued call waits for room on the device
             timeout = IDLE_POLL_S if wait is None else min(wait, IDLE_POLL_S)
-            self.sock.poll(timeout * 1e3, zmq.POLLIN)
+            self.poller.poll(timeout * 1e3)
             if wait is not None:
                 sched.note_wait(min(time.monotonic() - now, wait))
         self.close()
 
     def _drain(self) -> None:
+        """Handle waiting messages: the streams' (each connection's ready bytes), then
+        ZeroMQ's. `emptied_at` moves only when both were seen empty."""
         deadline = time.monotonic() + DRAIN_S
+        streams_idle = self.streams is None or not self.streams.turn(self._handle, self._ended)
         for _ in range(DRAIN_MAX):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                self.emptied_at = time.monotonic()
+                if streams_idle:
+                    self.emptied_at = time.monotonic()
                 return
+            if frames[0].bytes[:1] == b"\x01":   # a stream's kind of identity: not ZeroMQ's
+                continue
             try:
                 address = frames[-1].get("Peer-Address")
             except zmq.ZMQError:   # no such property on this transport
@@ -132,8 +156,18 @@ class Server:
             if now > deadline:
                 return
 
+    def _handle(self, identity: bytes, frames: list[bytes], peer) -> None:
+        self.engine.handle(identity, frames, time.monotonic(), peer)
+
+    def _ended(self, identity: bytes) -> None:
+        session = self.engine.sessions.of_identity(identity)
+        if session is not None:
+            self.engine.end_session(session, "connection closed")
+
     def close(self) -> None:
         self.log("stopping")
+        if self.streams is not None:
+            self.streams.close()
         self.sock.close(0)
         if self.addr.startswith("ipc://"):
             try:

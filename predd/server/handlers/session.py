@@ -108,6 +108,7 @@ def ps(e: Engine, s: Session, r: p.Ps, extra: list[bytes], now: float) -> p.PsRe
     visible = list(e.sessions) if s.trusted else e.sessions.of_uid(s.uid)
     rows = [{"session": x.sid, "client": x.client, "pid": x.pid, "uid": x.uid,
              "via": x.via, "trusted": x.trusted,
+             "transport": "stream" if x.identity[:1] == b"\x01" else "zmq",
              "objects": e.quotas.objects_of_session.get(x.sid, 0),
              "pages": e.quotas.pages_of_session.get(x.sid, 0),
              "capabilities": e.caps.count(x.sid),

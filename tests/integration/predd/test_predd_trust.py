@@ -217,3 +217,44 @@ def test_an_agent_error_is_reported(agents):
     alice = agents(ALICE)
     with pytest.raises(LipFailed):
         alice.eval("Client(addr).call('kv_stat', cap='0' * 32)")
+
+
+PROBE = '''
+import socket, time
+from symphony_protocol.stream import stream_path
+
+def closed(s):
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+
+def connect(n):
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(stream_path(addr))
+        s.setblocking(False)
+        socks.append(s)
+    return socks
+
+def closed_ones(socks):
+    deadline = time.monotonic() + 20
+    while not closed(socks[-1]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    return [i for i, s in enumerate(socks) if closed(s)]
+'''
+
+
+def test_stream_connections_of_a_uid_stop_at_its_session_limit(root, agents):
+    """256 sessions per uid (the quota's default): a uid's 257th stream connection is
+    closed as predd accepts it; the 256 before it stay open, and other uids connect."""
+    alice, bob = agents(ALICE), agents(BOB)
+    alice.do(PROBE)
+    assert alice.eval("closed_ones(socks := connect(257))") == [256]
+    bob.do("b = Client(addr)")
+    assert bob.eval("b.call('ps')['sessions'][0]['transport']") == "stream"
+    alice.do("[s.close() for s in socks]; time.sleep(0.5)")
+    alice.do("a = Client(addr)")       # room again once the others closed
+    assert alice.eval("a.call('ps')['sessions'][0]['transport']") == "stream"

@@ -1,0 +1,225 @@
+"""predd's local stream socket: local clients' messages without ZeroMQ's I/O threads.
+
+The listener sits beside the ipc endpoint (`symphony_protocol.stream_path`), mode 0666
+like it: the kernel's SO_PEERCRED says who connected, taken once at accept and given as
+the same `Peer` ("localhost:UID:GID:PID") libzmq would attach on ipc. Each connection
+is one session under an identity of its own (b"\\x01" and 16 random bytes: no ZeroMQ
+peer can name it in advance), so the engine,
+quotas and leases see it as they see a ZeroMQ peer; when the connection closes, its
+session ends at once (no lease to wait out).
+
+All sockets are non-blocking and watched by one epoll, whose descriptor the loop polls
+beside the ZeroMQ socket. Limits, as on ZeroMQ: an inbound message larger than the
+engine's largest legitimate request closes its connection; at most HWM replies queue
+for a peer that does not read them, and later ones are dropped (logged), so a reader
+that stalls never blocks the loop or grows predd without bound. A uid other than
+predd's own holds at most `per_uid` connections (the quota's sessions per uid), and all
+of them together leave room under the descriptor limit; a connection over either is
+closed as it is accepted. Out of descriptors, predd stops accepting for a second
+rather than spin on a listener it cannot empty.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import resource
+import select
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from symphony_protocol import ProtocolError
+from symphony_protocol.stream import Reader, frame
+from predd.server.identity import Peer
+
+RECV_BYTES = 1 << 18     # one read; a message in progress gets up to RECV_READS a turn
+RECV_READS = 16
+ACCEPT_MAX = 64          # connections accepted per turn
+FD_RESERVE = 256         # descriptors kept for everything else predd opens
+PAUSE_S = 1.0            # no accepting this long after running out of descriptors
+_CRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
+IN, OUT, ERR = select.EPOLLIN, select.EPOLLOUT, select.EPOLLERR | select.EPOLLHUP
+
+
+@dataclass(eq=False)
+class Connection:
+    sock: socket.socket
+    identity: bytes
+    peer: Peer
+    reader: Reader
+    out: collections.deque = field(default_factory=collections.deque)   # unsent bytes
+
+    def flush(self) -> None:
+        """Send what is queued, as far as the socket takes it (BlockingIOError: later)."""
+        while self.out:
+            sent = self.sock.send(self.out[0])
+            if sent < len(self.out[0]):
+                self.out[0] = memoryview(self.out[0])[sent:]
+                return
+            self.out.popleft()
+
+
+class Streams:
+    """The listener and its connections. `handle(identity, frames, peer)` gets each
+    message; `ended(identity)` each connection that closed."""
+
+    def __init__(self, path: str, max_bytes: int, hwm: int, log: Callable[[str], None],
+                 per_uid: int = 0, trusted_uid: int = -1) -> None:
+        self.path, self.max_bytes, self.hwm, self.log = path, max_bytes, hwm, log
+        self.per_uid, self.trusted_uid = per_uid, trusted_uid
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.most = max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 16) - FD_RESERVE)
+        self.of_uid: collections.Counter[int] = collections.Counter()
+        self.paused_until = 0.0
+        if os.path.lexists(path):
+            os.unlink(path)   # a stale socket of a dead predd
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        os.chmod(path, 0o666)        # peers are told apart by SO_PEERCRED
+        self.listener.listen(128)
+        self.listener.setblocking(False)
+        self.epoll = select.epoll()
+        self.epoll.register(self.listener.fileno(), IN)
+        self.by_fd: dict[int, Connection] = {}
+        self.by_identity: dict[bytes, Connection] = {}
+
+    def fileno(self) -> int:
+        return self.epoll.fileno()
+
+    def turn(self, handle: Callable[[bytes, list[bytes], Peer], None],
+             ended: Callable[[bytes], None]) -> bool:
+        """Accept, read and write what is ready now; whether anything was."""
+        if self.paused_until and time.monotonic() >= self.paused_until:
+            self.paused_until = 0.0
+            self.epoll.register(self.listener.fileno(), IN)
+        ready = self.epoll.poll(0)
+        for fd, events in ready:
+            if fd == self.listener.fileno():
+                self._accept()
+                continue
+            conn = self.by_fd.get(fd)
+            if conn is None:
+                continue
+            if events & OUT:
+                self._flush(conn, ended)
+            if events & (IN | ERR) and conn.sock.fileno() != -1:
+                self._read(conn, handle, ended)
+        return bool(ready)
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_MAX):
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:     # EMFILE and the like: wait for descriptors
+                self.log(f"stream accept failed ({exc}); not accepting for {PAUSE_S:g}s")
+                self.epoll.unregister(self.listener.fileno())
+                self.paused_until = time.monotonic() + PAUSE_S
+                return
+            sock.setblocking(False)
+            pid, uid, gid = _CRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+            if len(self.by_fd) >= self.most or (
+                    self.per_uid and uid != self.trusted_uid and self.of_uid[uid] >= self.per_uid):
+                self.log(f"stream of uid {uid} pid {pid} refused: "
+                         f"{self.of_uid[uid]} connections of the uid, {len(self.by_fd)} in all")
+                sock.close()
+                continue
+            self.of_uid[uid] += 1
+            conn = Connection(sock, b"\x01" + os.urandom(16),
+                              Peer(f"localhost:{uid}:{gid}:{pid}", uid, gid, pid),
+                              Reader(self.max_bytes))
+            self.by_fd[sock.fileno()] = conn
+            self.by_identity[conn.identity] = conn
+            self.epoll.register(sock.fileno(), IN)
+
+    def _read(self, conn: Connection, handle, ended) -> None:
+        messages: list[list[bytes]] = []
+        for _ in range(RECV_READS):
+            try:
+                data = conn.sock.recv(RECV_BYTES)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                data = b""
+            if not data:
+                self._close(conn, ended)
+                return
+            try:
+                messages += conn.reader.feed(data)
+            except ProtocolError as exc:
+                self.log(f"stream of {conn.peer.address} closed: {exc.code}: {exc}")
+                self._close(conn, ended)
+                return
+            if messages or len(data) < RECV_BYTES:
+                break          # whole messages to handle, or nothing more waiting
+        for message in messages:
+            handle(conn.identity, message, conn.peer)
+            if conn.sock.fileno() == -1:
+                return
+
+    def send(self, identity: bytes, parts: list) -> bool:
+        """Queue one message for a stream identity; False when `identity` is none of
+        this listener's (a ZeroMQ peer's). A closed connection's replies go nowhere."""
+        conn = self.by_identity.get(identity)
+        if conn is None:
+            return identity[:1] == b"\x01"
+        buffers = frame(parts)
+        if not conn.out:
+            try:
+                sent = conn.sock.sendmsg(buffers)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:            # the peer went; its end is seen when read
+                return True
+            if sent == sum(memoryview(b).nbytes for b in buffers):
+                return True
+            rest = b"".join(buffers)[sent:]
+            self.epoll.modify(conn.sock.fileno(), IN | OUT)
+        elif len(conn.out) >= self.hwm:
+            self.log(f"reply dropped: {conn.peer.address} reads no replies "
+                     f"({len(conn.out)} queued)")
+            return True
+        else:
+            rest = b"".join(buffers)
+        conn.out.append(rest)
+        return True
+
+    def _flush(self, conn: Connection, ended) -> None:
+        try:
+            conn.flush()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn, ended)
+            return
+        if not conn.out:
+            self.epoll.modify(conn.sock.fileno(), IN)
+
+    def _close(self, conn: Connection, ended) -> None:
+        fd = conn.sock.fileno()
+        if fd == -1:
+            return
+        self.epoll.unregister(fd)
+        del self.by_fd[fd]
+        del self.by_identity[conn.identity]
+        self.of_uid[conn.peer.uid] -= 1
+        if not self.of_uid[conn.peer.uid]:
+            del self.of_uid[conn.peer.uid]
+        conn.sock.close()
+        ended(conn.identity)
+
+    def close(self) -> None:
+        for conn in list(self.by_fd.values()):
+            conn.sock.close()
+        self.by_fd.clear()
+        self.by_identity.clear()
+        self.listener.close()
+        self.epoll.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

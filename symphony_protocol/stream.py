@@ -1,0 +1,87 @@
+"""The local stream: predd's messages over a plain Unix stream socket.
+
+Beside an ipc endpoint `ipc://DIR/predd.sock` predd also listens on the Unix stream
+socket `DIR/predd.sock.stream` (`stream_path`). A local client that reaches it sends and
+receives the same messages as on ZeroMQ — a msgpack map, then binary frames — with no
+I/O thread on either side: a call is one `sendmsg` and one `recv` per end, where ZeroMQ
+hands each message to and from an I/O thread in both processes. The kernel vouches for
+the peer (SO_PEERCRED) as it does on ipc. ZeroMQ stays for remote clients, for clients
+that cannot reach the stream socket, and for other languages.
+
+A message on the stream is
+
+    u32 n   u32 len[0] ... u32 len[n-1]   frame 0 ... frame n-1
+
+all integers little-endian; `len` counts the bytes of its frame. A connection is one
+session: it opens with the connection's first message and ends when either side closes.
+"""
+from __future__ import annotations
+
+import struct
+
+from symphony_protocol.requests import ProtocolError
+
+STREAM_SUFFIX = ".stream"
+MAX_FRAMES = 64          # frames in one message (a kv_import has two)
+_U32 = struct.Struct("<I")
+
+
+def stream_path(addr: str) -> str | None:
+    """The local stream socket beside an ipc endpoint; None for other transports."""
+    if not addr.startswith("ipc://") or len(addr) <= len("ipc://"):
+        return None
+    return addr[len("ipc://"):] + STREAM_SUFFIX
+
+
+def frame(parts: list) -> list:
+    """`parts` (bytes-like) as the buffers of one message, for `socket.sendmsg`."""
+    sizes = [memoryview(part).nbytes for part in parts]
+    return [struct.pack(f"<{len(parts) + 1}I", len(parts), *sizes), *parts]
+
+
+class Reader:
+    """Messages out of a stream's bytes, as they arrive: `feed` takes what `recv` gave
+    and returns the messages it completed, each a list of frames (bytes). A message
+    longer than `max_bytes`, or with no frames or more than MAX_FRAMES, raises
+    ProtocolError (EMSGSIZE, EBADMSG): the connection cannot be read any further."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._buf = bytearray()
+        self._lens: tuple[int, ...] | None = None   # the message being read
+        self._head = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[list[bytes]]:
+        buf = self._buf
+        buf += data
+        out: list[list[bytes]] = []
+        while True:
+            if self._lens is None:
+                if len(buf) < 4:
+                    break
+                n = _U32.unpack_from(buf)[0]
+                if not 0 < n <= MAX_FRAMES:
+                    raise ProtocolError("EBADMSG", f"stream message of {n} frames")
+                head = 4 + 4 * n
+                if len(buf) < head:
+                    break
+                lens = struct.unpack_from(f"<{n}I", buf, 4)
+                if head + sum(lens) > self.max_bytes:
+                    raise ProtocolError("EMSGSIZE", f"stream message of {head + sum(lens)} "
+                                        f"bytes (at most {self.max_bytes})")
+                self._lens, self._head = lens, head
+            lens, at = self._lens, self._head
+            if len(buf) < at + sum(lens):
+                break
+            message = []
+            for length in lens:
+                message.append(bytes(buf[at:at + length]))
+                at += length
+            del buf[:at]
+            self._lens = None
+            out.append(message)
+        return out

@@ -1,0 +1,150 @@
+"""predd's local stream socket on the real predd: liblip uses it on ipc and falls back
+to ZeroMQ when told to, both give the same tokens; the kernel names the peer; a closed
+stream ends its session at once; malformed or oversized input closes only its own
+connection; a ZeroMQ peer cannot take a stream's kind of identity."""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from liblip.client import Client, LipError
+from symphony_protocol.stream import Reader, frame, stream_path
+
+
+class StreamPeer:
+    """A bare connection to the stream socket, framing by hand."""
+
+    def __init__(self, addr: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(stream_path(addr))
+        self.reader = Reader(1 << 30)
+        self.got: list[list[bytes]] = []
+
+    def send(self, op: str, rid: int, **fields) -> None:
+        self.sock.sendmsg(frame([msgpack.packb({"op": op, "rid": rid, **fields})]))
+
+    def recv(self) -> dict:
+        while not self.got:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise EOFError
+            self.got += self.reader.feed(data)
+        return msgpack.unpackb(self.got.pop(0)[0])
+
+    def closed(self) -> bool:
+        try:
+            return self.sock.recv(1 << 16) == b""
+        except ConnectionResetError:
+            return True
+
+
+def sessions(lip) -> dict[int, dict]:
+    return {row["session"]: row for row in lip.ps()}
+
+
+def test_liblip_uses_the_stream_and_zmq_on_request_with_the_same_tokens(lip, predd,
+                                                                        monkeypatch):
+    prompt = lip.tokenize("The capital of France is")
+    streamed = Client(predd.addr)
+    monkeypatch.setenv("LIBLIP_TRANSPORT", "zmq")
+    zmq_client = Client(predd.addr)
+    try:
+        rows = sessions(lip)
+        assert rows[streamed.session["session"]]["transport"] == "stream"
+        assert rows[zmq_client.session["session"]]["transport"] == "zmq"
+        assert rows[streamed.session["session"]]["pid"] == os.getpid()
+        assert rows[streamed.session["session"]]["via"] == "kernel"
+        tokens = []
+        for client in (streamed, zmq_client):
+            cap = client.call("kv_create")["cap"]
+            out = client.call("generate", cap=cap, tokens=prompt, max_tokens=6, stream=False,
+                              sample={"temperature": 0.0})
+            tokens.append(out["tokens"])
+            client.call("kv_free", cap=cap)
+        assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+    finally:
+        streamed.close()
+        zmq_client.close()
+
+
+def test_closing_the_stream_ends_the_session_at_once(lip, predd):
+    peer = StreamPeer(predd.addr)
+    peer.send("hello", 1, client="stream-test", lease_s=600.0)
+    hello = peer.recv()
+    assert hello["ok"] and hello["rid"] == 1
+    peer.send("kv_create", 2)
+    assert peer.recv()["ok"]
+    sid = hello["session"]
+    assert sessions(lip)[sid]["objects"] == 1
+    peer.sock.close()
+    deadline = time.monotonic() + 10
+    while sid in sessions(lip):         # a 600 s lease: only the close can end it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_the_kernel_names_a_stream_peer(lip, predd):
+    peer = StreamPeer(predd.addr)
+    peer.send("hello", 1, uid=os.getuid() + 1)
+    reply = peer.recv()
+    assert not reply["ok"] and reply["error"]["code"] == "EPERM"
+    peer.sock.close()
+
+
+@pytest.mark.parametrize("head", [
+    struct.pack("<I", 0),                      # no frames
+    struct.pack("<I", 1000),                   # too many frames
+    struct.pack("<2I", 1, 2**32 - 1),          # longer than any request may be
+])
+def test_bad_framing_closes_only_its_own_connection(lip, predd, head):
+    bystander = StreamPeer(predd.addr)
+    bystander.send("info", 1)
+    assert bystander.recv()["ok"]
+    peer = StreamPeer(predd.addr)
+    peer.sock.sendall(head)
+    assert peer.closed()
+    bystander.send("info", 2)
+    assert bystander.recv()["rid"] == 2
+    bystander.sock.close()
+
+
+def test_a_stream_that_reads_no_replies_does_not_hold_predd(lip, predd):
+    idle = StreamPeer(predd.addr)
+    idle.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    for rid in range(1, 3001):                # far more replies than the socket holds
+        idle.send("info", rid)
+    started = time.monotonic()
+    assert lip.info()["vocab_size"] == 49152
+    assert time.monotonic() - started < 30
+    idle.sock.close()
+
+
+def test_a_zmq_peer_cannot_take_a_streams_kind_of_identity(lip, predd):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, b"\x01" + b"x" * 16)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(predd.addr)
+    sock.send(msgpack.packb({"op": "hello", "rid": 1}))
+    assert sock.poll(1500) == 0            # dropped unanswered: never bound to a session
+    sock.close(0)
+    ctx.term()
+
+
+def test_a_call_in_flight_when_the_stream_closes_fails_with_eio(predd):
+    client = Client(predd.addr)
+    try:
+        client._stream.shutdown(socket.SHUT_RDWR)   # as if predd went away
+        with pytest.raises(LipError) as exc:
+            client.call("info", timeout=10)
+        assert exc.value.code == "EIO"
+        assert client.call("info")["vocab_size"] == 49152   # the next call connects again
+    finally:
+        client.close()

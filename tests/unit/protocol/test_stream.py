@@ -1,0 +1,57 @@
+"""The local stream's framing (symphony_protocol/stream.py): messages back out of any
+split of their bytes, and every malformed or oversized header refused by name."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from symphony_protocol import ProtocolError
+from symphony_protocol.stream import MAX_FRAMES, Reader, frame, stream_path
+
+
+def wire(parts: list) -> bytes:
+    return b"".join(bytes(memoryview(b).cast("B")) for b in frame(parts))
+
+
+def test_stream_path_only_beside_an_ipc_endpoint():
+    assert stream_path("ipc:///run/symphony/predd.sock") == "/run/symphony/predd.sock.stream"
+    assert stream_path("tcp://127.0.0.1:5555") is None
+    assert stream_path("ipc://") is None
+
+
+def test_messages_come_back_whole_from_any_split():
+    rows = np.arange(6, dtype=np.float32)
+    messages = [[b"head"], [b"h", b"", b"x" * 1000], [b"m", memoryview(rows)]]
+    data = b"".join(wire(m) for m in messages)
+    assert data[:12] == struct.pack("<2I", 1, 4) + b"head"
+    expect = [[b"head"], [b"h", b"", b"x" * 1000], [b"m", rows.tobytes()]]
+    for step in (1, 3, 7, len(data)):
+        reader, got = Reader(1 << 20), []
+        for at in range(0, len(data), step):
+            got += reader.feed(data[at:at + step])
+        assert got == expect
+        assert reader.pending == 0
+
+
+def test_a_frame_length_counts_bytes_not_items():
+    rows = np.ones(5, dtype=np.float32)
+    assert struct.unpack_from("<2I", frame([memoryview(rows)])[0]) == (1, 20)
+
+
+@pytest.mark.parametrize("head,code", [
+    (struct.pack("<I", 0), "EBADMSG"),
+    (struct.pack("<I", MAX_FRAMES + 1), "EBADMSG"),
+    (struct.pack("<2I", 1, 101), "EMSGSIZE"),      # 8 bytes of header + 101 > 100
+    (struct.pack("<3I", 2, 2**31, 2**31), "EMSGSIZE"),
+])
+def test_bad_headers_are_refused_before_their_bodies(head, code):
+    reader = Reader(100)
+    with pytest.raises(ProtocolError) as exc:
+        reader.feed(head)
+    assert exc.value.code == code
+
+
+def test_a_message_of_exactly_the_limit_is_read():
+    assert Reader(8 + 92).feed(wire([b"y" * 92])) == [[b"y" * 92]]
