@@ -41,7 +41,8 @@ def frame(parts: list) -> list:
 
 class Reader:
     """Messages out of a stream's bytes, as they arrive: `feed` takes what `recv` gave
-    and returns the messages it completed, each a list of frames (bytes). A message
+    and returns the messages it completed (at most `limit` of them; the rest wait for
+    the next call), each a list of frames (bytes). A message
     longer than `max_bytes`, or with no frames or more than MAX_FRAMES, raises
     ProtocolError (EMSGSIZE, EBADMSG): the connection cannot be read any further."""
 
@@ -55,33 +56,37 @@ class Reader:
     def pending(self) -> int:
         return len(self._buf)
 
-    def feed(self, data: bytes) -> list[list[bytes]]:
+    def feed(self, data: bytes, limit: int = 1 << 62) -> list[list[bytes]]:
         buf = self._buf
         buf += data
         out: list[list[bytes]] = []
-        while True:
+        pos = 0                 # consumed bytes: dropped once, at the end (not per message)
+        while len(out) < limit:
             if self._lens is None:
-                if len(buf) < 4:
+                if len(buf) - pos < 4:
                     break
-                n = _U32.unpack_from(buf)[0]
+                n = _U32.unpack_from(buf, pos)[0]
                 if not 0 < n <= MAX_FRAMES:
                     raise ProtocolError("EBADMSG", f"stream message of {n} frames")
                 head = 4 + 4 * n
-                if len(buf) < head:
+                if len(buf) - pos < head:
                     break
-                lens = struct.unpack_from(f"<{n}I", buf, 4)
+                lens = struct.unpack_from(f"<{n}I", buf, pos + 4)
                 if head + sum(lens) > self.max_bytes:
                     raise ProtocolError("EMSGSIZE", f"stream message of {head + sum(lens)} "
                                         f"bytes (at most {self.max_bytes})")
                 self._lens, self._head = lens, head
-            lens, at = self._lens, self._head
+            lens = self._lens
+            at = pos + self._head
             if len(buf) < at + sum(lens):
                 break
             message = []
             for length in lens:
                 message.append(bytes(buf[at:at + length]))
                 at += length
-            del buf[:at]
+            pos = at
             self._lens = None
             out.append(message)
+        if pos:
+            del buf[:pos]
         return out

@@ -36,6 +36,7 @@ from predd.server.identity import Peer
 
 RECV_BYTES = 1 << 18     # one read; a message in progress gets up to RECV_READS a turn
 RECV_READS = 16
+MESSAGES_PER_TURN = 64   # handled per connection per turn; the rest wait in its buffer
 ACCEPT_MAX = 64          # connections accepted per turn
 FD_RESERVE = 256         # descriptors kept for everything else predd opens
 PAUSE_S = 1.0            # no accepting this long after running out of descriptors
@@ -72,6 +73,7 @@ class Streams:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.most = max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 16) - FD_RESERVE)
         self.of_uid: collections.Counter[int] = collections.Counter()
+        self.backlog: set[Connection] = set()   # whole messages left over from a turn
         self.paused_until = 0.0
         if os.path.lexists(path):
             os.unlink(path)   # a stale socket of a dead predd
@@ -94,6 +96,8 @@ class Streams:
         if self.paused_until and time.monotonic() >= self.paused_until:
             self.paused_until = 0.0
             self.epoll.register(self.listener.fileno(), IN)
+        for conn in list(self.backlog):
+            self._handle(conn, conn.reader.feed(b"", MESSAGES_PER_TURN), handle)
         ready = self.epoll.poll(0)
         for fd, events in ready:
             if fd == self.listener.fileno():
@@ -104,9 +108,9 @@ class Streams:
                 continue
             if events & OUT:
                 self._flush(conn, ended)
-            if events & (IN | ERR) and conn.sock.fileno() != -1:
-                self._read(conn, handle, ended)
-        return bool(ready)
+            if events & (IN | ERR) and conn.sock.fileno() != -1 and conn not in self.backlog:
+                self._read(conn, handle, ended)   # (a backlog is read once handled)
+        return bool(ready) or bool(self.backlog)
 
     def _accept(self) -> None:
         for _ in range(ACCEPT_MAX):
@@ -149,13 +153,22 @@ class Streams:
                 self._close(conn, ended)
                 return
             try:
-                messages += conn.reader.feed(data)
+                messages += conn.reader.feed(data, MESSAGES_PER_TURN)
             except ProtocolError as exc:
                 self.log(f"stream of {conn.peer.address} closed: {exc.code}: {exc}")
                 self._close(conn, ended)
                 return
             if messages or len(data) < RECV_BYTES:
                 break          # whole messages to handle, or nothing more waiting
+        self._handle(conn, messages, handle)
+
+    def _handle(self, conn: Connection, messages: list[list[bytes]], handle) -> None:
+        """Hand `messages` on; a connection that had MESSAGES_PER_TURN may have more
+        whole ones buffered, taken next turn (its socket is not read meanwhile)."""
+        if len(messages) < MESSAGES_PER_TURN:
+            self.backlog.discard(conn)
+        else:
+            self.backlog.add(conn)
         for message in messages:
             handle(conn.identity, message, conn.peer)
             if conn.sock.fileno() == -1:
@@ -204,6 +217,7 @@ class Streams:
         if fd == -1:
             return
         self.epoll.unregister(fd)
+        self.backlog.discard(conn)
         del self.by_fd[fd]
         del self.by_identity[conn.identity]
         self.of_uid[conn.peer.uid] -= 1
@@ -216,6 +230,7 @@ class Streams:
         for conn in list(self.by_fd.values()):
             conn.sock.close()
         self.by_fd.clear()
+        self.backlog.clear()
         self.by_identity.clear()
         self.listener.close()
         self.epoll.close()

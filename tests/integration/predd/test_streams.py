@@ -148,3 +148,16 @@ def test_a_call_in_flight_when_the_stream_closes_fails_with_eio(predd):
         assert client.call("info")["vocab_size"] == 49152   # the next call connects again
     finally:
         client.close()
+
+
+def test_a_flood_on_one_stream_leaves_room_for_others(lip, predd):
+    """Thousands of requests in one write are handled a bounded number per turn: a
+    bystander's call is answered, and every request of the flood gets its own reply,
+    in order."""
+    flood = StreamPeer(predd.addr)
+    flood.sock.sendall(b"".join(b"".join(frame([msgpack.packb({"op": "ping", "rid": rid})]))
+                                for rid in range(1, 5001)))
+    assert lip.info()["vocab_size"] == 49152
+    rids = [flood.recv()["rid"] for _ in range(5000)]
+    assert rids == list(range(1, 5001))
+    flood.sock.close()

@@ -55,3 +55,11 @@ def test_bad_headers_are_refused_before_their_bodies(head, code):
 
 def test_a_message_of_exactly_the_limit_is_read():
     assert Reader(8 + 92).feed(wire([b"y" * 92])) == [[b"y" * 92]]
+
+
+def test_many_small_messages_in_one_read_cost_one_pass():
+    data = wire([b"p"]) * 20000
+    reader = Reader(100)
+    got = reader.feed(data[:-3])
+    assert len(got) == 19999 and got[0] == [b"p"]
+    assert reader.feed(data[-3:]) == [[b"p"]] and reader.pending == 0
