@@ -81,11 +81,13 @@ class Intake:
 
     def handle(self, identity: bytes, frames: list[bytes], now: float, peer: Peer) -> None:
         """Answer one raw message from `peer` (or queue it); never raises."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             self._handle(identity, frames, now, peer)
         finally:
-            self.counters.time_s["requests"] += time.perf_counter() - started
+            times = self.counters.time_s
+            times["requests"] += time.perf_counter() - started
+            times["requests_cpu"] += time.thread_time() - cpu
 
     def _handle(self, identity: bytes, frames: list[bytes], now: float, peer: Peer) -> None:
         self.counters.requests += 1

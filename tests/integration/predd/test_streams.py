@@ -69,6 +69,8 @@ def test_liblip_uses_the_stream_and_zmq_on_request_with_the_same_tokens(lip, pre
             tokens.append(out["tokens"])
             client.call("kv_free", cap=cap)
         assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+        times = lip.stats()["time_ms"]    # predd's CPU in messages never exceeds their wall
+        assert 0 < times["requests_cpu"] <= times["requests"] + 1.0
     finally:
         streamed.close()
         zmq_client.close()
