@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                           speculate=speculate)
     server = Server(addr, lambda send, log_: Engine(runner, tokenizer, config, send, log_,
                                                        handlers=HANDLERS),
-                    log)
+                    log, per_uid=config.quota.uid_sessions, trusted_uid=config.trusted_uid)
     try:
         server.serve()
     except tp_mod.RankLost as exc:

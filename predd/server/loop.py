@@ -44,7 +44,10 @@ HWM = 1024           # messages queued per peer, each direction
 
 
 class Server:
-    def __init__(self, addr: str, engine_factory, log=None) -> None:
+    def __init__(self, addr: str, engine_factory, log=None, per_uid: int = 0,
+                 trusted_uid: int = -1) -> None:
+        """`per_uid`: local stream connections a uid may hold (0: no limit) but
+        `trusted_uid`'s."""
         self.addr = addr
         self.log = log or (lambda msg: print(f"predd: {msg}", file=sys.stderr, flush=True))
         self.ctx = zmq.Context.instance()
@@ -60,16 +63,18 @@ class Server:
         self._bind(addr)
         self.streams: Streams | None = None
         if self.transport == "ipc":
-            config = self.engine.config
-            self.streams = Streams(stream_path(self.addr), self.engine.max_message_bytes,
-                                   HWM, self.log, per_uid=config.quota.uid_sessions,
-                                   trusted_uid=config.trusted_uid)
+            try:
+                self.streams = Streams(stream_path(self.addr), self.engine.max_message_bytes,
+                                       HWM, self.log, per_uid, trusted_uid)
+            except OSError as exc:   # e.g. a path too long for a Unix socket's name
+                self.log(f"no local stream ({exc}); local clients use ZeroMQ")
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         if self.streams is not None:
             self.poller.register(self.streams.fileno(), zmq.POLLIN)
         self.running = True
         self.emptied_at = 0.0   # every message that arrived before this has been handled
+        self.stream_work = False   # whole messages or unread bytes left on the streams
 
     def _bind(self, addr: str) -> None:
         if addr.startswith("ipc://"):
@@ -127,22 +132,28 @@ class Server:
                     continue
                 wait = ROOM_POLL_S   # every queued call waits for room on the device
             timeout = IDLE_POLL_S if wait is None else min(wait, IDLE_POLL_S)
-            self.poller.poll(timeout * 1e3)
+            self.poller.poll(0 if self.stream_work else timeout * 1e3)
             if wait is not None:
                 sched.note_wait(min(time.monotonic() - now, wait))
         self.close()
 
     def _drain(self) -> None:
-        """Handle waiting messages: the streams' (each connection's ready bytes), then
-        ZeroMQ's. `emptied_at` moves only when both were seen empty."""
-        deadline = time.monotonic() + DRAIN_S
-        streams_idle = self.streams is None or not self.streams.turn(self._handle, self._ended)
+        """Handle waiting messages: the streams' (at most DRAIN_MAX), then ZeroMQ's.
+        `emptied_at` moves, to the moment before the streams were looked at, only when
+        both were left with nothing."""
+        started = time.monotonic()
+        deadline = started + DRAIN_S
+        if self.streams is not None:
+            try:
+                self.stream_work = self.streams.turn(self._handle, self._ended, DRAIN_MAX)
+            except Exception as exc:   # a bug must not take the daemon down
+                self.log(f"internal error on the local stream: {type(exc).__name__}: {exc}")
         for _ in range(DRAIN_MAX):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                if streams_idle:
-                    self.emptied_at = time.monotonic()
+                if not self.stream_work:
+                    self.emptied_at = started
                 return
             if frames[0].bytes[:1] == b"\x01":   # a stream's kind of identity: not ZeroMQ's
                 continue

@@ -11,12 +11,15 @@ session ends at once (no lease to wait out).
 All sockets are non-blocking and watched by one epoll, whose descriptor the loop polls
 beside the ZeroMQ socket. Limits, as on ZeroMQ: an inbound message larger than the
 engine's largest legitimate request closes its connection; at most HWM replies queue
-for a peer that does not read them, and later ones are dropped (logged), so a reader
-that stalls never blocks the loop or grows predd without bound. A uid other than
-predd's own holds at most `per_uid` connections (the quota's sessions per uid), and all
-of them together leave room under the descriptor limit; a connection over either is
-closed as it is accepted. Out of descriptors, predd stops accepting for a second
-rather than spin on a listener it cannot empty.
+for a peer that does not read them, and later ones are dropped (logged once a
+connection), so a reader that stalls never blocks the loop or grows predd without
+bound. A turn hands on at most `budget` messages from all connections together, at
+most MESSAGES_PER_TURN from one, in turn; a connection with whole messages left waits
+in the backlog, unread, until they are handled. A uid other than predd's own holds at
+most `per_uid` connections (the quota's sessions per uid), and all of them together at
+most half the descriptor limit; a connection over either gets an EAGAIN error reply
+and is closed as it is accepted. Out of descriptors, predd stops accepting for a
+second rather than spin on a listener it cannot empty.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from symphony_protocol import ProtocolError
+from symphony_protocol import ProtocolError, pack
 from symphony_protocol.stream import Reader, frame
 from predd.server.identity import Peer
 
@@ -38,7 +41,7 @@ RECV_BYTES = 1 << 18     # one read; a message in progress gets up to RECV_READS
 RECV_READS = 16
 MESSAGES_PER_TURN = 64   # handled per connection per turn; the rest wait in its buffer
 ACCEPT_MAX = 64          # connections accepted per turn
-FD_RESERVE = 256         # descriptors kept for everything else predd opens
+REFUSED_LOG_S = 1.0      # refused connections are logged at most this often
 PAUSE_S = 1.0            # no accepting this long after running out of descriptors
 _CRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 IN, OUT, ERR = select.EPOLLIN, select.EPOLLOUT, select.EPOLLERR | select.EPOLLHUP
@@ -51,6 +54,7 @@ class Connection:
     peer: Peer
     reader: Reader
     out: collections.deque = field(default_factory=collections.deque)   # unsent bytes
+    dropped: int = 0         # replies dropped at the HWM
 
     def flush(self) -> None:
         """Send what is queued, as far as the socket takes it (BlockingIOError: later)."""
@@ -71,10 +75,13 @@ class Streams:
         self.path, self.max_bytes, self.hwm, self.log = path, max_bytes, hwm, log
         self.per_uid, self.trusted_uid = per_uid, trusted_uid
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        self.most = max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 16) - FD_RESERVE)
+        # half the descriptors: the rest for logits buffers, ZeroMQ, swap and the model
+        self.most = max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 16) // 2)
         self.of_uid: collections.Counter[int] = collections.Counter()
-        self.backlog: set[Connection] = set()   # whole messages left over from a turn
+        # connections whose buffer may hold whole messages, in the order they are served
+        self.backlog: dict[Connection, None] = {}
         self.paused_until = 0.0
+        self.refused, self.refused_logged = 0, 0.0
         if os.path.lexists(path):
             os.unlink(path)   # a stale socket of a dead predd
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -91,15 +98,14 @@ class Streams:
         return self.epoll.fileno()
 
     def turn(self, handle: Callable[[bytes, list[bytes], Peer], None],
-             ended: Callable[[bytes], None]) -> bool:
-        """Accept, read and write what is ready now; whether anything was."""
+             ended: Callable[[bytes], None], budget: int) -> bool:
+        """Accept, read and write what is ready now, and hand on at most `budget`
+        messages; whether work is left (messages waiting, or bytes not yet read)."""
         if self.paused_until and time.monotonic() >= self.paused_until:
             self.paused_until = 0.0
             self.epoll.register(self.listener.fileno(), IN)
-        for conn in list(self.backlog):
-            self._handle(conn, conn.reader.feed(b"", MESSAGES_PER_TURN), handle)
-        ready = self.epoll.poll(0)
-        for fd, events in ready:
+        more = False
+        for fd, events in self.epoll.poll(0):
             if fd == self.listener.fileno():
                 self._accept()
                 continue
@@ -109,8 +115,12 @@ class Streams:
             if events & OUT:
                 self._flush(conn, ended)
             if events & (IN | ERR) and conn.sock.fileno() != -1 and conn not in self.backlog:
-                self._read(conn, handle, ended)   # (a backlog is read once handled)
-        return bool(ready) or bool(self.backlog)
+                more |= self._read(conn, ended)   # (a backlog is read once handled)
+        for conn in list(self.backlog):
+            if budget <= 0:
+                return True
+            budget -= self._serve(conn, min(budget, MESSAGES_PER_TURN), handle, ended)
+        return more or bool(self.backlog)
 
     def _accept(self) -> None:
         for _ in range(ACCEPT_MAX):
@@ -128,9 +138,7 @@ class Streams:
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
             if len(self.by_fd) >= self.most or (
                     self.per_uid and uid != self.trusted_uid and self.of_uid[uid] >= self.per_uid):
-                self.log(f"stream of uid {uid} pid {pid} refused: "
-                         f"{self.of_uid[uid]} connections of the uid, {len(self.by_fd)} in all")
-                sock.close()
+                self._refuse(sock, uid, pid)
                 continue
             self.of_uid[uid] += 1
             conn = Connection(sock, b"\x01" + os.urandom(16),
@@ -140,8 +148,25 @@ class Streams:
             self.by_identity[conn.identity] = conn
             self.epoll.register(sock.fileno(), IN)
 
-    def _read(self, conn: Connection, handle, ended) -> None:
-        messages: list[list[bytes]] = []
+    def _refuse(self, sock: socket.socket, uid: int, pid: int) -> None:
+        """An EAGAIN error reply (rid none), then the connection closed."""
+        why = (f"stream connections of uid {uid}: {self.of_uid[uid]} open, at most "
+               f"{self.per_uid} a uid and {self.most} in all")
+        try:
+            sock.sendmsg(frame([pack({"rid": None, "ok": False,
+                                      "error": {"code": "EAGAIN", "message": why}})]))
+        except OSError:
+            pass
+        sock.close()
+        self.refused += 1
+        now = time.monotonic()
+        if now - self.refused_logged >= REFUSED_LOG_S:
+            self.log(f"{self.refused} stream connection(s) refused; the last of pid {pid}: {why}")
+            self.refused, self.refused_logged = 0, now
+
+    def _read(self, conn: Connection, ended) -> bool:
+        """Take what the socket holds into the connection's buffer (up to RECV_READS
+        reads); whether more may be waiting. The buffer is served from the backlog."""
         for _ in range(RECV_READS):
             try:
                 data = conn.sock.recv(RECV_BYTES)
@@ -151,28 +176,33 @@ class Streams:
                 data = b""
             if not data:
                 self._close(conn, ended)
-                return
-            try:
-                messages += conn.reader.feed(data, MESSAGES_PER_TURN)
-            except ProtocolError as exc:
-                self.log(f"stream of {conn.peer.address} closed: {exc.code}: {exc}")
-                self._close(conn, ended)
-                return
-            if messages or len(data) < RECV_BYTES:
-                break          # whole messages to handle, or nothing more waiting
-        self._handle(conn, messages, handle)
-
-    def _handle(self, conn: Connection, messages: list[list[bytes]], handle) -> None:
-        """Hand `messages` on; a connection that had MESSAGES_PER_TURN may have more
-        whole ones buffered, taken next turn (its socket is not read meanwhile)."""
-        if len(messages) < MESSAGES_PER_TURN:
-            self.backlog.discard(conn)
+                return False
+            conn.reader.feed(data, 0)
+            if len(data) < RECV_BYTES:
+                break
         else:
-            self.backlog.add(conn)
+            self.backlog[conn] = None
+            return True
+        self.backlog[conn] = None
+        return False
+
+    def _serve(self, conn: Connection, most: int, handle, ended) -> int:
+        """Hand on up to `most` of the connection's whole messages; how many. It leaves
+        the backlog when it has no whole one left, else goes to its end."""
+        try:
+            messages = conn.reader.feed(b"", most)
+        except ProtocolError as exc:
+            self.log(f"stream of {conn.peer.address} closed: {exc.code}: {exc}")
+            self._close(conn, ended)
+            return 0
+        self.backlog.pop(conn, None)
+        if len(messages) == most:
+            self.backlog[conn] = None
         for message in messages:
             handle(conn.identity, message, conn.peer)
             if conn.sock.fileno() == -1:
-                return
+                break
+        return len(messages)
 
     def send(self, identity: bytes, parts: list) -> bool:
         """Queue one message for a stream identity; False when `identity` is none of
@@ -193,8 +223,10 @@ class Streams:
             rest = b"".join(buffers)[sent:]
             self.epoll.modify(conn.sock.fileno(), IN | OUT)
         elif len(conn.out) >= self.hwm:
-            self.log(f"reply dropped: {conn.peer.address} reads no replies "
-                     f"({len(conn.out)} queued)")
+            if not conn.dropped:
+                self.log(f"replies dropped: {conn.peer.address} reads none "
+                         f"({len(conn.out)} queued)")
+            conn.dropped += 1
             return True
         else:
             rest = b"".join(buffers)
@@ -217,7 +249,9 @@ class Streams:
         if fd == -1:
             return
         self.epoll.unregister(fd)
-        self.backlog.discard(conn)
+        self.backlog.pop(conn, None)
+        if conn.dropped:
+            self.log(f"{conn.peer.address}: {conn.dropped} replies dropped in all")
         del self.by_fd[fd]
         del self.by_identity[conn.identity]
         self.of_uid[conn.peer.uid] -= 1

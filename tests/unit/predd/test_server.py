@@ -117,3 +117,33 @@ def test_emptied_at_moves_only_when_the_socket_is_empty(server, monkeypatch):
             partial += 1
     assert full >= 1
     sock.close()
+
+
+def test_emptied_at_waits_for_the_streams_messages_not_their_bytes(server, monkeypatch):
+    """On the local stream too: a turn that leaves whole messages moves nothing; a
+    connection that sent only part of a message (or trickles) does not hold leases."""
+    import socket
+    import struct
+
+    import msgpack
+
+    from symphony_protocol.stream import frame
+    monkeypatch.setattr(server_mod, "DRAIN_MAX", 3)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(server.streams.path)
+    server._drain()                                   # accepts it
+    sock.sendall(b"".join(b"".join(frame([msgpack.packb({"op": "ping", "rid": i})]))
+                          for i in range(7)) + struct.pack("<2I", 1, 100))
+    time.sleep(0.05)
+    marks = []
+    while len(server.engine.seen) < 7:
+        mark = server.emptied_at
+        server._drain()
+        marks.append((len(server.engine.seen), server.emptied_at > mark, server.stream_work))
+    assert marks == [(3, False, True), (6, False, True), (7, True, False)]
+    mark = server.emptied_at
+    sock.send(b"x")                                   # more of the unfinished one
+    time.sleep(0.05)
+    server._drain()
+    assert server.emptied_at > mark and not server.stream_work
+    sock.close()

@@ -1,0 +1,98 @@
+"""predd's stream listener (predd/server/streams.py) without an engine: a turn's
+messages are bounded in all and per connection and shared out in turn; a connection
+with messages left keeps the loop awake; a bad header behind a backlog closes its own
+connection and raises nothing; an ipc path too long for a Unix socket's name leaves the
+server on ZeroMQ alone."""
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+import pytest
+
+from predd.server.loop import Server
+from predd.server.streams import MESSAGES_PER_TURN, Streams
+from symphony_protocol.stream import frame
+
+
+def ping(rid: int) -> bytes:
+    return b"".join(frame([msgpack.packb({"op": "ping", "rid": rid})]))
+
+
+@pytest.fixture
+def streams(tmp_path):
+    logs: list[str] = []
+    s = Streams(str(tmp_path / "predd.sock.stream"), 1 << 20, 1024, logs.append)
+    s.logs = logs
+    yield s
+    s.close()
+
+
+def connect(streams: Streams, n: int) -> list[socket.socket]:
+    socks = []
+    for _ in range(n):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(streams.path)
+        socks.append(sock)
+    return socks
+
+
+def test_a_turn_shares_its_budget_in_turn_and_keeps_the_loop_awake(streams):
+    socks = connect(streams, 8)
+    for sock in socks:
+        sock.sendall(b"".join(ping(rid) for rid in range(100)))
+    seen: list[bytes] = []
+    handle = lambda identity, frames, peer: seen.append(identity)   # noqa: E731
+    ended = lambda identity: None                                   # noqa: E731
+    streams.turn(handle, ended, 0)                  # accepts the eight
+    served: list[list[bytes]] = []
+    while streams.turn(handle, ended, 256):
+        served.append(seen[:])
+        seen.clear()
+        assert len(served) < 10
+    served.append(seen)
+    counts = [len(turn) for turn in served]
+    assert counts[:3] == [256, 256, 256] and sum(counts) == 800
+    first_two = served[0] + served[1]               # 8 connections x 64: everyone once
+    assert sorted(first_two.count(i) for i in set(first_two)) == [MESSAGES_PER_TURN] * 8
+    for sock in socks:
+        sock.close()
+
+
+def test_a_bad_header_behind_a_backlog_closes_only_its_connection(streams):
+    bad, good = connect(streams, 2)
+    bad.sendall(b"".join(ping(rid) for rid in range(MESSAGES_PER_TURN)) + struct.pack("<I", 0))
+    ended: list[bytes] = []
+    seen: list[bytes] = []
+    handle = lambda identity, frames, peer: seen.append(identity)   # noqa: E731
+    streams.turn(handle, ended.append, 256)         # accepts
+    while streams.turn(handle, ended.append, 256):
+        pass
+    assert len(seen) == MESSAGES_PER_TURN and len(ended) == 1
+    assert any("EBADMSG" in line for line in streams.logs)
+    bad.settimeout(5)
+    assert bad.recv(1) == b""
+    good.sendall(ping(1))
+    streams.turn(handle, ended.append, 256)
+    assert len(seen) == MESSAGES_PER_TURN + 1 and len(ended) == 1
+    good.close()
+
+
+class NoEngine:
+    max_message_bytes = 1 << 20
+
+
+def test_an_ipc_path_too_long_for_a_socket_name_leaves_zmq_alone(tmp_path):
+    deep = tmp_path / ("d" * (104 - len(str(tmp_path)) - len("//predd.sock")))
+    deep.mkdir()
+    addr = f"ipc://{deep}/predd.sock"
+    # ZeroMQ binds 104 bytes; 111 (with .stream) exceed a Unix socket name's 107
+    assert len(addr) - len("ipc://") == 104
+    logs: list[str] = []
+    server = Server(addr, lambda send, log: NoEngine(), log=logs.append)
+    try:
+        assert server.streams is None
+        assert any(line.startswith("no local stream") for line in logs)
+    finally:
+        server.close()
