@@ -20,9 +20,10 @@ Transport: on ipc the client first tries predd's local stream socket
 (symphony_protocol/stream.py): one `sendmsg` and one `recv` a call, no ZeroMQ I/O
 thread on either side. Where it cannot be reached (an older predd, a sandbox that does
 not see it, $LIBLIP_TRANSPORT=zmq) the DEALER socket carries everything, as it does
-on tcp. A stream that
-closes fails the calls waiting on it with EIO at once (their session is gone with it);
-the next call connects again.
+on tcp. A stream that closes fails the calls waiting on it with EIO at once (their
+session is gone with it), or with the errno predd refused it with (EAGAIN); the next
+call connects again, its `hello` first. A request whose caller was answered (with an
+error) before it could be sent is dropped, never sent late.
 
 Identity: on ipc predd learns the uid from the kernel; `hello` declares os.getuid() only
 as a check (predd answers EPERM on a mismatch). On tcp the uid comes from a token
@@ -106,6 +107,7 @@ class Client:
         self._stream: socket.socket | None = None
         self._stream_reader: Reader | None = None
         self._stream_out: memoryview | None = None   # the unsent end of a message
+        self._stream_error: LipError | None = None   # why predd refused the stream
         self._pull = self._ctx.socket(zmq.PULL)            # requests handed to the reader
         self._pull.bind(f"inproc://liblip-{id(self)}")
         self._push = self._ctx.socket(zmq.PUSH)
@@ -114,10 +116,11 @@ class Client:
         self._poller = zmq.Poller()
         for sock in (self._dealer, self._pull, self._monitor):
             self._poller.register(sock, zmq.POLLIN)
-        if self._stream_path is None or not self._open_stream():
+        if self._stream_path is None or not self._open_stream(first=True):
             self._stream_path = None
             self._dealer.connect(self.addr)
-        self._outbox: collections.deque[list] = collections.deque()   # not sent yet
+        # (rid, message) not sent yet; -1: no caller waits (ping, a reconnection's hello)
+        self._outbox: collections.deque[tuple[int, list]] = collections.deque()
         self._ping_every = min(lease_s / 3, 1.0)
         self._last_heard = self._last_sent = self._down_since = time.monotonic()
         self._connected = self._stream is not None
@@ -162,13 +165,13 @@ class Client:
         message = [encode_request(op, rid, fields), *frames]
         if self._sock_lock.acquire(blocking=False):
             try:
-                self._outbox.append(message)
+                self._outbox.append((rid, message))
                 self._flush(time.monotonic())
             finally:
                 self._sock_lock.release()
         else:                                   # the reader sends it
             with self._push_lock:
-                self._push.send_multipart(message, copy=False)
+                self._push.send_multipart([rid.to_bytes(8, "little"), *message], copy=False)
         return rid, inbox
 
     def _get(self, rid: int, inbox: queue.SimpleQueue, timeout: float | None) -> tuple[dict, list]:
@@ -368,13 +371,21 @@ class Client:
                     return
             self._pump(wait)
 
-    def _open_stream(self) -> bool:
-        """Connect to predd's local stream socket; whether it answered."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def _open_stream(self, first: bool = False) -> bool:
+        """Connect to predd's local stream socket; whether it answered. The first time
+        (in the constructor) waiting up to `dead_after_s` for room in predd's listen
+        queue, later not at all: a reader never blocks on it."""
+        sock = None
         try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            if first:
+                sock.settimeout(self.dead_after_s)
+            else:
+                sock.setblocking(False)
             sock.connect(self._stream_path)
-        except OSError:
-            sock.close()
+        except OSError:             # no such socket, refused, a full queue, no descriptor
+            if sock is not None:
+                sock.close()
             return False
         sock.setblocking(False)
         self._stream, self._stream_reader, self._stream_out = sock, Reader(MAX_REPLY_BYTES), None
@@ -391,8 +402,10 @@ class Client:
         self._stream = self._stream_reader = self._stream_out = None
         self._connected = False
         self._down_since = now
-        self._outbox.clear()
-        self._fail_all(LipError("EIO", f"predd at {self.addr} closed the connection"))
+        error = self._stream_error or LipError("EIO", f"predd at {self.addr} closed the "
+                                               "connection")
+        self._stream_error = None
+        self._fail_all(error)
 
     def _send_now(self, message: list) -> bool:
         """Send one message or start to; False when it must wait (not connected, or the
@@ -403,10 +416,15 @@ class Client:
             except zmq.Again:   # not connected (yet): retry, or fail in _pump
                 return False
             return True
-        if self._stream is None and not self._open_stream():
-            return False
+        if self._stream is None:
+            if not self._open_stream():
+                return False
+            self._stream_send([encode_request("hello", -1, self._hello)])   # a new session
         if self._stream_out is not None:
             return False
+        return self._stream_send(message)
+
+    def _stream_send(self, message: list) -> bool:
         buffers = frame(message)
         try:
             sent = self._stream.sendmsg(buffers)
@@ -439,10 +457,12 @@ class Client:
         if self._stream_out is not None and not self._stream_more():
             return                # the end of a long message goes first
         while self._outbox:
-            if not self._send_now(self._outbox[0]):
-                return
+            rid, message = self._outbox[0]
+            if rid == -1 or rid in self._waiting:    # (else its caller has its answer)
+                if not self._send_now(message):
+                    return
+                self._last_sent = now
             self._outbox.popleft()
-            self._last_sent = now
 
     def _pump(self, wait_s: float) -> None:
         """One round of the socket's work, waiting up to `wait_s` for something to come:
@@ -451,7 +471,8 @@ class Client:
         events = dict(self._poller.poll(wait_s * 1e3))
         now = time.monotonic()
         if self._pull in events:
-            self._outbox.extend(f for f in _received(self._pull, self._pull.recv_multipart)
+            self._outbox.extend((int.from_bytes(f[0], "little"), f[1:])
+                                for f in _received(self._pull, self._pull.recv_multipart)
                                 if f != [b""])        # [b""]: a wake-up from _shutdown
         if self._stream is not None and self._stream.fileno() in events:
             self._read_stream(now)
@@ -466,8 +487,8 @@ class Client:
                 self._connected = event["event"] == zmq.EVENT_CONNECTED
                 self._last_heard = self._down_since = now
         if now - self._last_sent >= self._ping_every:
-            if not self._outbox:
-                self._send_now([encode_request("ping", -1, {})])
+            if not self._outbox and (self._stream is not None or self._stream_path is None):
+                self._send_now([encode_request("ping", -1, {})])   # (never to reconnect)
             self._last_sent = now
         if not self._waiting:
             return
@@ -503,6 +524,11 @@ class Client:
             header = msgpack.unpackb(frames[0], raw=False)
             rid = header.get("rid")
         except Exception:
+            return
+        if rid is None and isinstance(header.get("error"), dict) and self._stream is not None:
+            err = header["error"]           # predd refuses this stream (before closing it)
+            self._stream_error = LipError(err.get("code", "EIO"), err.get("message", ""))
+            self._stream_error.from_predd = True
             return
         inbox = self._waiting.get(rid)      # a dict read is atomic; the lock guards writes
         if inbox is not None:

@@ -249,10 +249,12 @@ def closed_ones(socks):
 
 def test_stream_connections_of_a_uid_stop_at_its_session_limit(root, agents):
     """256 sessions per uid (the quota's default): a uid's 257th stream connection is
-    closed as predd accepts it; the 256 before it stay open, and other uids connect."""
+    closed as predd accepts it (a client is told EAGAIN); the 256 before it stay open,
+    and other uids connect."""
     alice, bob = agents(ALICE), agents(BOB)
     alice.do(PROBE)
     assert alice.eval("closed_ones(socks := connect(257))") == [256]
+    assert alice.errno("Client(addr)") == "EAGAIN"      # predd's refusal, not EIO
     bob.do("b = Client(addr)")
     assert bob.eval("b.call('ps')['sessions'][0]['transport']") == "stream"
     alice.do("[s.close() for s in socks]; time.sleep(0.5)")

@@ -141,15 +141,40 @@ def test_a_zmq_peer_cannot_take_a_streams_kind_of_identity(lip, predd):
 
 
 def test_a_call_in_flight_when_the_stream_closes_fails_with_eio(predd):
-    client = Client(predd.addr)
+    client = Client(predd.addr, name="reconnects", lease_s=30.0)
     try:
         client._stream.shutdown(socket.SHUT_RDWR)   # as if predd went away
         with pytest.raises(LipError) as exc:
             client.call("info", timeout=10)
         assert exc.value.code == "EIO"
         assert client.call("info")["vocab_size"] == 49152   # the next call connects again
+        rows = [r for r in client.call("ps")["sessions"] if r["pid"] == os.getpid()
+                and r["client"] == "reconnects"]          # ...with its hello first
+        assert len(rows) == 1 and rows[0]["session"] != client.session["session"]
     finally:
         client.close()
+
+
+def test_leases_still_end_while_a_stream_trickles(lip, predd):
+    """A stream that sends a byte now and then (never a whole message) must not stop
+    predd from ending the sessions whose lease ran out."""
+    quiet = zmq.Context()
+    sock = quiet.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(predd.addr)
+    sock.send(msgpack.packb({"op": "hello", "rid": 1, "lease_s": 1.0}))
+    assert sock.poll(30000)
+    sid = msgpack.unpackb(sock.recv())["session"]
+    trickle = StreamPeer(predd.addr)
+    trickle.sock.sendall(struct.pack("<2I", 1, 1 << 20))    # a message that never ends
+    deadline = time.monotonic() + 20
+    while sid in sessions(lip):
+        assert time.monotonic() < deadline
+        trickle.sock.send(b"x")
+        time.sleep(0.05)
+    trickle.sock.close()
+    sock.close(0)
+    quiet.term()
 
 
 def test_a_flood_on_one_stream_leaves_room_for_others(lip, predd):
@@ -163,3 +188,38 @@ def test_a_flood_on_one_stream_leaves_room_for_others(lip, predd):
     rids = [flood.recv()["rid"] for _ in range(5000)]
     assert rids == list(range(1, 5001))
     flood.sock.close()
+
+
+def test_a_request_answered_before_it_was_sent_is_never_sent(predd):
+    """A call handed to the reader, then failed (the stream closed meanwhile, say),
+    must not reach predd later: its kv_create would make an object no one holds."""
+    import threading
+    client = Client(predd.addr)
+    try:
+        client._sock_lock.acquire()                  # the socket busy: the call is handed on
+        got: list[str] = []
+
+        def call() -> None:
+            try:
+                client.call("kv_create")
+            except LipError as exc:
+                got.append(exc.code)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        deadline = time.monotonic() + 10
+        while not client._waiting:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.1)                              # handed to the reader by now
+        client._fail_all(LipError("EIO", "failed before it was sent"))
+        caller.join(10)
+        assert got == ["EIO"]
+        client._sock_lock.release()
+        time.sleep(0.5)                              # the keeper has read the hand-off
+        client.call("info")                          # and anything sent is answered
+        mine = [r for r in client.call("ps")["sessions"]
+                if r["session"] == client.session["session"]]
+        assert mine[0]["objects"] == 0
+    finally:
+        client.close()
