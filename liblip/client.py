@@ -49,7 +49,7 @@ from zmq.utils.monitor import recv_monitor_message
 from liblip.logits_buffer import MOST_SLOTS, SLOTS, LogitsBuffer
 from symphony_protocol import (ProtocolError, Reply, decode_reply, default_addr,
                              default_token, encode_request)
-from symphony_protocol.stream import Reader, frame, stream_path
+from symphony_protocol.stream import Reader, Writer, stream_path
 
 
 class LipError(ProtocolError):
@@ -106,7 +106,7 @@ class Client:
                              else stream_path(self.addr))
         self._stream: socket.socket | None = None
         self._stream_reader: Reader | None = None
-        self._stream_out: memoryview | None = None   # the unsent end of a message
+        self._stream_writer: Writer | None = None
         self._stream_error: LipError | None = None   # why predd refused the stream
         self._pull = self._ctx.socket(zmq.PULL)            # requests handed to the reader
         self._pull.bind(f"inproc://liblip-{id(self)}")
@@ -388,7 +388,8 @@ class Client:
                 sock.close()
             return False
         sock.setblocking(False)
-        self._stream, self._stream_reader, self._stream_out = sock, Reader(MAX_REPLY_BYTES), None
+        self._stream, self._stream_reader = sock, Reader(MAX_REPLY_BYTES)
+        self._stream_writer = Writer(sock)
         self._poller.register(sock.fileno(), POLLIN)
         self._connected = True
         self._last_heard = time.monotonic()
@@ -399,7 +400,7 @@ class Client:
         can come to the calls that wait; the next send connects again."""
         self._poller.unregister(self._stream.fileno())
         self._stream.close()
-        self._stream = self._stream_reader = self._stream_out = None
+        self._stream = self._stream_reader = self._stream_writer = None
         self._connected = False
         self._down_since = now
         error = self._stream_error or LipError("EIO", f"predd at {self.addr} closed the "
@@ -408,8 +409,8 @@ class Client:
         self._fail_all(error)
 
     def _send_now(self, message: list) -> bool:
-        """Send one message or start to; False when it must wait (not connected, or the
-        stream still has an earlier message's end to send)."""
+        """Send one message (on the stream: or queue it behind an earlier one's end);
+        False when it must wait (not connected)."""
         if self._stream_path is None:
             try:
                 self._dealer.send_multipart(message, NOBLOCK, copy=False)
@@ -419,43 +420,27 @@ class Client:
         if self._stream is None:
             if not self._open_stream():
                 return False
-            self._stream_send([encode_request("hello", -1, self._hello)])   # a new session
-        if self._stream_out is not None:
-            return False
-        return self._stream_send(message)
+            self._stream_write([encode_request("hello", -1, self._hello)])   # a new session
+        return self._stream_write(message)
 
-    def _stream_send(self, message: list) -> bool:
-        buffers = frame(message)
+    def _stream_write(self, message: list) -> bool:
+        writer = self._stream_writer
+        waited = len(writer)
         try:
-            sent = self._stream.sendmsg(buffers)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
+            writer.write(message)
         except OSError:
             return False          # closed: seen by the next read
-        total = sum(memoryview(b).nbytes for b in buffers)
-        if sent < total:          # the rest when the socket takes it
-            self._stream_out = memoryview(b"".join(buffers))[sent:]
+        if len(writer) and not waited:   # the rest when the socket takes it
             self._poller.register(self._stream.fileno(), POLLIN | POLLOUT)
         return True
 
-    def _stream_more(self) -> bool:
-        """Send more of a message's unsent end; whether all of it is gone."""
-        try:
-            sent = self._stream.send(self._stream_out)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return False
-        self._stream_out = self._stream_out[sent:]
-        if len(self._stream_out):
-            return False
-        self._stream_out = None
-        self._poller.register(self._stream.fileno(), POLLIN)
-        return True
-
     def _flush(self, now: float) -> None:
-        if self._stream_out is not None and not self._stream_more():
-            return                # the end of a long message goes first
+        if self._stream_writer is not None and len(self._stream_writer):
+            try:
+                if self._stream_writer.flush():
+                    self._poller.register(self._stream.fileno(), POLLIN)
+            except OSError:
+                pass              # closed: seen by the next read
         while self._outbox:
             rid, message = self._outbox[0]
             if rid == -1 or rid in self._waiting:    # (else its caller has its answer)
@@ -501,18 +486,15 @@ class Client:
             self._last_heard = now
 
     def _read_stream(self, now: float) -> None:
-        try:
-            data = self._stream.recv(RECV_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
+        got = self._stream_reader.receive(self._stream, RECV_BYTES)
+        if got < 0:
             self._close_stream(now)
+            return
+        if not got:
             return
         self._last_heard = now
         try:
-            messages = self._stream_reader.feed(data)
+            messages = self._stream_reader.feed(b"")
         except ProtocolError:     # not predd's framing: nothing more can be read
             self._close_stream(now)
             return

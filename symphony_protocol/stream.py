@@ -17,6 +17,8 @@ session: it opens with the connection's first message and ends when either side 
 """
 from __future__ import annotations
 
+import collections
+import socket
 import struct
 
 from symphony_protocol.requests import ProtocolError
@@ -56,6 +58,20 @@ class Reader:
     def pending(self) -> int:
         return len(self._buf)
 
+    def receive(self, sock: socket.socket, size: int) -> int:
+        """One `recv` of up to `size` bytes from a non-blocking socket into the buffer:
+        how many came (0: none waiting), -1 when the peer closed or the socket failed."""
+        try:
+            data = sock.recv(size)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError:
+            return -1
+        if not data:
+            return -1
+        self._buf += data
+        return len(data)
+
     def feed(self, data: bytes, limit: int = 1 << 62) -> list[list[bytes]]:
         buf = self._buf
         buf += data
@@ -90,3 +106,42 @@ class Reader:
         if pos:
             del buf[:pos]
         return out
+
+
+class Writer:
+    """Messages onto a non-blocking stream socket, in order: one is sent at once when
+    nothing waits before it; what the socket does not take waits (`len`: how many
+    messages or message ends) until `flush`. An OSError other than EAGAIN (the peer
+    gone) reaches the caller."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._waiting: collections.deque[memoryview] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def write(self, parts: list) -> None:
+        buffers = frame(parts)
+        sent = 0
+        if not self._waiting:
+            try:
+                sent = self.sock.sendmsg(buffers)
+            except (BlockingIOError, InterruptedError):
+                pass
+            if sent == sum(memoryview(b).nbytes for b in buffers):
+                return
+        self._waiting.append(memoryview(b"".join(buffers))[sent:])
+
+    def flush(self) -> bool:
+        """Send what waits, as far as the socket takes it; whether all of it went."""
+        while self._waiting:
+            try:
+                sent = self.sock.send(self._waiting[0])
+            except (BlockingIOError, InterruptedError):
+                return False
+            if sent < len(self._waiting[0]):
+                self._waiting[0] = self._waiting[0][sent:]
+                return False
+            self._waiting.popleft()
+        return True

@@ -31,10 +31,10 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from symphony_protocol import ProtocolError, pack
-from symphony_protocol.stream import Reader, frame
+from symphony_protocol.stream import Reader, Writer, frame
 from predd.server.identity import Peer
 
 RECV_BYTES = 1 << 18     # one read; a message in progress gets up to RECV_READS a turn
@@ -53,17 +53,8 @@ class Connection:
     identity: bytes
     peer: Peer
     reader: Reader
-    out: collections.deque = field(default_factory=collections.deque)   # unsent bytes
+    writer: Writer
     dropped: int = 0         # replies dropped at the HWM
-
-    def flush(self) -> None:
-        """Send what is queued, as far as the socket takes it (BlockingIOError: later)."""
-        while self.out:
-            sent = self.sock.send(self.out[0])
-            if sent < len(self.out[0]):
-                self.out[0] = memoryview(self.out[0])[sent:]
-                return
-            self.out.popleft()
 
 
 class Streams:
@@ -143,7 +134,7 @@ class Streams:
             self.of_uid[uid] += 1
             conn = Connection(sock, b"\x01" + os.urandom(16),
                               Peer(f"localhost:{uid}:{gid}:{pid}", uid, gid, pid),
-                              Reader(self.max_bytes))
+                              Reader(self.max_bytes), Writer(sock))
             self.by_fd[sock.fileno()] = conn
             self.by_identity[conn.identity] = conn
             self.epoll.register(sock.fileno(), IN)
@@ -168,17 +159,11 @@ class Streams:
         """Take what the socket holds into the connection's buffer (up to RECV_READS
         reads); whether more may be waiting. The buffer is served from the backlog."""
         for _ in range(RECV_READS):
-            try:
-                data = conn.sock.recv(RECV_BYTES)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                data = b""
-            if not data:
+            got = conn.reader.receive(conn.sock, RECV_BYTES)
+            if got < 0:
                 self._close(conn, ended)
                 return False
-            conn.reader.feed(data, 0)
-            if len(data) < RECV_BYTES:
+            if got < RECV_BYTES:
                 break
         else:
             self.backlog[conn] = None
@@ -210,38 +195,28 @@ class Streams:
         conn = self.by_identity.get(identity)
         if conn is None:
             return identity[:1] == b"\x01"
-        buffers = frame(parts)
-        if not conn.out:
-            try:
-                sent = conn.sock.sendmsg(buffers)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:            # the peer went; its end is seen when read
-                return True
-            if sent == sum(memoryview(b).nbytes for b in buffers):
-                return True
-            rest = b"".join(buffers)[sent:]
-            self.epoll.modify(conn.sock.fileno(), IN | OUT)
-        elif len(conn.out) >= self.hwm:
+        if len(conn.writer) >= self.hwm:
             if not conn.dropped:
                 self.log(f"replies dropped: {conn.peer.address} reads none "
-                         f"({len(conn.out)} queued)")
+                         f"({len(conn.writer)} queued)")
             conn.dropped += 1
             return True
-        else:
-            rest = b"".join(buffers)
-        conn.out.append(rest)
+        waited = len(conn.writer)
+        try:
+            conn.writer.write(parts)
+        except OSError:                # the peer went; its end is seen when read
+            return True
+        if len(conn.writer) and not waited:
+            self.epoll.modify(conn.sock.fileno(), IN | OUT)
         return True
 
     def _flush(self, conn: Connection, ended) -> None:
         try:
-            conn.flush()
-        except (BlockingIOError, InterruptedError):
-            return
+            done = conn.writer.flush()
         except OSError:
             self._close(conn, ended)
             return
-        if not conn.out:
+        if done:
             self.epoll.modify(conn.sock.fileno(), IN)
 
     def _close(self, conn: Connection, ended) -> None:

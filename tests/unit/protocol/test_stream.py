@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from symphony_protocol import ProtocolError
-from symphony_protocol.stream import MAX_FRAMES, Reader, frame, stream_path
+from symphony_protocol.stream import MAX_FRAMES, Reader, Writer, frame, stream_path
 
 
 def wire(parts: list) -> bytes:
@@ -63,3 +63,26 @@ def test_many_small_messages_in_one_read_cost_one_pass():
     got = reader.feed(data[:-3])
     assert len(got) == 19999 and got[0] == [b"p"]
     assert reader.feed(data[-3:]) == [[b"p"]] and reader.pending == 0
+
+
+def test_a_writer_keeps_order_through_partial_sends():
+    import socket
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setblocking(False)
+    b.setblocking(False)
+    writer = Writer(a)
+    big = bytes(range(256)) * 4096                    # 1 MiB: more than the socket takes
+    writer.write([b"first", big])
+    assert len(writer) == 1
+    writer.write([b"second"])                         # waits behind the first's end
+    assert len(writer) == 2
+    reader, got = Reader(1 << 21), []
+    while len(got) < 2:
+        writer.flush()
+        try:
+            got += reader.feed(b.recv(1 << 16))
+        except BlockingIOError:
+            pass
+    assert got == [[b"first", big], [b"second"]] and len(writer) == 0 and writer.flush()
+    a.close()
+    b.close()
