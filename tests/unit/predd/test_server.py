@@ -9,6 +9,7 @@ import time
 import pytest
 import zmq
 
+from predd.engine.metrics import Counters
 from predd.server import loop as server_mod
 from predd.server.identity import Peer
 from predd.server.loop import Server
@@ -19,6 +20,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.seen: list[tuple[bytes, list[bytes], Peer]] = []
+        self.counters = Counters()
 
     def handle(self, identity: bytes, frames: list[bytes], now: float, peer: Peer) -> None:
         self.seen.append((identity, frames, peer))
@@ -71,6 +73,26 @@ def test_a_flood_is_drained_in_bounded_turns(server, monkeypatch):
     drain_until(server, lambda: len(server.engine.seen) == 95, turns)
     assert max(turns) == 10 and len(turns) >= 10
     assert [f[0] for _, f, _ in server.engine.seen] == [b"%d" % i for i in range(95)]
+    sock.close()
+
+
+def test_a_turns_time_is_read_once_not_once_a_message(server, monkeypatch):
+    """The thread's CPU clock is a system call: a turn of 20 messages reads it twice and
+    counts the difference, in `requests_cpu`, once."""
+    ticks = iter([10.0, 10.25])
+    reads: list[float] = []
+    monkeypatch.setattr(server_mod.time, "thread_time", lambda: reads.append(0) or next(ticks))
+    sock = dealer(server.addr)
+    for i in range(20):
+        sock.send(b"%d" % i)
+    deadline = time.monotonic() + 10
+    while server.sock.poll(0, zmq.POLLIN) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)              # all 20 queued in the socket
+    server._drain()
+    assert len(server.engine.seen) == 20 and len(reads) == 2
+    assert server.engine.counters.time_s["requests_cpu"] == 0.25
+    assert server.engine.counters.time_s["requests"] > 0
     sock.close()
 
 
