@@ -26,7 +26,7 @@ from typing import Any
 
 import symphony_protocol as p
 from symphony_protocol import ErrorReply, ProtocolError
-from predd.engine import calls
+from predd.engine import calls, sampling
 from predd.engine.calls import Call
 from predd.engine.config import EngineConfig
 from predd.engine.deferred import Deferred, Held
@@ -95,6 +95,10 @@ class Intake:
                 if not session.allow(now, self.config.quota.rate, self.config.quota.burst):
                     raise ProtocolError("EAGAIN", f"more than {self.config.quota.rate:g} "
                                         "requests per second: slow down")
+            if (session is not None and self.speculation.by_oid and not extra
+                    and header.get("op") == "pred" and self._take_computed(identity,
+                                                                           session, header)):
+                return
             request = p.decode_request(header)
             if session is None:
                 session = self._open_session(identity, peer, request, now)
@@ -141,6 +145,28 @@ class Intake:
             reply = handler(self, session, req, extra, now)
         if reply is not None:
             self._reply(identity, req.rid, reply)
+
+    def _take_computed(self, identity: bytes, session: Session, header: dict) -> bool:
+        """The pred map `header` takes its object's computed speculation, answered as the
+        full path would answer it, without a request record or a call made for it
+        (Speculation.computed_for says when); whether it was. Errors are the full path's."""
+        token = header.get("cap")
+        cap = self.caps.find(token) if isinstance(token, str) else None
+        if cap is None or not cap.writable or self.deferred.holds(cap.oid):
+            return False             # the full path says why, or holds it
+        spec = self.speculation.computed_for(session.sid, cap.oid, header)
+        if spec is None:
+            return False
+        self.speculation.measure(cap.oid, header["tokens"])
+        self._check_calls(session)
+        into, buffer = header.get("into", -1), session.logits
+        if into != -1 and buffer is not None:
+            buffer.check_slot(into)
+        rid = header["rid"]
+        self.speculation.take(spec, identity, rid, sampling.make_generator(spec.sample),
+                              buffer, into if buffer is not None else -1)
+        self._reply(identity, rid, self.claimed(spec))
+        return True
 
     def _objects_of(self, req: p.Request) -> list[int]:
         tokens = [req.cap] if hasattr(req, "cap") else list(getattr(req, "caps", []))

@@ -51,6 +51,7 @@ HIT_RATE = 0.6         # a pred loop's argmax is speculated once this share of c
 
 # Requests that neither read nor change a KV object or a quota: they leave speculations be.
 ROOM_ERRORS = ("EDQUOT", "ENOSPC")   # what a speculation's page may cause another to get
+QUICK_FIELDS = frozenset({"op", "rid", "cap", "tokens", "sample", "into"})
 NEUTRAL = (p.Hello, p.Bye, p.Ping, p.Info, p.Stats, p.Ps, p.Tokenize, p.Detokenize,
            p.ChatTemplate)
 
@@ -137,12 +138,16 @@ class Speculation:
         return token if rate >= HIT_RATE else None
 
     def _measure(self, req: p.Request, oids: list[int]) -> None:
-        """A pred of one token on an object whose last raw row's argmax was noted: one
-        more hit or miss for its rate."""
-        if isinstance(req, p.Pred) and len(oids) == 1 and oids[0] in self.guesses:
-            told, rate = self.guesses[oids[0]]
-            hit = len(req.tokens) == 1 and req.tokens[0] == told
-            self.guesses[oids[0]] = (told, 0.75 * rate + 0.25 * hit)
+        if isinstance(req, p.Pred) and len(oids) == 1:
+            self.measure(oids[0], req.tokens)
+
+    def measure(self, oid: int, tokens: list[int]) -> None:
+        """A pred appending `tokens` to an object whose last raw row's argmax was noted:
+        one more hit or miss for its rate."""
+        if oid in self.guesses:
+            told, rate = self.guesses[oid]
+            hit = len(tokens) == 1 and tokens[0] == told
+            self.guesses[oid] = (told, 0.75 * rate + 0.25 * hit)
 
     def forget(self, oid: int) -> None:
         self.guesses.pop(oid, None)
@@ -160,6 +165,7 @@ class Speculation:
             return
         spec = Call(done.session, done.oid, total=1, uid=done.uid, identity=b"", rid=-1,
                     tokens=[token], outputs=[0], sample=done.sample,
+                    sample_wire=done.sample_wire,
                     generator=sampling.make_generator(done.sample), speculative=True)
         self.scheduler.submit(spec, now)
         self._put(spec)
@@ -181,6 +187,26 @@ class Speculation:
                 and call.outputs == [0] and call.sample == spec.sample
                 and call.allowed is None and not call.topk)
 
+    def computed_for(self, sid: int, oid: int, header: dict) -> Call | None:
+        """The computed (`parked`) speculation on `oid` that the raw pred map `header` of
+        session `sid` takes, where the full path (decode_request, the pred handler,
+        `claim`) would accept the map and give it that speculation: no fields but op, rid,
+        cap, tokens, sample and into; rid, into and the one token plain ints, the token
+        the speculation's; the sample map the one its chain began with, key for key, of
+        the same values and types. None: the full path decides. The caller checks the
+        capability and the call limits as the full path does."""
+        spec = self.by_oid.get(oid)
+        if spec is None or not spec.parked or spec.session != sid \
+                or not header.keys() <= QUICK_FIELDS:
+            return None
+        tokens, sample = header.get("tokens"), header.get("sample")
+        if (type(tokens) is not list or len(tokens) != 1 or type(tokens[0]) is not int
+                or tokens[0] != spec.tokens[0] or type(header.get("rid")) is not int
+                or type(header.get("into", -1)) is not int
+                or not _same_map(sample, spec.sample_wire)):
+            return None
+        return spec
+
     def claim(self, call: Call) -> Call | None:
         """Give `call` its object's speculation if it matches; None when nothing does (a
         speculation there is discarded). The speculation becomes `call` (its client, its
@@ -193,11 +219,18 @@ class Speculation:
         if not self.matches(spec, call):
             self.discard(call.oid)
             return None
-        self._take(call.oid)
+        return self.take(spec, call.identity, call.rid, call.generator, call.buffer,
+                         call.into)
+
+    def take(self, spec: Call, identity: bytes, rid: int, generator, buffer,
+             into: int) -> Call:
+        """`spec` becomes the call of the client `identity` (its request `rid`, its
+        generator, its logits buffer slot)."""
+        self._take(spec.oid)
         self.stats.hits += 1
         spec.speculative = False
-        spec.identity, spec.rid, spec.generator = call.identity, call.rid, call.generator
-        spec.buffer, spec.into = call.buffer, call.into
+        spec.identity, spec.rid, spec.generator = identity, rid, generator
+        spec.buffer, spec.into = buffer, into
         return spec
 
     # ------------------------------------------------------------ dropping them
@@ -270,3 +303,11 @@ class Speculation:
             problems.append(f"speculations counted per session and uid {self._of_session}, "
                             f"{self._of_uid}; found {counted}")
         return problems
+
+
+def _same_map(got: object, kept: dict | None) -> bool:
+    """Whether `got` is `kept` (None, or a map of the same keys, values and types)."""
+    if got is None or kept is None:
+        return got is None and kept is None
+    return (type(got) is dict and got.keys() == kept.keys()
+            and all(type(v) is type(kept[k]) and v == kept[k] for k, v in got.items()))

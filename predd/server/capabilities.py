@@ -66,6 +66,9 @@ class Capabilities:
             self._per_session.setdefault(session, {})[cap.token] = None
         return cap
 
+    def find(self, token: str) -> Capability | None:
+        return self._caps.get(token)
+
     def lookup(self, token: str, write: bool = False) -> Capability:
         cap = self._caps.get(token) if isinstance(token, str) else None
         if cap is None:

@@ -33,7 +33,7 @@ def pred(e: Engine, s: Session, r: p.Pred, extra: list[bytes],
     sample = p.SampleParams.from_wire(r.sample)
     return _submit(e, Call(s.sid, cap.oid, total=max(n, 1), uid=s.uid, identity=s.identity,
                            rid=r.rid, tokens=list(r.tokens), positions=r.positions,
-                           outputs=outputs, sample=sample,
+                           outputs=outputs, sample=sample, sample_wire=r.sample,
                            allowed=sampling.mask_tensor(r.mask, e.vocab), topk=r.topk,
                            into=r.into if s.logits is not None else -1, buffer=s.logits,
                            generator=sampling.make_generator(sample)), now)

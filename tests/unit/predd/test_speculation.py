@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.unit.engine_fakes import Harness, VOCAB
+from tests.unit.engine_fakes import ME, Harness, VOCAB
 
 A, B = b"a", b"b"
 GREEDY = {"temperature": 0.0}
@@ -119,6 +119,69 @@ def test_anything_but_the_matching_call_discards_it_unseen():
         before = spec_stats(h)["misses"]
         h.ok(A, "pred", cap=kv, **fields)
         assert spec_stats(h)["misses"] == before + 1, fields
+    h.clean()
+
+
+def computed(h: Harness, prompt=(3, 4), sample=GREEDY) -> tuple[str, int]:
+    """A cache whose pred_sample was answered: its next step computed and parked."""
+    kv = h.ok(A, "kv_create")["cap"]
+    token = h.ok(A, "pred", cap=kv, tokens=list(prompt), sample=sample)["tokens"][0]
+    assert h.engine.speculation.by_oid[h.engine.caps.lookup(kv).oid].parked
+    return kv, token
+
+
+def test_the_loops_next_call_takes_a_computed_step_without_a_request_record(monkeypatch):
+    """The exact next call of a pred_sample loop is answered from its map
+    (Speculation.computed_for): no request record, no call built, the same answer."""
+    import symphony_protocol as p
+    h = Harness()
+    kv, token = computed(h)
+    decoded = []
+    real = p.decode_request
+    monkeypatch.setattr(p, "decode_request",
+                        lambda head: decoded.append(head["op"]) or real(head))
+    got = [token]
+    for _ in range(5):
+        got.append(h.ok(A, "pred", cap=kv, tokens=[got[-1]], sample=GREEDY)["tokens"][0])
+    assert spec_stats(h)["hits"] == 5 and decoded == ["stats"]
+    # the same values of other types (0 for 0.0) go the full way, and take it there
+    got.append(h.ok(A, "pred", cap=kv, tokens=[got[-1]], sample={"temperature": 0})
+               ["tokens"][0])
+    assert decoded == ["stats", "pred"] and spec_stats(h)["hits"] == 6
+    off = Harness(speculate=False)
+    assert loop(off, 6, prompt=(3, 4))[1] == got
+    h.ok(A, "fsck")
+    h.clean()
+
+
+def test_a_map_the_full_path_refuses_is_refused_the_same_with_a_step_computed():
+    """Fields the pred request does not have, or of other types, get the full path's
+    errno even where the computed speculation would otherwise be taken."""
+    for fields, code in (({"bogus": 1}, "EINVAL"), ({"tokens": [True]}, "EINVAL"),
+                         ({"rid": True}, "EINVAL"), ({"into": "0"}, "EINVAL"),
+                         ({"sample": {"temperature": False}}, "EINVAL"),
+                         ({"sample": {"temperature": 0.0, "nope": 1}}, "EINVAL"),
+                         ({"cap": "forged"}, "EBADF")):
+        h = Harness()
+        kv, token = computed(h)
+        head = {"op": "pred", "rid": 77, "cap": kv, "tokens": [token], "sample": GREEDY,
+                **fields}
+        before = len(h.replies)
+        h.engine.handle(A, [msgpack.packb(head)], 0.0, ME)
+        (reply,) = [r for _, r, _ in h.replies[before:]]
+        assert not reply["ok"] and reply["error"]["code"] == code, (fields, reply)
+        h.ok(A, "fsck")
+        h.clean()
+
+
+def test_a_read_only_capability_cannot_take_a_computed_step():
+    h = Harness()
+    kv, token = computed(h)
+    ro = h.ok(A, "kv_grant", cap=kv, rights="r")["cap"]    # names the object: discards
+    h.ok(A, "pred", cap=kv, tokens=[3], sample=GREEDY)       # computed again
+    reply = h.call(A, "pred", cap=ro, tokens=[token], sample=GREEDY)
+    assert reply["error"]["code"] == "EACCES"
+    h.ok(A, "fsck")
     h.clean()
 
 
