@@ -3,6 +3,7 @@ sends, `decode_reply` turns a received map back into the record."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -21,7 +22,7 @@ class Reply:
     ok: ClassVar[bool] = True
 
     def fields(self) -> dict:
-        return {f.name: _wire_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {name: _wire_value(getattr(self, name)) for name in _names(type(self))}
 
     def frames(self) -> list[bytes]:
         return []
@@ -53,9 +54,15 @@ def _one_frame(frames: list[bytes], what: str) -> bytes:
     return frames[0]
 
 
+@functools.cache
+def _names(cls: type) -> tuple[str, ...]:
+    """A record's field names, taken apart once per class."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def _wire_value(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if hasattr(type(value), "__dataclass_fields__"):
+        return {name: getattr(value, name) for name in _names(type(value))}
     return value
 
 

@@ -118,9 +118,13 @@ class Call:
 
     def cost(self, pages: int) -> Cost:
         return Cost(computed=self.total, reused=self.reused, pages=pages,
-                    queue_ms=round((self.admitted_at - self.arrival) * 1e3, 3),
-                    step_ms=round(self.step_s * 1e3, 3), swapped_in=self.swapped_in,
-                    swap_ms=round(self.swap_s * 1e3, 3))
+                    queue_ms=_ms(self.admitted_at - self.arrival), step_ms=_ms(self.step_s),
+                    swapped_in=self.swapped_in, swap_ms=_ms(self.swap_s))
+
+
+def _ms(seconds: float) -> float:
+    """Milliseconds to the microsecond (round(x, 3) costs a few microseconds a call)."""
+    return int(seconds * 1e6 + 0.5) / 1e3
 
 
 def admit(call: Call, store: KVStore, quotas: Quotas, limits: Limits,
