@@ -14,6 +14,7 @@ the text (stop strings cut out) and the finish reason.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -232,20 +233,25 @@ def without_eos() -> bytes:
 
 def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens: int,
                     sample: dict, stops: list[str], emit=None, ignore_eos: bool = False,
-                    min_tokens: int = 0) -> None:
+                    min_tokens: int = 0, pending: Sequence[int] = ()) -> None:
     """predd's own loop (sampling, EOS and stop strings inside predd), in one call: a
     cancelled request (or a stop string seen here first) leaves the stream, which
-    cancels the generate in predd after its current step. `ignore_eos`: EOS ends nothing
-    (it is sampled like any token and left out of the text); `min_tokens`: the first
-    that many tokens are sampled with EOS masked out, one `pred_sample` each, as vLLM
-    masks it. A generate that predd stops for want of room (openai_lip/room.py) goes on
-    from its last token once there is room; a seeded one with the seed moved on by the
-    tokens so far."""
+    cancels the generate in predd after its current step. `pending`: the prompt's tokens
+    before `last` not yet in the cache, computed by the first call with `last` (so the
+    step that finishes the prompt picks the first token, as vLLM's does). `ignore_eos`:
+    EOS ends nothing (it is sampled like any token and left out of the text);
+    `min_tokens`: the first that many tokens are sampled with EOS masked out, one
+    `pred_sample` each, as vLLM masks it. A generate that predd stops for want of room
+    (openai_lip/room.py) goes on from its last token once there is room; a seeded one
+    with the seed moved on by the tokens so far."""
     ch.kv = kv
+    pending = list(pending)
     if min_tokens and not ignore_eos:
-        last = _without_eos(req, last, ch, min(min_tokens, max_tokens), sample, emit)
+        last = _without_eos(req, last, ch, min(min_tokens, max_tokens), sample, emit,
+                            pending)
         if last is None:
             return
+        pending = []
     stop = [*stops] if ignore_eos else [*eos_ids(), *stops]
     while True:
         budget = max_tokens - len(ch.ids)
@@ -257,7 +263,8 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
         out = lip.Generated()
         refused = None
         produced = 0
-        stream = lip.generate_stream(ch.kv, [last], budget, stop=stop, sample=fields, out=out)
+        stream = lip.generate_stream(ch.kv, [*pending, last], budget, stop=stop,
+                                     sample=fields, out=out)
         try:
             for token in stream:
                 req.check()
@@ -277,6 +284,8 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
             stream.close()          # before its end: predd cancels the rest
         req.check()
         ch.add_cost(out.cost)
+        if produced:             # the first token came: the prompt is in the cache
+            pending = []
         if ch.out.stopped:
             ch.finish_reason = "stop"
             return
@@ -294,14 +303,15 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
 
 
 def _without_eos(req: Request, last: int, ch: Choice, count: int, sample: dict,
-                 emit) -> int | None:
-    """`count` tokens sampled with EOS masked out; the last one (to feed on), or None
-    where a stop string ended the choice."""
+                 emit, pending: list[int]) -> int | None:
+    """`count` tokens sampled with EOS masked out (the first call computing `pending`
+    too); the last one (to feed on), or None where a stop string ended the choice."""
     rng = np.random.default_rng(sample["seed"])
     mask = without_eos()
-    for _ in range(count):
+    for i in range(count):
         fields = {**sample, "seed": int(rng.integers(2**31))}
-        s, ch.kv = req.retrying(ch.kv, lambda kv: lip.pred_sample(kv, [last], fields,
+        tokens = [*pending, last] if i == 0 else [last]
+        s, ch.kv = req.retrying(ch.kv, lambda kv: lip.pred_sample(kv, tokens, fields,
                                                                    mask=mask))
         req.check()
         ch.add_cost(s.cost)

@@ -13,6 +13,10 @@ system prompt or conversation is computed once. Policy, all the program's own:
 * at most `max_files` files, least recently used removed first (`rm`: their pages go
   back to predd's pool unless a request still holds a fork); all of them when predd
   has no room for a request's call (openai_lip/room.py).
+* the calls to predd and the mount are made outside the cache's lock (predd answers
+  between steps: a call under it would let one request through a step); a request
+  answers before its file is saved, having promised it (`promise`, `keep`), and a
+  lookup that a promised file would serve better waits for it (at most COMING_WAIT_S).
 The token lists are kept in memory and read back from the files at start-up
 (`kv_tokens`), so the cache survives a restart of the program (and of the daemons, for
 files that were `sync`ed).
@@ -23,10 +27,14 @@ import collections
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import liblip as lip
+
+
+COMING_WAIT_S = 2.0   # the longest a lookup waits for a promised file (then computes)
 
 
 @dataclass
@@ -54,7 +62,11 @@ class PrefixCache:
         self.max_files = max_files
         self.min_tokens = min_tokens
         self.entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()        # held for no call to predd or the mount
+        self.changed = threading.Condition(self.lock)   # a promised file came
+        self.saving: set[str] = set()       # files being saved
+        self.coming: dict[int, Entry] = {}  # promised files, by promise
+        self._promises = 0
         os.makedirs(folder, mode=0o700, exist_ok=True)
         self._load()
 
@@ -71,19 +83,34 @@ class PrefixCache:
 
     def lookup(self, scope: str, tokens: list[int]) -> tuple[lip.KV, int]:
         """A fresh read-write cache holding the longest cached prefix of `tokens` (at
-        most all of them), and that prefix's length (0: an empty cache)."""
+        most all of them), and that prefix's length (0: an empty cache). Where a file
+        promised (`promise`) would hold a longer prefix than any kept, it waits for that
+        file, up to COMING_WAIT_S."""
         tag = scope_tag(scope)
+        deadline = time.monotonic() + COMING_WAIT_S
         with self.lock:
-            best, best_len = None, 0
-            for path, e in self.entries.items():
-                if e.scope == tag:
-                    n = common_prefix(e.tokens, tokens)
-                    if n > best_len:
-                        best, best_len = path, n
-            if best is None or best_len < self.min_tokens:
-                return lip.kv_create(), 0
-            self.entries.move_to_end(best)
-            stored = len(self.entries[best].tokens)
+            while True:
+                best, best_len = None, 0
+                for path, e in self.entries.items():
+                    if e.scope == tag:
+                        n = common_prefix(e.tokens, tokens)
+                        if n > best_len:
+                            best, best_len = path, n
+                left = deadline - time.monotonic()
+                if left <= 0 or not any(
+                        e.scope == tag and common_prefix(e.tokens, tokens) > max(
+                            best_len, self.min_tokens - 1) for e in self.coming.values()):
+                    break
+                self.changed.wait(left)
+            if best is not None and best_len >= self.min_tokens:
+                self.entries.move_to_end(best)
+                stored = len(self.entries[best].tokens)
+            else:
+                best = None
+        # predd answers between steps: a call made under the lock would let one request
+        # through a step
+        if best is None:
+            return lip.kv_create(), 0
         try:
             with lip.kv_open(best) as src:
                 kv = lip.kv_fork(src)
@@ -95,31 +122,54 @@ class PrefixCache:
             lip.kv_truncate(kv, best_len)
         return kv, best_len
 
+    def promise(self, scope: str, tokens: list[int]) -> int:
+        """A file beginning with `tokens` is coming (`keep`): a request can answer before
+        its file is saved (a save is calls through the mount to predd, each answered
+        between steps), and a lookup the file would serve better still finds it."""
+        with self.lock:
+            self._promises += 1
+            self.coming[self._promises] = Entry(scope_tag(scope), list(tokens))
+            return self._promises
+
+    def keep(self, promise: int, scope: str, kv: lip.KV) -> str | None:
+        """Save `kv` as promised (`store`); the promise ends whatever happens."""
+        try:
+            return self.store(scope, kv, lip.kv_tokens(kv))
+        finally:
+            with self.lock:
+                self.coming.pop(promise, None)
+                self.changed.notify_all()
+
     def store(self, scope: str, kv: lip.KV, tokens: list[int]) -> str | None:
         """Keep `kv` (holding exactly `tokens`) as a file; returns its path, or None
         when it adds nothing."""
         if len(tokens) < self.min_tokens:
             return None
         tag = scope_tag(scope)
+        digest = hashlib.sha256(repr(tokens).encode()).hexdigest()[:24]
+        path = os.path.join(self.folder, f"{tag}-{digest}.kv")
         with self.lock:
-            covered = []
-            for path, e in self.entries.items():
-                if e.scope != tag:
-                    continue
-                n = common_prefix(e.tokens, tokens)
-                if n == len(tokens):                # already have it (or more)
-                    self.entries.move_to_end(path)
+            if path in self.saving:                 # another request is saving it
+                return None
+            for old, e in self.entries.items():
+                if e.scope == tag and common_prefix(e.tokens, tokens) == len(tokens):
+                    self.entries.move_to_end(old)   # already have it (or more)
                     return None
-                if n == len(e.tokens):              # the new one extends this file
-                    covered.append(path)
-            digest = hashlib.sha256(repr(tokens).encode()).hexdigest()[:24]
-            path = os.path.join(self.folder, f"{tag}-{digest}.kv")
+            self.saving.add(path)
+        try:                  # the calls outside the lock, as in lookup
             lip.kv_save(kv, path)
+        finally:
+            with self.lock:
+                self.saving.discard(path)
+        with self.lock:
             self.entries[path] = Entry(tag, list(tokens))
-            for old in covered:
-                self._remove(old)
+            gone = [old for old, e in self.entries.items() if old != path and e.scope == tag
+                    and common_prefix(e.tokens, tokens) == len(e.tokens)]   # it extends
+            for old in gone:
+                self.entries.pop(old)
             while len(self.entries) > self.max_files:
-                self._remove(next(iter(self.entries)))
+                gone.append(self.entries.popitem(last=False)[0])
+        self._unlink(gone)
         return path
 
     def drop_all(self) -> bool:
@@ -127,13 +177,14 @@ class PrefixCache:
         request's fork still holds); False when there was none."""
         with self.lock:
             paths = list(self.entries)
-            for path in paths:
-                self._remove(path)
+            self.entries.clear()
+        self._unlink(paths)
         return bool(paths)
 
-    def _remove(self, path: str) -> None:
-        self.entries.pop(path, None)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    @staticmethod
+    def _unlink(paths: list[str]) -> None:
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass

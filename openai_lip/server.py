@@ -12,9 +12,12 @@ thread per request:
 
 How it uses the system calls:
 * the prompt's longest cached prefix comes from a cache file it keeps under the mount
-  (prefix_cache.py: MOUNT/openai/SCOPE-HASH.kv), forked and truncated; the rest is
-  prefilled once; `usage.prompt_tokens_details.cached_tokens` is what was reused;
-* n > 1 forks the prefilled prompt n times (one prefill, n branches, one thread each);
+  (prefix_cache.py: MOUNT/openai/SCOPE-HASH.kv), forked and truncated; the answer's
+  own file is saved after the answer has gone out;
+  `usage.prompt_tokens_details.cached_tokens` is what was reused;
+* n > 1 prefills the rest of the prompt once and forks it n times (n branches, one
+  thread each); n = 1 leaves it to the first `generate`, so the step that ends the
+  prompt picks the first token;
 * plain decoding is predd's own loop (`generate`); top_logprobs and response_format
   take a pred per token: raw logits and/or an llguidance mask (decode.py);
 * a cancelled request stops at its next call and frees its caches;
@@ -181,6 +184,12 @@ class Server:
         base, cached = self.cache.lookup(scope, prompt[:-1])
         req.track(base)
         rest, prefill_cost = prompt[cached:-1], {}
+        if c.n == 1 and not (matchers or c.top_logprobs):   # one generate does it all
+            pending, rest = rest, []
+            if pending:
+                prefill_cost = {"computed": len(pending), "reused": cached}
+        else:
+            pending = []
         while rest:
             try:
                 prefill_cost = lip.prefill(base, rest)
@@ -207,15 +216,24 @@ class Server:
                             c.min_tokens)
             else:
                 decode_generate(req, kvs[i], prompt[-1], ch, max_tokens, sample, c.stop, emit,
-                                c.ignore_eos, c.min_tokens)
+                                c.ignore_eos, c.min_tokens, pending)
 
         run_threads(branch, c.n)
         req.check()
-        try:
-            self.cache.store(scope, choices[0].kv, lip.kv_tokens(choices[0].kv))
-        except (lip.LipError, OSError) as exc:   # a cache that cannot grow fails no answer
-            print(f"openai_lip: prefix cache: {exc}", file=sys.stderr, flush=True)
 
+        # the reply goes before the prefix cache's file is saved (openai_lip/prefix_cache.py)
+        promise = self.cache.promise(scope, prompt + choices[0].ids[:-1])
+        try:
+            self._answer(req, c, cid, prompt, choices, cached, prefill_cost, started)
+        finally:
+            try:
+                self.cache.keep(promise, scope, choices[0].kv)
+            except (lip.LipError, OSError) as exc:   # a cache that cannot grow fails no answer
+                print(f"openai_lip: prefix cache: {exc}", file=sys.stderr, flush=True)
+
+    def _answer(self, req: Request, c: Completion, cid: str, prompt: list[int],
+                choices: list[Choice], cached: int, prefill_cost: dict,
+                started: float) -> None:
         completion = sum(len(ch.ids) for ch in choices)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": completion,
                  "total_tokens": len(prompt) + completion,

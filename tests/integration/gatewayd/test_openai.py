@@ -207,10 +207,12 @@ def test_repeated_system_prompt_is_cached(client, predd, model, server):
     r1 = client.chat.completions.create(model=model, messages=first, max_tokens=8,
                                         temperature=0)
     assert r1.usage.prompt_tokens_details.cached_tokens == 0
-    before = predd.call("stats")["tokens_computed"]
+    before, steps = (predd.call("stats")[k] for k in ("tokens_computed", "steps"))
     r2 = client.chat.completions.create(model=model, messages=second, max_tokens=8,
                                         temperature=0)
     computed = predd.call("stats")["tokens_computed"] - before
+    # one generate computes the rest of the prompt and picks the first token in one step
+    assert predd.call("stats")["steps"] - steps == r2.usage.completion_tokens
     t1, t2 = template(predd, first), template(predd, second)
     shared = common_prefix(t1, t2)
     system_turn = predd.call("chat_template", messages=[system],
