@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import liblip as lip
 
 
-COMING_WAIT_S = 2.0   # the longest a lookup waits for a promised file (then computes)
+COMING_WAIT_S = 10.0   # a backstop: a promised file comes when its save ends (calls, not work)
 
 
 @dataclass
