@@ -14,7 +14,8 @@ with predd's speculative continuation on (`--speculate on`; its default on a CPU
 then `generate` and the `pred_sample` loop on a predd with `--speculate off`; each loop
 is compared with `generate` on the same predd. Each figure is the best of
 --repeat runs; prints one `RESULT {...}` line per N and loop: its tokens/s over
-generate's (the target: pred_sample >= 0.95, pred_loop >= 0.85), with predd's step time.
+generate's (the target: pred_sample >= 0.95, pred_loop >= 0.85), with predd's step time
+and its CPU a request.
 
     python scripts/bench_loop.py [--programs 1,8,16] [--new-tokens 64] [--repeat 3]
 """
@@ -66,9 +67,12 @@ def measure(model: str, args, modes: list[str], *flags: str) -> dict:
     finally:
         daemon.stop()
     spec = after.get("speculation") or {}
+    requests = max(after["requests"] - before["requests"], 1)
+    cpu_us = (after["time_ms"]["requests_cpu"] - before["time_ms"]["requests_cpu"]) * 1e3
     log(f"bench: predd {' '.join(flags) or '(defaults)'}: speculation {spec}, step "
         f"{(after['step_ms'] - before['step_ms']) / max(after['steps'] - before['steps'], 1):.2f}"
-        " ms on average")
+        f" ms on average; {cpu_us / requests:.0f} us of predd's CPU a request in the turns "
+        "that take them in (stats.time_ms.requests_cpu; every mode and N together)")
     return {(mode, n): args.new_tokens * n / best[("processes", n, mode)][0]
             for mode in modes for n in args.programs}
 
