@@ -132,7 +132,10 @@ class Speculation:
         """After a raw one-row pred on `oid`: its argmax, to speculate with where that
         object's calls have been appending the argmax; None where they have not (the
         argmax is noted to measure them)."""
-        token = int(torch.argmax(row))
+        # numpy's argmax over a CPU float32 row: 4 µs against torch's 44 (49,152 entries);
+        # both give the first of equal maxima, and a NaN first
+        token = int(row.numpy().argmax()) if row.device.type == "cpu" and \
+            row.dtype == torch.float32 else int(torch.argmax(row))
         rate = self.guesses.get(oid, (0, HIT_RATE - 0.1))[1]
         self.guesses[oid] = (token, rate)
         return token if rate >= HIT_RATE else None
