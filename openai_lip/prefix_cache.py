@@ -27,7 +27,6 @@ import collections
 import hashlib
 import os
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,6 +64,7 @@ class PrefixCache:
         self.lock = threading.Lock()        # held for no call to predd or the mount
         self.changed = threading.Condition(self.lock)   # a promised file came
         self.saving: set[str] = set()       # files being saved
+        self.removing: set[str] = set()     # files forgotten, being removed
         self.coming: dict[int, Entry] = {}  # promised files, by promise
         self._promises = 0
         os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -87,24 +87,17 @@ class PrefixCache:
         promised (`promise`) would hold a longer prefix than any kept, it waits for that
         file, up to COMING_WAIT_S."""
         tag = scope_tag(scope)
-        deadline = time.monotonic() + COMING_WAIT_S
         with self.lock:
-            while True:
-                best, best_len = None, 0
-                for path, e in self.entries.items():
-                    if e.scope == tag:
-                        n = common_prefix(e.tokens, tokens)
-                        if n > best_len:
-                            best, best_len = path, n
-                left = deadline - time.monotonic()
-                if left <= 0 or not any(
-                        e.scope == tag and common_prefix(e.tokens, tokens) > max(
-                            best_len, self.min_tokens - 1) for e in self.coming.values()):
-                    break
-                self.changed.wait(left)
+            best, best_len = self._best(tag, tokens)
+            awaited = {n for n, e in self.coming.items() if e.scope == tag and
+                       common_prefix(e.tokens, tokens) > max(best_len, self.min_tokens - 1)}
+            if awaited:     # those promises alone: woken by others' saves, it waits on
+                self.changed.wait_for(lambda: awaited.isdisjoint(self.coming), COMING_WAIT_S)
+                best, best_len = self._best(tag, tokens)
             if best is not None and best_len >= self.min_tokens:
                 self.entries.move_to_end(best)
-                stored = len(self.entries[best].tokens)
+                chosen = self.entries[best]
+                stored = len(chosen.tokens)
             else:
                 best = None
         # predd answers between steps: a call made under the lock would let one request
@@ -114,13 +107,27 @@ class PrefixCache:
         try:
             with lip.kv_open(best) as src:
                 kv = lip.kv_fork(src)
-        except lip.LipError:           # removed meanwhile (by us or by hand)
-            with self.lock:
-                self.entries.pop(best, None)
+        except lip.LipError:
+            # removed meanwhile (by us or by hand): forgotten; refused (no room, the rate
+            # limit): kept, for its pages to go when it is evicted or dropped
+            if not os.path.exists(best):
+                with self.lock:
+                    if self.entries.get(best) is chosen:
+                        del self.entries[best]
             return lip.kv_create(), 0
         if stored > best_len:
             lip.kv_truncate(kv, best_len)
         return kv, best_len
+
+    def _best(self, tag: str, tokens: list[int]) -> tuple[str | None, int]:
+        """The kept file of scope `tag` sharing the longest prefix with `tokens`."""
+        best, best_len = None, 0
+        for path, e in self.entries.items():
+            if e.scope == tag:
+                n = common_prefix(e.tokens, tokens)
+                if n > best_len:
+                    best, best_len = path, n
+        return best, best_len
 
     def promise(self, scope: str, tokens: list[int]) -> int:
         """A file beginning with `tokens` is coming (`keep`): a request can answer before
@@ -149,7 +156,7 @@ class PrefixCache:
         digest = hashlib.sha256(repr(tokens).encode()).hexdigest()[:24]
         path = os.path.join(self.folder, f"{tag}-{digest}.kv")
         with self.lock:
-            if path in self.saving:                 # another request is saving it
+            if path in self.saving or path in self.removing:   # another request's
                 return None
             for old, e in self.entries.items():
                 if e.scope == tag and common_prefix(e.tokens, tokens) == len(tokens):
@@ -169,6 +176,7 @@ class PrefixCache:
                 self.entries.pop(old)
             while len(self.entries) > self.max_files:
                 gone.append(self.entries.popitem(last=False)[0])
+            self.removing.update(gone)
         self._unlink(gone)
         return path
 
@@ -178,13 +186,17 @@ class PrefixCache:
         with self.lock:
             paths = list(self.entries)
             self.entries.clear()
+            self.removing.update(paths)
         self._unlink(paths)
         return bool(paths)
 
-    @staticmethod
-    def _unlink(paths: list[str]) -> None:
+    def _unlink(self, paths: list[str]) -> None:
+        """Remove files already forgotten (in `removing` until they are gone, so that no
+        save of the same tokens is undone by a late unlink)."""
         for path in paths:
             try:
                 os.unlink(path)
             except OSError:
                 pass
+        with self.lock:
+            self.removing.difference_update(paths)

@@ -16,8 +16,9 @@ How it uses the system calls:
   own file is saved after the answer has gone out;
   `usage.prompt_tokens_details.cached_tokens` is what was reused;
 * n > 1 prefills the rest of the prompt once and forks it n times (n branches, one
-  thread each); n = 1 leaves it to the first `generate`, so the step that ends the
-  prompt picks the first token;
+  thread each); n = 1 without top_logprobs or response_format leaves it to the first
+  call of its decoding (`generate`, or with min_tokens its first `pred_sample`), so the
+  step that ends the prompt picks the first token;
 * plain decoding is predd's own loop (`generate`); top_logprobs and response_format
   take a pred per token: raw logits and/or an llguidance mask (decode.py);
 * a cancelled request stops at its next call and frees its caches;
@@ -228,8 +229,9 @@ class Server:
         finally:
             try:
                 self.cache.keep(promise, scope, choices[0].kv)
-            except (lip.LipError, OSError) as exc:   # a cache that cannot grow fails no answer
-                print(f"openai_lip: prefix cache: {exc}", file=sys.stderr, flush=True)
+            except Exception as exc:   # noqa: BLE001 - answered already: a cache that
+                print(f"openai_lip: prefix cache: {exc!r}",   # cannot grow fails nothing
+                      file=sys.stderr, flush=True)
 
     def _answer(self, req: Request, c: Completion, cid: str, prompt: list[int],
                 choices: list[Choice], cached: int, prefill_cost: dict,

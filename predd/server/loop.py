@@ -140,15 +140,17 @@ class Server:
     def _drain(self) -> None:
         """Handle waiting messages: the streams' (at most DRAIN_MAX), then ZeroMQ's.
         `emptied_at` moves, to the moment before the streams were looked at, only when
-        both were left with nothing. The turn's wall and thread CPU time are counted once
-        (a thread's CPU clock is a system call: not one a message)."""
-        started, cpu = time.monotonic(), time.thread_time()
+        both were left with nothing. A turn that handled messages has its wall and thread
+        CPU time counted once (a thread's CPU clock is a system call: not one a message);
+        an empty one is not counted."""
+        counters = self.engine.counters
+        started, cpu, handled = time.monotonic(), time.thread_time(), counters.requests
         try:
             self._drain_from(started)
         finally:
-            times = self.engine.counters.time_s
-            times["requests"] += time.monotonic() - started
-            times["requests_cpu"] += time.thread_time() - cpu
+            if counters.requests != handled:
+                counters.time_s["requests"] += time.monotonic() - started
+                counters.time_s["requests_cpu"] += time.thread_time() - cpu
 
     def _drain_from(self, started: float) -> None:
         deadline = started + DRAIN_S

@@ -130,3 +130,21 @@ def test_a_longer_file_replaces_the_one_it_extends_and_the_oldest_go(tmp_path, f
     b = cache.store("bob", PROMPT, PROMPT)
     c = cache.store("carol", PROMPT, PROMPT)
     assert list(cache.entries) == [b, c] and not os.path.exists(longer)
+
+
+def test_a_refused_fork_keeps_the_file_and_a_vanished_one_is_forgotten(tmp_path, fake):
+    """A file whose fork predd refused (no room, the rate limit) keeps its entry, so its
+    pages still go when it is evicted or dropped; one gone from the disk is forgotten."""
+    cache = PrefixCache(str(tmp_path))
+    path = cache.store("alice", PROMPT, PROMPT)
+
+    def refuse(kv):
+        raise fake.LipError("ENOSPC", "no room")
+    pc.lip.kv_fork = refuse
+    assert cache.lookup("alice", PROMPT + [1]) == ([], 0)
+    assert list(cache.entries) == [path]
+    pc.lip.kv_fork = fake.kv_fork
+    os.unlink(path)
+    del fake.files[path]
+    assert cache.lookup("alice", PROMPT + [1]) == ([], 0)
+    assert cache.entries == {}

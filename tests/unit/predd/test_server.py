@@ -24,6 +24,7 @@ class FakeEngine:
 
     def handle(self, identity: bytes, frames: list[bytes], now: float, peer: Peer) -> None:
         self.seen.append((identity, frames, peer))
+        self.counters.requests += 1
 
 
 @pytest.fixture
@@ -93,6 +94,9 @@ def test_a_turns_time_is_read_once_not_once_a_message(server, monkeypatch):
     assert len(server.engine.seen) == 20 and len(reads) == 2
     assert server.engine.counters.time_s["requests_cpu"] == 0.25
     assert server.engine.counters.time_s["requests"] > 0
+    ticks = iter([11.0, 12.0])
+    server._drain()                      # nothing waiting: a turn not counted
+    assert server.engine.counters.time_s["requests_cpu"] == 0.25
     sock.close()
 
 
