@@ -150,8 +150,7 @@ class Intake:
         """The pred map `header` takes its object's computed speculation, answered as the
         full path would answer it, without a request record or a call made for it
         (Speculation.computed_for says when); whether it was. Errors are the full path's."""
-        token = header.get("cap")
-        cap = self.caps.find(token) if isinstance(token, str) else None
+        cap = self.caps.find(header.get("cap"))
         if cap is None or not cap.writable or self.deferred.holds(cap.oid):
             return False             # the full path says why, or holds it
         spec = self.speculation.computed_for(session.sid, cap.oid, header)

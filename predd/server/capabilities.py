@@ -66,11 +66,12 @@ class Capabilities:
             self._per_session.setdefault(session, {})[cap.token] = None
         return cap
 
-    def find(self, token: str) -> Capability | None:
-        return self._caps.get(token)
+    def find(self, token: object) -> Capability | None:
+        """The capability `token` names, if any (a token of another type names none)."""
+        return self._caps.get(token) if isinstance(token, str) else None
 
     def lookup(self, token: str, write: bool = False) -> Capability:
-        cap = self._caps.get(token) if isinstance(token, str) else None
+        cap = self.find(token)
         if cap is None:
             raise ProtocolError("EBADF", "no such capability (forged, revoked or expired)")
         if write and not cap.writable:
