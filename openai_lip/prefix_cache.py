@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import os
 import threading
 from collections.abc import Sequence
@@ -63,10 +64,9 @@ class PrefixCache:
         self.entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()
         self.lock = threading.Lock()        # held for no call to predd or the mount
         self.changed = threading.Condition(self.lock)   # a promised file came
-        self.saving: set[str] = set()       # files being saved
-        self.removing: set[str] = set()     # files forgotten, being removed
+        self.moving: set[str] = set()       # files being saved or removed: not saved anew
         self.coming: dict[int, Entry] = {}  # promised files, by promise
-        self._promises = 0
+        self._promises = itertools.count(1)
         os.makedirs(folder, mode=0o700, exist_ok=True)
         self._load()
 
@@ -133,10 +133,10 @@ class PrefixCache:
         """A file beginning with `tokens` is coming (`keep`): a request can answer before
         its file is saved (a save is calls through the mount to predd, each answered
         between steps), and a lookup the file would serve better still finds it."""
+        promise = next(self._promises)
         with self.lock:
-            self._promises += 1
-            self.coming[self._promises] = Entry(scope_tag(scope), list(tokens))
-            return self._promises
+            self.coming[promise] = Entry(scope_tag(scope), list(tokens))
+        return promise
 
     def keep(self, promise: int, scope: str, kv: lip.KV) -> str | None:
         """Save `kv` as promised (`store`); the promise ends whatever happens."""
@@ -156,18 +156,18 @@ class PrefixCache:
         digest = hashlib.sha256(repr(tokens).encode()).hexdigest()[:24]
         path = os.path.join(self.folder, f"{tag}-{digest}.kv")
         with self.lock:
-            if path in self.saving or path in self.removing:   # another request's
+            if path in self.moving:                 # another request saves or removes it
                 return None
             for old, e in self.entries.items():
                 if e.scope == tag and common_prefix(e.tokens, tokens) == len(tokens):
                     self.entries.move_to_end(old)   # already have it (or more)
                     return None
-            self.saving.add(path)
+            self.moving.add(path)
         try:                  # the calls outside the lock, as in lookup
             lip.kv_save(kv, path)
         finally:
             with self.lock:
-                self.saving.discard(path)
+                self.moving.discard(path)
         with self.lock:
             self.entries[path] = Entry(tag, list(tokens))
             gone = [old for old, e in self.entries.items() if old != path and e.scope == tag
@@ -176,7 +176,7 @@ class PrefixCache:
                 self.entries.pop(old)
             while len(self.entries) > self.max_files:
                 gone.append(self.entries.popitem(last=False)[0])
-            self.removing.update(gone)
+            self.moving.update(gone)
         self._unlink(gone)
         return path
 
@@ -186,12 +186,12 @@ class PrefixCache:
         with self.lock:
             paths = list(self.entries)
             self.entries.clear()
-            self.removing.update(paths)
+            self.moving.update(paths)
         self._unlink(paths)
         return bool(paths)
 
     def _unlink(self, paths: list[str]) -> None:
-        """Remove files already forgotten (in `removing` until they are gone, so that no
+        """Remove files already forgotten (in `moving` until they are gone, so that no
         save of the same tokens is undone by a late unlink)."""
         for path in paths:
             try:
@@ -199,4 +199,4 @@ class PrefixCache:
             except OSError:
                 pass
         with self.lock:
-            self.removing.difference_update(paths)
+            self.moving.difference_update(paths)

@@ -118,7 +118,7 @@ def test_a_failed_save_ends_its_promise(tmp_path, fake):
     pc.lip.kv_save = refuse
     with pytest.raises(fake.LipError):
         cache.keep(promise, "alice", list(PROMPT))
-    assert cache.coming == {} and cache.saving == set() and cache.entries == {}
+    assert cache.coming == {} and cache.moving == set() and cache.entries == {}
 
 
 def test_a_longer_file_replaces_the_one_it_extends_and_the_oldest_go(tmp_path, fake):
