@@ -5,8 +5,8 @@ only one waiting reads the socket itself: a program calling pred() in a loop fro
 thread sends and receives on that thread, with no hand-off to another. While several
 calls wait, the keeper thread reads for all of them and puts each reply in the queue of
 the request it answers; when one waiter is left, it hands the socket to it. A request is
-sent by its own thread when the socket is free, else handed to the reader through an
-inproc PUSH socket that the reader polls too. (One thread's round trip is shorter and
+sent by its own thread when the socket is free, else handed to the reader through a
+queue and an eventfd that the reader polls too. (One thread's round trip is shorter and
 takes less CPU this way than through an I/O thread, and many threads' the same;
 measured: docs/kernels.md, "liblip's client reads on the calling thread".)
 
@@ -35,6 +35,7 @@ import collections
 import itertools
 import os
 import queue
+import select
 import socket
 import sys
 import threading
@@ -108,16 +109,21 @@ class Client:
         self._stream_reader: Reader | None = None
         self._stream_writer: Writer | None = None
         self._stream_error: LipError | None = None   # why predd refused the stream
-        self._pull = self._ctx.socket(zmq.PULL)            # requests handed to the reader
-        self._pull.bind(f"inproc://liblip-{id(self)}")
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.connect(f"inproc://liblip-{id(self)}")
-        self._push_lock = threading.Lock()
-        self._poller = zmq.Poller()
-        for sock in (self._dealer, self._pull, self._monitor):
-            self._poller.register(sock, zmq.POLLIN)
+        # requests handed to the reader by callers that found the socket busy, and the
+        # eventfd that wakes its poll for them
+        self._handed: collections.deque[tuple[int, list]] = collections.deque()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # On the stream the reader waits on two descriptors with poll(2); through
+        # ZeroMQ on its sockets too (zmq_poll costs a few syscalls more a wait).
+        self._poller: select.poll | zmq.Poller = select.poll()
+        self._in, self._out = select.POLLIN, select.POLLOUT
+        self._poller.register(self._wake, self._in)
         if self._stream_path is None or not self._open_stream(first=True):
             self._stream_path = None
+            self._poller = zmq.Poller()
+            self._in, self._out = POLLIN, POLLOUT
+            for sock in (self._dealer, self._monitor, self._wake):
+                self._poller.register(sock, self._in)
             self._dealer.connect(self.addr)
         # (rid, message) not sent yet; -1: no caller waits (ping, a reconnection's hello)
         self._outbox: collections.deque[tuple[int, list]] = collections.deque()
@@ -170,8 +176,8 @@ class Client:
             finally:
                 self._sock_lock.release()
         else:                                   # the reader sends it
-            with self._push_lock:
-                self._push.send_multipart([rid.to_bytes(8, "little"), *message], copy=False)
+            self._handed.append((rid, message))
+            os.eventfd_write(self._wake, 1)
         return rid, inbox
 
     def _get(self, rid: int, inbox: queue.SimpleQueue, timeout: float | None) -> tuple[dict, list]:
@@ -322,13 +328,13 @@ class Client:
         self._wanted.set()
         self._thread.join(timeout=5)
         self._fail_all(LipError("EBADF", "client is closed"))
-        with self._push_lock:
-            self._push.send_multipart([b""])    # wakes a reader's poll: it sees the error
+        os.eventfd_write(self._wake, 1)        # wakes a reader's poll: it sees the error
         with self._sock_lock:
-            for sock in (self._dealer, self._monitor, self._pull, self._push):
+            for sock in (self._dealer, self._monitor):
                 sock.close(0)
             if self._stream is not None:
                 self._stream.close()
+            os.close(self._wake)
         self._ctx.term()
 
     # ------------------------------------------------------------ the socket
@@ -390,7 +396,7 @@ class Client:
         sock.setblocking(False)
         self._stream, self._stream_reader = sock, Reader(MAX_REPLY_BYTES)
         self._stream_writer = Writer(sock)
-        self._poller.register(sock.fileno(), POLLIN)
+        self._poller.register(sock.fileno(), self._in)
         self._connected = True
         self._last_heard = time.monotonic()
         return True
@@ -431,14 +437,14 @@ class Client:
         except OSError:
             return False          # closed: seen by the next read
         if len(writer) and not waited:   # the rest when the socket takes it
-            self._poller.register(self._stream.fileno(), POLLIN | POLLOUT)
+            self._poller.register(self._stream.fileno(), self._in | self._out)
         return True
 
     def _flush(self, now: float) -> None:
         if self._stream_writer is not None and len(self._stream_writer):
             try:
                 if self._stream_writer.flush():
-                    self._poller.register(self._stream.fileno(), POLLIN)
+                    self._poller.register(self._stream.fileno(), self._in)
             except OSError:
                 pass              # closed: seen by the next read
         while self._outbox:
@@ -455,10 +461,10 @@ class Client:
         waiting calls when predd is gone."""
         events = dict(self._poller.poll(wait_s * 1e3))
         now = time.monotonic()
-        if self._pull in events:
-            self._outbox.extend((int.from_bytes(f[0], "little"), f[1:])
-                                for f in _received(self._pull, self._pull.recv_multipart)
-                                if f != [b""])        # [b""]: a wake-up from _shutdown
+        if self._wake in events:
+            os.eventfd_read(self._wake)          # (before taking what it announced)
+            while self._handed:
+                self._outbox.append(self._handed.popleft())
         if self._stream is not None and self._stream.fileno() in events:
             self._read_stream(now)
         self._flush(now)
