@@ -68,11 +68,13 @@ class Workload:
     teardown: Callable[[], None] = lambda: None
 
 
-def _report(out, i: int, run: Callable[[], list[int]]) -> None:
+def _report(out, i: int, run: Callable[[], list[int]], clock: Callable[[], float]) -> None:
+    """Puts (i, the ids or why not, the CPU seconds `clock` counted during the run)."""
+    started = clock()
     try:
-        out.put((i, run()))
+        out.put((i, run(), clock() - started))
     except BaseException as e:       # the parent must hear of it, not wait forever
-        out.put((i, f"{type(e).__name__}: {e}"))
+        out.put((i, f"{type(e).__name__}: {e}", 0.0))
 
 
 def _prepared(w: Workload, prompts: list[list[int]], start, out) -> list | None:
@@ -90,7 +92,7 @@ def _as_process(w: Workload, i: int, prompt: list[int], start, out) -> None:
     runs = _prepared(w, [prompt], start, out)
     if runs:
         start.wait(START_TIMEOUT_S)
-        _report(out, i, runs[0])
+        _report(out, i, runs[0], time.process_time)   # its liblip threads' too
         w.teardown()
 
 
@@ -102,7 +104,7 @@ def _as_threads(w: Workload, prompts: list[list[int]], start, out) -> None:
 
     def body(i: int, run: Callable[[], list[int]]) -> None:
         go.wait()
-        _report(out, i, run)
+        _report(out, i, run, time.thread_time)
     threads = [threading.Thread(target=body, args=(i, r)) for i, r in enumerate(runs)]
     for t in threads:
         t.start()
@@ -113,8 +115,10 @@ def _as_threads(w: Workload, prompts: list[list[int]], start, out) -> None:
     w.teardown()
 
 
-def run_programs(as_: str, w: Workload, prompts: list[list[int]]) -> tuple[float, list]:
-    """Seconds from the common start until every program has its ids; ids by prompt."""
+def run_programs(as_: str, w: Workload, prompts: list[list[int]]
+                 ) -> tuple[float, list, float]:
+    """Seconds from the common start until every program has its ids; ids by prompt; the
+    programs' CPU seconds in their timed parts (as threads: each program's own thread)."""
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     if as_ == "processes":
@@ -132,7 +136,11 @@ def run_programs(as_: str, w: Workload, prompts: list[list[int]]) -> tuple[float
         except threading.BrokenBarrierError:
             raise RuntimeError(f"a program failed before the start: {out.get(timeout=5)[1]}")
         t0 = time.perf_counter()
-        results = dict(out.get(timeout=START_TIMEOUT_S) for _ in prompts)
+        results, cpu = {}, 0.0
+        for _ in prompts:
+            i, ids, seconds = out.get(timeout=START_TIMEOUT_S)
+            results[i] = ids
+            cpu += seconds
         elapsed = time.perf_counter() - t0
     finally:
         for proc in procs:
@@ -142,7 +150,7 @@ def run_programs(as_: str, w: Workload, prompts: list[list[int]]) -> tuple[float
     failed = [r for r in results.values() if isinstance(r, str)]
     if failed:
         raise RuntimeError(f"{len(failed)} program(s) failed, e.g. {failed[0]}")
-    return elapsed, [results[i] for i in range(len(prompts))]
+    return elapsed, [results[i] for i in range(len(prompts))], cpu
 
 
 def symphony(mode: str, addr: str, n_new: int) -> Workload:
@@ -210,7 +218,7 @@ def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
                 run_programs(as_, symphony(mode, addr, 4), prompts[:min(n, 4)])   # warm-up
                 for _ in range(args.repeat):
                     before = stats()
-                    elapsed, outs = run_programs(as_, w, prompts[:n])
+                    elapsed, outs, cpu = run_programs(as_, w, prompts[:n])
                     after = stats()
                     steps = max(after["steps"] - before["steps"], 1)
                     key = (as_, n, mode)
@@ -221,7 +229,8 @@ def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
                         f"mean batch {(after['calls'] - before['calls']) / steps:.1f}, step "
                         f"{(after['step_ms'] - before['step_ms']) / steps:.1f} ms, launch wait "
                         f"{after['launch_wait_ms'] - before['launch_wait_ms']:.0f} ms, "
-                        f"logits rows {changed(before, after, 'logits_rows')}; "
+                        f"logits rows {changed(before, after, 'logits_rows')}, programs' "
+                        f"CPU {cpu * 1e6 / (n * args.new_tokens):.0f} us a token; "
                         f"ms a step: {changed(before, after, 'time_ms', steps)}")
     return results
 
