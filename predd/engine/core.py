@@ -4,9 +4,12 @@ Everything here runs on one thread (the server loop), so there are no locks. Req
 come in through `Intake` (predd/engine/intake.py: sessions, limits at the door, the
 handlers, held changes); pred and generate handlers queue a Call (predd/engine/calls.py)
 that the steps compute. Each step the scheduler admits and plans calls
-(predd/engine/scheduler.py), the runner computes the planned chunks
-(predd/worker/runner.py), completed calls are committed to their objects, and the
-outputs become replies (predd/engine/outputs.py) or a generate's next token.
+(predd/engine/scheduler.py; what a call reserves: `Admission`, predd/engine/admission.py),
+the runner computes the planned chunks (predd/worker/runner.py), completed calls are
+committed to their objects, and the outputs become replies (predd/engine/outputs.py) or
+a generate's next token. An answered pred's next step may be queued before it is asked
+(`Continuation`, predd/engine/continuation.py); a caller may end its call between steps
+(`Cancellation`, predd/engine/cancellation.py).
 
 Failure rule: any exception of one call becomes an errno reply to that call alone (EIO
 for a bug, logged), and its object is put back as it was; a batch that raises runs
@@ -21,34 +24,37 @@ from collections.abc import Callable, Mapping
 import torch
 
 import symphony_protocol as p
-from symphony_protocol import ErrorReply, ProtocolError
 from predd.engine import calls
 from predd.engine import outputs
+from predd.engine.admission import Admission
 from predd.engine.calls import Call
+from predd.engine.cancellation import Cancellation
+from predd.engine.continuation import Continuation
 from predd.engine.chunk import Chunk, chunks_for
 from predd.engine.config import EngineConfig
 from predd.engine.deferred import Deferred
 from predd.engine.intake import Handler, Intake, Send
 from predd.engine.metrics import Counters
 from predd.engine.scheduler import Plan, PlanItem, Scheduler
-from predd.engine.speculation import ROOM_ERRORS, Speculation
+from predd.engine.speculation import Speculation
 from predd.memory.kvstore import KVStore
-from predd.memory.policy import Memory, NoRoom
+from predd.memory.policy import Memory
 from predd.memory.pool import Pool
 from predd.memory.tiers import TierStore
 from predd.model.tokenizer import Tokenizer
 from predd.server.capabilities import Capabilities
 from predd.server.request_limits import Limits
 from predd.server.quotas import Quotas
-from predd.server.sessions import Session, Sessions
+from predd.server.sessions import Sessions
 from predd.worker.runner import Runner
 from predd.worker.tp import RankLost
 
 
-class Engine(Intake):
+class Engine(Intake, Admission, Cancellation, Continuation):
     """predd's state (pool, tiers, store, capabilities, sessions, scheduler, memory
-    policy) and its step loop. `handlers` answer each request record
-    (predd.server.handlers.HANDLERS)."""
+    policy) and its step loop, with the parts that use them: requests in (`Intake`),
+    admission, cancellation and speculative continuation. `handlers` answer each
+    request record (predd.server.handlers.HANDLERS)."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, config: EngineConfig,
                  send: Send, log: Callable[[str], None] = lambda msg: None, *,
@@ -77,66 +83,6 @@ class Engine(Intake):
         self.vocab: int = runner.model_config.vocab_size
         self.limits: Limits = config.limits.resolved(runner.model_config.max_position)
         self.started = time.monotonic()
-
-    # ------------------------------------------------------------ calls
-
-    def _admit(self, call: Call) -> bool | None:
-        """Reserve what the call needs, all or nothing. With no room on the device yet
-        it waits (None: asked again next step) up to `admit_wait_s` from its arrival;
-        then, or on any other error, reply it to this call alone (the object is as it
-        was) and refuse it. While speculations hold pages, a call that finds no room or
-        no quota has them dropped and waits a step."""
-        if call.speculative:
-            return self._admit_speculation(call)
-        try:
-            calls.admit(call, self.store, self.quotas, self.limits, self.memory)
-        except ProtocolError as exc:    # NoRoom among them
-            if exc.code in ROOM_ERRORS and len(self.speculation):
-                self.speculation.drop_all = True     # dropped before the next step
-                return None
-            if not isinstance(exc, NoRoom):
-                self._reply(call.identity, call.rid, ErrorReply.of(exc))
-                return False
-            waited = time.monotonic() - call.arrival
-            if not exc.permanent and waited < self.config.memory.admit_wait_s:
-                if not call.waited:
-                    call.waited = True
-                    self.counters.admission_waits += 1
-                return None
-            self._reply(call.identity, call.rid, ErrorReply.of(exc))
-            return False
-        except Exception as exc:
-            self._reply(call.identity, call.rid, self._errno(exc, f"call {call.rid}"))
-            return False
-        self.counters.tokens_reused += call.reused
-        session = self.sessions.of_sid(call.session)
-        if session is not None:
-            session.tokens_reused += call.reused
-        waited = call.admitted_at - call.arrival
-        self.counters.queue_wait_s += waited
-        self.counters.queue_hist.observe(waited * 1e3)
-        return True
-
-    def _admit_speculation(self, call: Call) -> bool:
-        """A speculation takes only room that is free now (it never moves another
-        object's pages) and gives way to calls waiting for room; refused, it is gone."""
-        obj = self.store.objects.get(call.oid)
-        ok = (self.speculation.by_oid.get(call.oid) is call and not self.speculation.hold_off
-              and obj is not None and not self.memory.off_device(obj)
-              and self.store.pages_needed(call.oid, 1) <= self.pool.available)
-        if ok:
-            try:
-                calls.admit(call, self.store, self.quotas, self.limits, self.memory)
-                return True
-            except Exception:
-                pass
-        self.speculation.gone(call)
-        return False
-
-    def _left(self, call: Call) -> None:
-        """A call left the queue (done, failed, dropped): its unused promise is free."""
-        self.memory.draw(call.promised)
-        call.promised = 0
 
     # ------------------------------------------------------------ the step
 
@@ -276,71 +222,9 @@ class Engine(Intake):
             generated=len(call.generated), finish_reason=reason, cost=call.cost(pages)))
         return True
 
-    def cancel(self, session: Session, rid: int) -> bool:
-        """End `session`'s call `rid` at its word, between steps; whether it had one in
-        flight. A generate that has generated tokens finishes as at `length`
-        (`cancelled`): the token it was to feed back is not computed, so its reserved
-        slot goes and the object keeps the prompt and every generated token but the
-        last. Any other call, or a request held behind a busy object, gets ECANCELED,
-        its object as it was (`calls.undo`)."""
-        for call in self.scheduler.all_calls():
-            if call.session == session.sid and call.rid == rid and not call.speculative:
-                self._cancel(call)
-                self.replay_deferred(time.monotonic())   # what waited behind it goes on
-                return True
-        held = self.deferred.remove(session, rid, kinds=(p.Pred, p.Generate))
-        if held is not None:
-            self._reply(held.identity, rid, ErrorReply(code="ECANCELED",
-                                                       message="cancelled by its caller"))
-        return held is not None
-
-    def _cancel(self, call: Call) -> None:
-        if not (call.generating and call.generated and call.committed == len(call.tokens) - 1):
-            self._fail(call, ProtocolError("ECANCELED", "cancelled by its caller"))
-            return
-        self.store.release_reservation(call.oid)
-        call.tokens.pop()
-        call.positions.pop()
-        call.total -= 1
-        self.scheduler.remove(call)
-        obj = self.store.get(call.oid)
-        every = slice(0, 0) if call.stream else slice(None)   # a stream has had them all
-        self._reply(call.identity, call.rid, p.GenerateReply(
-            tokens=call.generated[every], logprobs=call.logprobs[every],
-            generated=len(call.generated), finish_reason="cancelled",
-            cost=call.cost(len(obj.pages))))
-
     def _pred_reply(self, call: Call, pages: int) -> p.PredReply:
         reply = outputs.pred_reply(call, call.cost(pages))
         if isinstance(reply, p.PredLogits):
             self.counters.logits_rows["buffer" if reply.slot >= 0 else "frame"] += \
                 reply.shape[0]
         return reply
-
-    def claimed(self, spec: Call) -> p.PredReply:
-        """The reply to the call that took the computed speculation `spec` (its client's
-        now; its token committed); the next speculation queued."""
-        try:
-            reply = self._pred_reply(spec, len(self.store.get(spec.oid).pages))
-        except Exception:
-            self.scheduler.remove(spec)     # the caller's error; its object as it was
-            calls.undo(spec, self.store)
-            raise
-        calls.commit(spec, self.store, 1)
-        self.scheduler.remove(spec)
-        self.speculate(spec, reply)
-        return reply
-
-    def speculate(self, done: Call, reply: p.PredReply) -> None:
-        """Queue the next step of `done`'s object with the token it was answered, or the
-        argmax of its logits where that object's calls follow it (speculation.py)."""
-        if isinstance(reply, p.PredSample):
-            token = reply.tokens[0] if len(reply.tokens) == 1 else None
-        elif isinstance(reply, p.PredLogits) and reply.shape[0] == 1 and done.logits:
-            token = self.speculation.guess(done.oid, done.logits[-1][-1])
-        else:
-            return
-        if token is not None and token not in self.tokenizer.eos_ids:   # not past an end
-            self.speculation.offer(done, token, time.monotonic(),
-                                   holds=self.deferred.holds(done.oid),
-                                   context=self.limits.context)

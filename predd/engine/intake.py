@@ -1,6 +1,6 @@
 """The engine's door: one raw message in, and either a reply out or a call queued.
 
-`Intake` is the half of `Engine` (predd/engine/core.py) that meets requests: it decodes a
+`Intake` is the part of `Engine` (predd/engine/core.py) that meets requests: it decodes a
 message, finds or opens the caller's session (identity from `Peer`, never from the
 request: predd/server/identity.py), checks the request rate and sessions per uid, and
 hands the request to its handler (predd/server/handlers, given to the engine by the
