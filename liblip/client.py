@@ -40,8 +40,9 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgpack
 import zmq
@@ -113,9 +114,12 @@ class Client:
         # eventfd that wakes its poll for them
         self._handed: collections.deque[tuple[int, list]] = collections.deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # closed with the client object, never before: a late hand-off racing close()
+        # must not write into a descriptor number reused meanwhile
+        weakref.finalize(self, os.close, self._wake)
         # On the stream the reader waits on two descriptors with poll(2); through
         # ZeroMQ on its sockets too (zmq_poll costs a few syscalls more a wait).
-        self._poller: select.poll | zmq.Poller = select.poll()
+        self._poller: Any = select.poll()          # or a zmq.Poller (below)
         self._in, self._out = select.POLLIN, select.POLLOUT
         self._poller.register(self._wake, self._in)
         if self._stream_path is None or not self._open_stream(first=True):
@@ -185,6 +189,9 @@ class Client:
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if inbox.empty():           # (only this call takes from its inbox)
+                if self._closed:        # raced close(): nothing will answer it
+                    self._forget(rid)
+                    raise LipError("EBADF", "client is closed")
                 if left is not None and left <= 0:
                     self._forget(rid)
                     raise LipError("ETIMEDOUT", f"no reply from predd at {self.addr} "
@@ -334,7 +341,6 @@ class Client:
                 sock.close(0)
             if self._stream is not None:
                 self._stream.close()
-            os.close(self._wake)
         self._ctx.term()
 
     # ------------------------------------------------------------ the socket
@@ -369,7 +375,7 @@ class Client:
     def _read_until(self, inbox: queue.SimpleQueue, left: float | None) -> None:
         """As the reader: pump until `inbox` has something or `left` seconds pass."""
         end = None if left is None else time.monotonic() + left
-        while inbox.empty():
+        while inbox.empty() and not self._closed:
             wait = self._ping_every / 2 if not self._outbox else RETRY_S
             if end is not None:
                 wait = min(wait, end - time.monotonic())
@@ -462,9 +468,12 @@ class Client:
         events = dict(self._poller.poll(wait_s * 1e3))
         now = time.monotonic()
         if self._wake in events:
-            os.eventfd_read(self._wake)          # (before taking what it announced)
-            while self._handed:
-                self._outbox.append(self._handed.popleft())
+            try:
+                os.eventfd_read(self._wake)      # (before taking what it announced)
+            except BlockingIOError:              # another reader took it: still drain
+                pass
+        while self._handed:          # every round, so a wake read elsewhere loses nothing
+            self._outbox.append(self._handed.popleft())
         if self._stream is not None and self._stream.fileno() in events:
             self._read_stream(now)
         self._flush(now)

@@ -223,3 +223,51 @@ def test_a_request_answered_before_it_was_sent_is_never_sent(predd):
         assert mine[0]["objects"] == 0
     finally:
         client.close()
+
+
+def test_threads_sharing_a_stream_client_get_their_own_tokens(predd):
+    """Calls handed from thread to thread (the reader's queue and eventfd) on the stream:
+    each thread's greedy tokens are the ones it gets alone, and a close() racing the
+    callers ends each of them with its answer or EBADF, none hanging."""
+    import threading
+    client = Client(predd.addr)
+    try:
+        def decode(first: int, out: list) -> None:
+            cap = client.call("kv_create")["cap"]
+            step = [first, 11, 12]
+            for _ in range(6):
+                token = client.call("pred", cap=cap, tokens=step,
+                                    sample={"temperature": 0.0})["token"]
+                out.append(token)
+                step = [token]
+            client.call("kv_free", cap=cap)
+        together = {k: [] for k in range(6)}
+        pool = [threading.Thread(target=decode, args=(100 + k, together[k])) for k in together]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join(60)
+        assert not any(t.is_alive() for t in pool)
+        for k, tokens in together.items():
+            alone: list[int] = []
+            decode(100 + k, alone)
+            assert tokens == alone and len(alone) == 6
+        ended: list[str] = []
+
+        def keep_calling() -> None:
+            try:
+                while True:
+                    client.call("info")
+            except LipError as exc:
+                ended.append(exc.code)
+        callers = [threading.Thread(target=keep_calling) for _ in range(4)]
+        for t in callers:
+            t.start()
+        time.sleep(0.2)
+        client.close()
+        for t in callers:
+            t.join(10)
+        assert not any(t.is_alive() for t in callers)
+        assert ended == ["EBADF"] * 4
+    finally:
+        client.close()
