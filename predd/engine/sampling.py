@@ -73,8 +73,7 @@ def sample_rows(rows: torch.Tensor, params: Sequence[SampleParams],
     Sampling is by the inverse of the row's cumulative distribution at one uniform draw
     from the row's generator: a row's token depends on its own logits, parameters and
     draw, never on the rows beside it. (torch.multinomial draws a random number for
-    every token of the vocabulary: ~1.3 ms a row at V = 49,152 on a 2-core CPU, this
-    ~0.15 ms.)"""
+    every token of the vocabulary; measured: docs/kernels.md, "Sampling by one draw".)"""
     logprobs = torch.log_softmax(rows, dim=-1)
     tokens = [-1] * len(params)
     cold = [i for i, p in enumerate(params) if p.temperature < MIN_TEMPERATURE]

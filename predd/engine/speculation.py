@@ -132,8 +132,8 @@ class Speculation:
         """After a raw one-row pred on `oid`: its argmax, to speculate with where that
         object's calls have been appending the argmax; None where they have not (the
         argmax is noted to measure them)."""
-        # numpy's argmax over a CPU float32 row: 4 µs against torch's 44 (49,152 entries);
-        # both give the first of equal maxima, and a NaN first
+        # numpy's argmax over a CPU float32 row (docs/kernels.md, "Speculation's argmax
+        # by numpy"); both give the first of equal maxima, and a NaN first
         token = int(row.numpy().argmax()) if row.device.type == "cpu" and \
             row.dtype == torch.float32 else int(torch.argmax(row))
         rate = self.guesses.get(oid, (0, HIT_RATE - 0.1))[1]

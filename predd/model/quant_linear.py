@@ -76,8 +76,8 @@ class CallRows:
     `together`: the long calls' rows in one GEMM (`long_runs`, their runs), where the
     dense weight gives a row the same bits whatever rows come with it (`independent_rows`:
     measured at start); else one GEMM a call. Rows go by runs, not index tensors: a run
-    is a view of x and a plain copy into y (measured: 2,080 rows of 576 and 1,536 columns
-    split 32 / 2,048, 3.2 ms a projection by index tensors, 0.25–1.0 ms by slices)."""
+    is a view of x and a plain copy into y (measured: docs/kernels.md, "Long calls on the
+    dense weight beside int8 rows")."""
     rows: int = 0
     long: list[tuple[int, int]] = field(default_factory=list)
     short: list[tuple[int, int]] = field(default_factory=list)
