@@ -48,11 +48,16 @@ class Reader:
     longer than `max_bytes`, or with no frames or more than MAX_FRAMES, raises
     ProtocolError (EMSGSIZE, EBADMSG): the connection cannot be read any further."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, scratch: bytearray | None = None) -> None:
         self.max_bytes = max_bytes
         self._buf = bytearray()
         self._lens: tuple[int, ...] | None = None   # the message being read
         self._head = 0
+        # what `recv_into` reads into: given (one for every reader of a thread) or made
+        # at the first read. (`recv(size)` makes a bytes object of `size` each call: at
+        # 256 KiB that is an mmap and munmap a read, docs/kernels.md, "One buffer for
+        # every read".)
+        self._scratch = scratch
 
     @property
     def pending(self) -> int:
@@ -61,16 +66,20 @@ class Reader:
     def receive(self, sock: socket.socket, size: int) -> int:
         """One `recv` of up to `size` bytes from a non-blocking socket into the buffer:
         how many came (0: none waiting), -1 when the peer closed or the socket failed."""
+        scratch = self._scratch
+        if scratch is None:
+            scratch = self._scratch = bytearray(size)
         try:
-            data = sock.recv(size)
+            got = sock.recv_into(scratch, min(size, len(scratch)))
         except (BlockingIOError, InterruptedError):
             return 0
         except OSError:
             return -1
-        if not data:
+        if not got:
             return -1
-        self._buf += data
-        return len(data)
+        with memoryview(scratch) as view:
+            self._buf += view[:got]
+        return got
 
     def feed(self, data: bytes, limit: int = 1 << 62) -> list[list[bytes]]:
         buf = self._buf

@@ -81,6 +81,7 @@ class Streams:
         self.listener.listen(128)
         self.listener.setblocking(False)
         self.epoll = select.epoll()
+        self.scratch = bytearray(RECV_BYTES)   # every connection reads into it in turn
         self.epoll.register(self.listener.fileno(), IN)
         self.by_fd: dict[int, Connection] = {}
         self.by_identity: dict[bytes, Connection] = {}
@@ -134,7 +135,7 @@ class Streams:
             self.of_uid[uid] += 1
             conn = Connection(sock, b"\x01" + os.urandom(16),
                               Peer(f"localhost:{uid}:{gid}:{pid}", uid, gid, pid),
-                              Reader(self.max_bytes), Writer(sock))
+                              Reader(self.max_bytes, self.scratch), Writer(sock))
             self.by_fd[sock.fileno()] = conn
             self.by_identity[conn.identity] = conn
             self.epoll.register(sock.fileno(), IN)
