@@ -81,7 +81,7 @@ RETRY_S = 0.02      # a reader retries sending this often while not connected
 CANCEL_TIMEOUT_S = 5.0   # a stream left early waits this long for its call to end
 # zmq's flags as plain ints: its enum.Flag values cost a Python call at every | and &
 NOBLOCK, EVENTS = int(zmq.NOBLOCK), int(zmq.EVENTS)
-POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+POLLIN = int(zmq.POLLIN)
 RECV_BYTES = 1 << 18           # read at most this much from the stream per round
 MAX_REPLY_BYTES = 1 << 40      # replies are predd's: no limit but the stream's sanity
 
@@ -120,14 +120,12 @@ class Client:
         # On the stream the reader waits on two descriptors with poll(2); through
         # ZeroMQ on its sockets too (zmq_poll costs a few syscalls more a wait).
         self._poller: Any = select.poll()          # or a zmq.Poller (below)
-        self._in, self._out = select.POLLIN, select.POLLOUT
-        self._poller.register(self._wake, self._in)
+        self._poller.register(self._wake, select.POLLIN)
         if self._stream_path is None or not self._open_stream(first=True):
             self._stream_path = None
             self._poller = zmq.Poller()
-            self._in, self._out = POLLIN, POLLOUT
             for sock in (self._dealer, self._monitor, self._wake):
-                self._poller.register(sock, self._in)
+                self._poller.register(sock, POLLIN)
             self._dealer.connect(self.addr)
         # (rid, message) not sent yet; -1: no caller waits (ping, a reconnection's hello)
         self._outbox: collections.deque[tuple[int, list]] = collections.deque()
@@ -402,7 +400,7 @@ class Client:
         sock.setblocking(False)
         self._stream, self._stream_reader = sock, Reader(MAX_REPLY_BYTES)
         self._stream_writer = Writer(sock)
-        self._poller.register(sock.fileno(), self._in)
+        self._poller.register(sock.fileno(), select.POLLIN)   # the stream: poll(2)'s flags
         self._connected = True
         self._last_heard = time.monotonic()
         return True
@@ -443,14 +441,14 @@ class Client:
         except OSError:
             return False          # closed: seen by the next read
         if len(writer) and not waited:   # the rest when the socket takes it
-            self._poller.register(self._stream.fileno(), self._in | self._out)
+            self._poller.register(self._stream.fileno(), select.POLLIN | select.POLLOUT)
         return True
 
     def _flush(self, now: float) -> None:
         if self._stream_writer is not None and len(self._stream_writer):
             try:
                 if self._stream_writer.flush():
-                    self._poller.register(self._stream.fileno(), self._in)
+                    self._poller.register(self._stream.fileno(), select.POLLIN)
             except OSError:
                 pass              # closed: seen by the next read
         while self._outbox:
