@@ -415,6 +415,9 @@ class Kernels:
             blocks = blocks.in_rows()
         elif not blocks.lanes:
             blocks = blocks.in_tiles()
+        # the int8 kernels read half-float scales, as the GGUF stores them; the others
+        # float32
+        blocks = blocks.with_scales(np.float16 if int8 else np.float32)
         if dtype == torch.bfloat16 and not self.bf16_blocks:
             raise ValueError("the block kernels take bfloat16 rows only where the CPU has "
                              "bf16 dot products (avx512_bf16) or AVX2 and FMA")

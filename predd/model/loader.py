@@ -224,7 +224,8 @@ class QuantBlocks:
     """One weight as its GGUF blocks of 32, rows in Hugging Face order: `kind` "Q4_1"
     (w = d q + m, q 4-bit: `q` [rows, K/32, 16] bytes, byte j holding weight j low and
     j + 16 high) or "Q8_0" (w = d q: `q` [rows, K/32, 32] int8, `m` None); `d`, `m`
-    [rows, K/32] float32. Exactly the weights `load_weights` dequantises.
+    [rows, K/32] float32 (float16 as the GGUF stores them: `with_scales`). Exactly the
+    weights `load_weights` dequantises.
 
     `in_tiles()` is the same blocks as the bfloat16 kernels read them (`tiled`): rows in
     tiles of WEIGHT_TILE_ROWS, a tile's blocks column by column (q [tiles, K/32, 16, bytes],
@@ -252,6 +253,23 @@ class QuantBlocks:
     @property
     def lanes(self) -> bool:
         return self.q.dtype == np.uint32
+
+    def with_scales(self, dtype: type) -> QuantBlocks:
+        """The same blocks with `d` and `m` as `dtype`: np.float32 (what every kernel but
+        the int8 ones reads) or np.float16 (as the GGUF stores them; the int8 kernels
+        read these, a fifth fewer bytes a Q4_1 block). ValueError where a scale has no
+        such float (a GGUF's all have)."""
+        if self.d.dtype == dtype:
+            return self
+
+        def cast(a: np.ndarray) -> np.ndarray:
+            c = a.astype(dtype)
+            if not np.array_equal(c.astype(a.dtype), a, equal_nan=True):
+                raise ValueError(f"a scale of these {self.kind} blocks is no "
+                                 f"{np.dtype(dtype).name}")
+            return c
+        return QuantBlocks(self.kind, self.q, cast(self.d),
+                           None if self.m is None else cast(self.m), self.n)
 
     def on_huge_pages(self) -> QuantBlocks:
         """The same blocks, copied into predd's huge-page arena (predd/memory/huge_pages.py)."""
@@ -309,11 +327,12 @@ class QuantBlocks:
         reference the kernels of predd/kernels/csrc/quant_linear.c reproduce to the bit)."""
         if self.tiled:
             return self.in_rows().dequantised()
+        d = self.d.astype(np.float32)
         if self.kind == "Q4_1":
             q = np.concatenate([self.q & 0x0F, self.q >> 4], axis=-1).astype(np.float32)
-            w = self.d[..., None] * q + self.m[..., None]
+            w = d[..., None] * q + self.m.astype(np.float32)[..., None]
         else:
-            w = self.q.astype(np.float32) * self.d[..., None]
+            w = self.q.astype(np.float32) * d[..., None]
         return w.reshape(self.rows(), -1)
 
 

@@ -71,10 +71,12 @@ void linear_q4_1_lanes_bf16(const uint16_t *x, int64_t M, int64_t K, const uint3
 /* 1 where linear_tiles_bf16 multiplies 2 rows or more (-1: asks only; 0/1 turns off/on) */
 int linear_bf16_tiles(int use);
 int linear_int8_vector(void);
-int linear_q4_1_int8(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d,
-                     const float *m, int64_t N, const float *bias, float *y);
-int linear_q8_0_int8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *d,
-                     int64_t N, const float *bias, float *y);
+/* the int8 kernels' d and m: IEEE half floats, as the GGUF stores them */
+int linear_q4_1_int8(const float *x, int64_t M, int64_t K, const uint8_t *q,
+                     const uint16_t *d, const uint16_t *m, int64_t N, const float *bias,
+                     float *y);
+int linear_q8_0_int8(const float *x, int64_t M, int64_t K, const int8_t *q,
+                     const uint16_t *d, int64_t N, const float *bias, float *y);
 
 /* ---- the greedy pick (greedy.c) */
 void greedy_pick_f32(const int64_t *rows, int64_t n, int64_t v, int64_t *tokens,
@@ -111,13 +113,15 @@ struct prefixes {
 
 /* A projection's blocks (predd.model.loader.QuantBlocks): kind 4 Q4_1, 8 Q8_0,
  * PREDD_LANES Q4_1 in lanes (quant_lanes.c: bfloat16 only), 4 + PREDD_INT8 and
- * 8 + PREDD_INT8 by int8 dot products (quant_int8.c: float32 only); [n, k] */
+ * 8 + PREDD_INT8 by int8 dot products (quant_int8.c: float32 only); [n, k]. d and m
+ * float32, half floats for the int8 kinds. */
 #define PREDD_LANES 5
 #define PREDD_INT8 16
 struct projection {
     int64_t kind, k, n;
     const uint8_t *q;
-    const float *d, *m, *bias;
+    const void *d, *m;
+    const float *bias;
 };
 
 /* One decoder layer's weights (the norms' in the model's dtype) and its part of the pool */

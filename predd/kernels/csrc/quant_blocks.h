@@ -22,20 +22,20 @@
  * rows"). */
 #define PREFETCH_ROWS 4
 
-/* Asks for weight row n's blocks (q, d and m) to be brought into cache; never faults,
- * so rows past the end are harmless. */
-static inline void prefetch_weight_row(const int kind, const uint8_t *q, const float *d,
-                                       const float *m, int64_t n, int64_t blocks)
+/* Asks for weight row n's blocks (q, d and m, `scale` bytes each: float32 4, float16 2)
+ * to be brought into cache; never faults, so rows past the end are harmless. */
+static inline void prefetch_weight_row(const int kind, const uint8_t *q, const void *d,
+                                       const void *m, int64_t n, int64_t blocks, int64_t scale)
 {
     const int64_t bytes = blocks * (kind == 4 ? 16 : BLOCK);
     const char *row = (const char *)q + n * bytes;
     for (int64_t at = 0; at < bytes; at += 64)
         __builtin_prefetch(row + at);
-    __builtin_prefetch(d + n * blocks);
-    __builtin_prefetch(d + (n + 1) * blocks - 1);
+    __builtin_prefetch((const char *)d + n * blocks * scale);
+    __builtin_prefetch((const char *)d + ((n + 1) * blocks - 1) * scale);
     if (m) {
-        __builtin_prefetch(m + n * blocks);
-        __builtin_prefetch(m + (n + 1) * blocks - 1);
+        __builtin_prefetch((const char *)m + n * blocks * scale);
+        __builtin_prefetch((const char *)m + ((n + 1) * blocks - 1) * scale);
     }
 }
 

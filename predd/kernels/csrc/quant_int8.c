@@ -19,15 +19,21 @@
  * every 4 rows of x in turn over them from L1 (8 sums in registers), so many rows read
  * the weight once (measured: docs/kernels.md, "int8 kernels at every row count").
  *
- * Layout as quant_linear.c reads it (predd.model.loader.QuantBlocks, by rows): q [N, K / 32,
- * 16] bytes for Q4_1 (byte j: weight j in its low nibble, j + 16 in its high one), [N,
- * K / 32, 32] int8 for Q8_0; d and m [N, K / 32] float32. x [M, K], y [M, N] float32
- * contiguous; K a multiple of 32.
+ * Layout as quant_linear.c reads it (predd.model.loader.QuantBlocks, by rows), but for
+ * the scales: q [N, K / 32, 16] bytes for Q4_1 (byte j: weight j in its low nibble, j + 16
+ * in its high one), [N, K / 32, 32] int8 for Q8_0; d and m [N, K / 32] IEEE half floats,
+ * as the GGUF stores them: 20 bytes a Q4_1 block and 34 a Q8_0 one, as llama.cpp reads
+ * them, where float32 scales made them 24 and 36. A thread widens the scales of the
+ * weight rows it takes into a buffer on its stack, which the blocks' loop reads from L1
+ * (measured: docs/kernels.md, "Half-float scales in the int8 kernels"); widened they are
+ * the loader's float32 scales exactly, so the sums are the same bits. x [M, K], y [M, N]
+ * float32 contiguous; K a multiple of 32.
  */
 #pragma GCC optimize("fp-contract=off")   /* every multiply-add below is written as one */
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kernels.h"
 #include <stdlib.h>
@@ -76,8 +82,18 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, struct xblock *x
         }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+
+/* h[0 .. count - 1] widened (exactly) into f */
+static void widen_halves(const uint16_t *h, int64_t count, float *f)
+{
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8)
+        _mm256_storeu_ps(f + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
+    for (; j < count; j++)
+        f[j] = _cvtsh_ss(h[j]);
+}
 
 /* 8 int32: lane i the sum of products 4i .. 4i + 3 of u (unsigned) and s (signed) */
 static inline __m256i dot_u8_s8(__m256i u, __m256i s)
@@ -116,8 +132,9 @@ static inline float low_sum(const float *m, const float *s, int64_t blocks)
 }
 
 /* y[r, n + i] = x[r] . w_{n+i} (+ bias) for the R rows of xq (from block 0 of row 0) and
- * the W weight rows from n, their blocks of KIND 4 (Q4_1) or 8 (Q8_0); R, W and KIND
- * constants where this is inlined. Each row of x is loaded once for the W weight rows. */
+ * the W weight rows from n, their blocks of KIND 4 (Q4_1) or 8 (Q8_0), their scales
+ * widened (row i's at d + i * blocks, m alike); R, W and KIND constants where this is
+ * inlined. Each row of x is loaded once for the W weight rows. */
 static inline __attribute__((always_inline)) void rows_times_weight_rows(
     const int R, const int W, const int KIND, const struct xblock *xq, const float *xs,
     int64_t blocks, const uint8_t *q, const float *d, const float *m, int64_t n,
@@ -127,21 +144,24 @@ static inline __attribute__((always_inline)) void rows_times_weight_rows(
     for (int i = 0; i < W; i++)
         for (int r = 0; r < R; r++)
             acc[i][r] = _mm256_setzero_ps();
-    const __m128i nibble = _mm_set1_epi8(0x0F);
+    /* a Q4_1 block's 16 bytes in both halves, the high half shifted down 4: weights 0-15
+     * and 16-31 once masked (fewer instructions than unpacking the halves apart) */
+    const __m256i nibble = _mm256_set1_epi8(0x0F),
+                  shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     for (int64_t b = 0; b < blocks; b++) {
         __m256i w[WIDE], sign[WIDE];
         __m256 dw[WIDE];
         for (int i = 0; i < W; i++) {
             const int64_t at = (n + i) * blocks + b;
             if (KIND == 4) {
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + at * 16));
-                w[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble),
-                                        _mm_and_si128(bytes, nibble));
+                const __m256i both = _mm256_broadcastsi128_si256(
+                    _mm_loadu_si128((const __m128i *)(q + at * 16)));
+                w[i] = _mm256_and_si256(_mm256_srlv_epi32(both, shift), nibble);
             } else {   /* |w| times x with w's sign: unsigned by signed */
                 sign[i] = _mm256_loadu_si256((const __m256i *)(q + at * BLOCK));
                 w[i] = _mm256_sign_epi8(sign[i], sign[i]);
             }
-            dw[i] = _mm256_set1_ps(d[at]);
+            dw[i] = _mm256_set1_ps(d[i * blocks + b]);
         }
         for (int r = 0; r < R; r++) {
             const struct xblock *xb = xq + r * blocks + b;
@@ -158,7 +178,7 @@ static inline __attribute__((always_inline)) void rows_times_weight_rows(
     for (int i = 0; i < W; i++)
         for (int r = 0; r < R; r++)
             y[r * N + n + i] = hsum(acc[i][r])
-                + (KIND == 4 ? low_sum(m + (n + i) * blocks, xs + r * padded, blocks) : 0.0f)
+                + (KIND == 4 ? low_sum(m + i * blocks, xs + r * padded, blocks) : 0.0f)
                 + (bias ? bias[n + i] : 0.0f);
 }
 
@@ -171,6 +191,25 @@ int linear_int8_vector(void)
 #endif
 }
 #else
+/* h[0 .. count - 1] widened (exactly) into f */
+static void widen_halves(const uint16_t *h, int64_t count, float *f)
+{
+    for (int64_t j = 0; j < count; j++) {
+        const uint32_t e = (h[j] >> 10) & 0x1F, m = h[j] & 0x3FF;
+        float v;
+        if (e == 0)                               /* zero, subnormal */
+            v = ldexpf((float)m, -24);
+        else if (e == 31) {                       /* infinity, NaN */
+            const uint32_t bits = 0x7F800000u | (m << 13);
+            memcpy(&v, &bits, sizeof v);
+        } else {
+            const uint32_t bits = ((e + 112) << 23) | (m << 13);
+            memcpy(&v, &bits, sizeof v);
+        }
+        f[j] = h[j] & 0x8000 ? -v : v;
+    }
+}
+
 static float lanes_sum(const float *acc)
 {
     const float s0 = acc[0] + acc[4], s1 = acc[1] + acc[5], s2 = acc[2] + acc[6],
@@ -198,7 +237,7 @@ static void rows_times_weight_rows(const int R, const int W, const int kind,
             for (int j = 0; j < BLOCK; j++)
                 w[j] = kind == 4 ? (q[at * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15
                                  : ((const int8_t *)q)[at * BLOCK + j];
-            const float scale = d[at] * xb->d;     /* as the vector code: dw dx */
+            const float scale = d[(n - n0) * blocks + b] * xb->d;  /* as the vector code: dw dx */
             for (int i = 0; i < 8; i++) {
                 int s = 0;
                 for (int j = 4 * i; j < 4 * i + 4; j++)
@@ -206,7 +245,7 @@ static void rows_times_weight_rows(const int R, const int W, const int kind,
                 acc[i] = fmaf((float)s, scale, acc[i]);
             }
             if (kind == 4)
-                low[b & 7] = fmaf(m[at], xs[r * padded + b], low[b & 7]);
+                low[b & 7] = fmaf(m[(n - n0) * blocks + b], xs[r * padded + b], low[b & 7]);
         }
         y[r * N + n] = lanes_sum(acc) + (kind == 4 ? lanes_sum(low) : 0.0f)
                        + (bias ? bias[n] : 0.0f);
@@ -236,7 +275,7 @@ static void weight_rows(int64_t rows, int64_t width, const int kind, const struc
 
 /* y = x w^T (+ bias); 0, or -1 where memory for x's quantised rows is short (y untouched) */
 static int linear(const int kind, const float *x, int64_t M, int64_t K, const uint8_t *q,
-                  const float *d, const float *m, int64_t N, const float *bias, float *y)
+                  const uint16_t *d, const uint16_t *m, int64_t N, const float *bias, float *y)
 {
     const int64_t blocks = K / BLOCK, padded = (blocks + 7) & ~(int64_t)7;
     if (M <= 0)
@@ -258,22 +297,28 @@ static int linear(const int kind, const float *x, int64_t M, int64_t K, const ui
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n = g * wide, width = N - n < wide ? N - n : wide;
         for (int64_t i = 0; i < width; i++)
-            prefetch_weight_row(kind, q, d, m, n + i + PREFETCH_ROWS, blocks);
+            prefetch_weight_row(kind, q, d, m, n + i + PREFETCH_ROWS, blocks, sizeof *d);
+        float scales[2 * WIDE * blocks];        /* d, then m, of rows n .. n + width - 1 */
+        widen_halves(d + n * blocks, width * blocks, scales);
+        if (m)
+            widen_halves(m + n * blocks, width * blocks, scales + WIDE * blocks);
         for (int64_t r0 = 0; r0 < M; r0 += SHORT)
             weight_rows(M - r0 < SHORT ? M - r0 : SHORT, width, kind, xq + r0 * blocks,
-                        xs + r0 * padded, blocks, q, d, m, n, bias, y + r0 * N, N);
+                        xs + r0 * padded, blocks, q, scales, scales + WIDE * blocks, n, bias,
+                        y + r0 * N, N);
     }
     return 0;
 }
 
-int linear_q4_1_int8(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d,
-                     const float *m, int64_t N, const float *bias, float *y)
+int linear_q4_1_int8(const float *x, int64_t M, int64_t K, const uint8_t *q,
+                     const uint16_t *d, const uint16_t *m, int64_t N, const float *bias,
+                     float *y)
 {
     return linear(4, x, M, K, q, d, m, N, bias, y);
 }
 
-int linear_q8_0_int8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *d,
-                     int64_t N, const float *bias, float *y)
+int linear_q8_0_int8(const float *x, int64_t M, int64_t K, const int8_t *q,
+                     const uint16_t *d, int64_t N, const float *bias, float *y)
 {
     return linear(8, x, M, K, (const uint8_t *)q, d, NULL, N, bias, y);
 }

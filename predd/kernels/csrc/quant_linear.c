@@ -158,7 +158,7 @@ static inline __attribute__((always_inline)) void rows_times_weight_row(
     const int64_t blocks = K / BLOCK;
     const int bf16 = io & IN_BF16;
     if (layout == ROWS_EXACT)
-        prefetch_weight_row(kind, q, d, m, n + PREFETCH_ROWS, blocks);
+        prefetch_weight_row(kind, q, d, m, n + PREFETCH_ROWS, blocks, sizeof(float));
 #ifdef VECTOR
     const int64_t size = bf16 ? 2 : 4;
     __m256 acc[ROWS];

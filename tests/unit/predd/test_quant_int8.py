@@ -17,6 +17,7 @@ from torch import nn
 from predd.model import calibration
 from predd.kernels import cpu_kernels
 from predd.model import quant_linear
+from predd.model.loader import QuantBlocks
 from predd.kernels.probes import int8_reference, int8_rows, random_blocks
 
 
@@ -89,6 +90,22 @@ def test_int8_is_refused_for_bfloat16_rows_and_a_wrong_width():
     with pytest.raises(ValueError, match="float32 model"):
         quant_linear.QuantLinear(nn.Linear(64, 4).to(torch.bfloat16), blocks,
                                  cpu_kernels.kernels(), torch.bfloat16, int8=True)
+
+
+def test_int8_kernels_read_the_scales_as_half_floats_and_give_the_same_bits():
+    blocks, _ = random_blocks("Q4_1", 6, 64)
+    layer = quant_linear.QuantLinear(nn.Linear(64, 6), blocks, cpu_kernels.kernels(), int8=True)
+    # held as the GGUF stores them (20 bytes a Q4_1 block), widened exactly
+    assert layer.blocks.d.dtype == layer.blocks.m.dtype == np.float16
+    assert np.array_equal(layer.blocks.d.astype(np.float32), blocks.d)
+    assert np.array_equal(layer.blocks.m.astype(np.float32), blocks.m)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_int8(layer.blocks)(x), _int8(blocks)(x))
+    assert layer.blocks.with_scales(np.float32).d.dtype == np.float32
+    # a scale no half float holds is refused, not rounded
+    odd = QuantBlocks("Q4_1", blocks.q, blocks.d + np.float32(1e-7), blocks.m)
+    with pytest.raises(ValueError, match="a scale of these Q4_1 blocks is no float16"):
+        _int8(odd)
 
 
 def test_quant_linear_with_int8_takes_the_int8_kernel_up_to_its_limit():
