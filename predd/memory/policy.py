@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
+
 from symphony_protocol import ProtocolError
 from predd.memory.kvstore import KVObject, KVStore
 from predd.memory.pool import DEVICE, DISK, HOST, TIER_NAMES
@@ -91,7 +93,14 @@ class Memory:
         return TIER_NAMES[int(self.pool.tier[obj.pages].max())]
 
     def off_device(self, obj: KVObject) -> list[int]:
-        return [p for p in dict.fromkeys(obj.pages) if self.pool.tier[p] != DEVICE]
+        """`obj`'s pages in a lower tier, each once, in its order. Asked of every call
+        each step it is admitted: O(1) while the lower tiers hold no page, else one
+        vectorised pass (not a Python loop over a long context's pages)."""
+        if not obj.pages or not (self.pool.used_in(HOST) or self.pool.used_in(DISK)):
+            return []
+        pages = np.asarray(obj.pages)
+        off = pages[self.pool.tier[pages] != DEVICE]
+        return list(dict.fromkeys(off.tolist())) if len(off) else []
 
     def is_pinned(self, obj: KVObject) -> bool:
         return obj.oid in self.pinned

@@ -245,3 +245,18 @@ def test_info_reports_the_tiers(tmp_path, host, disk):
     info = h.ok(A, "info")
     assert (info["pages_total"], info["host_pages"], info["disk_pages"]) == (8, host, disk)
     h.clean()
+
+
+def test_off_device_names_a_cache_s_lower_tier_pages_once_in_order(tmp_path):
+    h = tiered(tmp_path)
+    memory, store = h.engine.memory, h.engine.store
+    kv = cache(h, A, doc(1))
+    obj = store.get(h.engine.caps.lookup(kv).oid)
+    assert memory.off_device(obj) == []                    # nothing below the device
+    h.ok(A, "kv_policy", cap=kv, evict=True)
+    assert memory.off_device(obj) == obj.pages             # all 4, in the cache's order
+    other = store.get(h.engine.caps.lookup(cache(h, B, doc(2))).oid)
+    assert memory.off_device(other) == []                  # the tiers hold another's
+    twice = type(obj)(oid=-1, pages=obj.pages[:2] * 2)
+    assert memory.off_device(twice) == obj.pages[:2]       # a page once
+    h.clean()
