@@ -15,9 +15,12 @@ then `generate` and the `pred_sample` loop on a predd with `--speculate off`; ea
 is compared with `generate` on the same predd. Each figure is the best of
 --repeat runs; prints one `RESULT {...}` line per N and loop: its tokens/s over
 generate's (the target: pred_sample >= 0.95, pred_loop >= 0.85), with predd's step time
-and its CPU a request.
+and its CPU a request. --context N makes each prompt N tokens (its own repeated): what a
+call costs predd beside a long cache (an agent's history), where any work that walks a
+cache's pages a step shows.
 
     python scripts/bench_loop.py [--programs 1,8,16] [--new-tokens 64] [--repeat 3]
+                                 [--context N]
 """
 from __future__ import annotations
 
@@ -51,11 +54,16 @@ def tiny_model() -> str:
 def measure(model: str, args, modes: list[str], *flags: str) -> dict:
     """(mode, N) -> (tokens/s, ms a step) on a predd started with `flags`."""
     import liblip as lip
-    daemon = start_predd("--model", model, "--kv-pages", str(KV_PAGES), "--page-size",
+    # room for every program's cache at once, beside what the default pool holds
+    pages = max(KV_PAGES, max(args.programs) * -(-(args.context + args.new_tokens + 1)
+                                                 // PAGE_SIZE) * 2)
+    daemon = start_predd("--model", model, "--kv-pages", str(pages), "--page-size",
                          str(PAGE_SIZE), "--max-batch", str(max(64, *args.programs)), *flags)
     try:
         lip.connect(daemon.addr)
         prompts = [lip.tokenize(p) for p in make_prompts(max(args.programs))]
+        if args.context:
+            prompts = [(p * -(-args.context // len(p)))[:args.context] for p in prompts]
         before = lip.stats()
         lip.client().close()
         runs = SimpleNamespace(as_=["processes"], programs=args.programs, modes=modes,
@@ -82,6 +90,8 @@ def main() -> int:
     ap.add_argument("--programs", default="1,8,16", help="comma-separated N")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--context", type=int, default=0, metavar="N",
+                    help="each prompt N tokens (default: the seeded prompts as they are)")
     ap.add_argument("--quick", action="store_true", help="--programs 8 --repeat 1")
     args = ap.parse_args()
     if args.quick:
@@ -96,7 +106,8 @@ def main() -> int:
                 ("pred_loop", on[("pred_loop", n)], on[("generate", n)]),
                 ("pred_sample_no_speculation", off[("pred_sample", n)], off[("generate", n)])):
             result("B6", f"{name}_vs_generate_x{n}", tps, "symphony_generate", base,
-                   programs=n, tokens=args.new_tokens)
+                   programs=n, tokens=args.new_tokens,
+                   **({"context": args.context} if args.context else {}))
     return 0
 
 
