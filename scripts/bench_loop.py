@@ -51,6 +51,11 @@ def tiny_model() -> str:
     return path
 
 
+def long_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt repeated to exactly n tokens (--context)."""
+    return [(p * -(-n // len(p)))[:n] for p in prompts]
+
+
 def measure(model: str, args, modes: list[str], *flags: str) -> dict:
     """(mode, N) -> (tokens/s, ms a step) on a predd started with `flags`."""
     import liblip as lip
@@ -63,7 +68,7 @@ def measure(model: str, args, modes: list[str], *flags: str) -> dict:
         lip.connect(daemon.addr)
         prompts = [lip.tokenize(p) for p in make_prompts(max(args.programs))]
         if args.context:
-            prompts = [(p * -(-args.context // len(p)))[:args.context] for p in prompts]
+            prompts = long_prompts(prompts, args.context)
         before = lip.stats()
         lip.client().close()
         runs = SimpleNamespace(as_=["processes"], programs=args.programs, modes=modes,
