@@ -47,6 +47,10 @@ def _projections(layer) -> tuple:
 
 def _projection(m: QuantLinear) -> Projection:
     b = m.blocks               # in the layout of the model's dtype's kernels
+    # the C kernels take the scales untyped: half floats for int8, else float32
+    scale = np.float16 if m.int8 else np.float32
+    assert b.d.dtype == scale and (b.m is None or b.m.dtype == scale), \
+        f"{b.kind} blocks with {b.d.dtype} scales for the {scale.__name__} kernels"
     return Projection(LANES if b.lanes else KINDS[b.kind] + (INT8 if m.int8 else 0),
                       b.columns(), b.rows(),
                       b.q.ctypes.data, b.d.ctypes.data,

@@ -259,11 +259,12 @@ class QuantBlocks:
         the int8 ones reads) or np.float16 (as the GGUF stores them; the int8 kernels
         read these, a fifth fewer bytes a Q4_1 block). ValueError where a scale has no
         such float (a GGUF's all have)."""
-        if self.d.dtype == dtype:
+        if self.d.dtype == dtype and (self.m is None or self.m.dtype == dtype):
             return self
 
         def cast(a: np.ndarray) -> np.ndarray:
-            c = a.astype(dtype)
+            with np.errstate(over="ignore"):      # (an overflow is the error below)
+                c = a.astype(dtype)
             if not np.array_equal(c.astype(a.dtype), a, equal_nan=True):
                 raise ValueError(f"a scale of these {self.kind} blocks is no "
                                  f"{np.dtype(dtype).name}")

@@ -4,7 +4,8 @@
  * the add, never fused: these files compile with fp-contract off), in float32 or rounded
  * to bfloat16. Layout: q [N, K / 32, 16] bytes for Q4_1 (byte j holds weight j in its
  * low nibble and j + 16 in its high one), [N, K / 32, 32] int8 for Q8_0; d and m
- * [N, K / 32] float32 (in tiles of 16 rows for the bfloat16 kernels: below). `kind` 4
+ * [N, K / 32] float32 (in tiles of 16 rows for the bfloat16 kernels: below; half floats
+ * for the int8 kernels, quant_int8.c). `kind` 4
  * is Q4_1, 8 is Q8_0. */
 #ifndef PREDD_QUANT_BLOCKS_H
 #define PREDD_QUANT_BLOCKS_H

@@ -82,7 +82,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, struct xblock *x
         }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__F16C__)
 #include <immintrin.h>
 
 /* h[0 .. count - 1] widened (exactly) into f */
@@ -94,6 +94,29 @@ static void widen_halves(const uint16_t *h, int64_t count, float *f)
     for (; j < count; j++)
         f[j] = _cvtsh_ss(h[j]);
 }
+#else
+/* h[0 .. count - 1] widened (exactly) into f */
+static void widen_halves(const uint16_t *h, int64_t count, float *f)
+{
+    for (int64_t j = 0; j < count; j++) {
+        const uint32_t e = (h[j] >> 10) & 0x1F, m = h[j] & 0x3FF;
+        float v;
+        if (e == 0)                               /* zero, subnormal */
+            v = ldexpf((float)m, -24);
+        else if (e == 31) {                       /* infinity, NaN */
+            const uint32_t bits = 0x7F800000u | (m << 13);
+            memcpy(&v, &bits, sizeof v);
+        } else {
+            const uint32_t bits = ((e + 112) << 23) | (m << 13);
+            memcpy(&v, &bits, sizeof v);
+        }
+        f[j] = h[j] & 0x8000 ? -v : v;
+    }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
 
 /* 8 int32: lane i the sum of products 4i .. 4i + 3 of u (unsigned) and s (signed) */
 static inline __m256i dot_u8_s8(__m256i u, __m256i s)
@@ -191,25 +214,6 @@ int linear_int8_vector(void)
 #endif
 }
 #else
-/* h[0 .. count - 1] widened (exactly) into f */
-static void widen_halves(const uint16_t *h, int64_t count, float *f)
-{
-    for (int64_t j = 0; j < count; j++) {
-        const uint32_t e = (h[j] >> 10) & 0x1F, m = h[j] & 0x3FF;
-        float v;
-        if (e == 0)                               /* zero, subnormal */
-            v = ldexpf((float)m, -24);
-        else if (e == 31) {                       /* infinity, NaN */
-            const uint32_t bits = 0x7F800000u | (m << 13);
-            memcpy(&v, &bits, sizeof v);
-        } else {
-            const uint32_t bits = ((e + 112) << 23) | (m << 13);
-            memcpy(&v, &bits, sizeof v);
-        }
-        f[j] = h[j] & 0x8000 ? -v : v;
-    }
-}
-
 static float lanes_sum(const float *acc)
 {
     const float s0 = acc[0] + acc[4], s1 = acc[1] + acc[5], s2 = acc[2] + acc[6],
@@ -298,7 +302,9 @@ static int linear(const int kind, const float *x, int64_t M, int64_t K, const ui
         const int64_t n = g * wide, width = N - n < wide ? N - n : wide;
         for (int64_t i = 0; i < width; i++)
             prefetch_weight_row(kind, q, d, m, n + i + PREFETCH_ROWS, blocks, sizeof *d);
-        float scales[2 * WIDE * blocks];        /* d, then m, of rows n .. n + width - 1 */
+        /* d, then m (Q4_1), of rows n .. n + width - 1: 16 bytes a block of K at most
+         * (14 KB at K = 28,672), on this thread's stack */
+        float scales[(m ? 2 : 1) * WIDE * blocks + 1];
         widen_halves(d + n * blocks, width * blocks, scales);
         if (m)
             widen_halves(m + n * blocks, width * blocks, scales + WIDE * blocks);
