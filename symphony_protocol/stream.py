@@ -26,6 +26,7 @@ from symphony_protocol.requests import ProtocolError
 STREAM_SUFFIX = ".stream"
 MAX_FRAMES = 64          # frames in one message (a kv_import has two)
 _U32 = struct.Struct("<I")
+_LENS = [struct.Struct(f"<{n}I") for n in range(MAX_FRAMES + 1)]   # a message's frame sizes
 
 
 def stream_path(addr: str) -> str | None:
@@ -37,8 +38,14 @@ def stream_path(addr: str) -> str | None:
 
 def frame(parts: list) -> list:
     """`parts` (bytes-like) as the buffers of one message, for `socket.sendmsg`."""
+    return _framed(parts)[0]
+
+
+def _framed(parts: list) -> tuple[list, int]:
+    """`frame(parts)`, and its bytes in all."""
     sizes = [memoryview(part).nbytes for part in parts]
-    return [struct.pack(f"<{len(parts) + 1}I", len(parts), *sizes), *parts]
+    head = struct.pack(f"<{len(parts) + 1}I", len(parts), *sizes)
+    return [head, *parts], len(head) + sum(sizes)
 
 
 class Reader:
@@ -52,7 +59,7 @@ class Reader:
         self.max_bytes = max_bytes
         self._buf = bytearray()
         self._lens: tuple[int, ...] | None = None   # the message being read
-        self._head = 0
+        self._head = self._body = 0                 # its header's bytes, its frames'
         # what `recv_into` reads into: given (one for every reader of a thread) or made
         # at the first read. (`recv(size)` makes a bytes object of `size` each call: at
         # 256 KiB that is an mmap and munmap a read, docs/kernels.md, "One buffer for
@@ -83,32 +90,39 @@ class Reader:
 
     def feed(self, data: bytes, limit: int = 1 << 62) -> list[list[bytes]]:
         buf = self._buf
-        buf += data
+        if data:
+            buf += data
         out: list[list[bytes]] = []
         pos = 0                 # consumed bytes: dropped once, at the end (not per message)
+        size = len(buf)
         while len(out) < limit:
             if self._lens is None:
-                if len(buf) - pos < 4:
+                if size - pos < 4:
                     break
                 n = _U32.unpack_from(buf, pos)[0]
                 if not 0 < n <= MAX_FRAMES:
                     raise ProtocolError("EBADMSG", f"stream message of {n} frames")
                 head = 4 + 4 * n
-                if len(buf) - pos < head:
+                if size - pos < head:
                     break
-                lens = struct.unpack_from(f"<{n}I", buf, pos + 4)
-                if head + sum(lens) > self.max_bytes:
-                    raise ProtocolError("EMSGSIZE", f"stream message of {head + sum(lens)} "
+                lens = _LENS[n].unpack_from(buf, pos + 4)
+                body = sum(lens)
+                if head + body > self.max_bytes:
+                    raise ProtocolError("EMSGSIZE", f"stream message of {head + body} "
                                         f"bytes (at most {self.max_bytes})")
-                self._lens, self._head = lens, head
-            lens = self._lens
+                self._lens, self._head, self._body = lens, head, body
             at = pos + self._head
-            if len(buf) < at + sum(lens):
+            if size < at + self._body:
                 break
-            message = []
-            for length in lens:
-                message.append(bytes(buf[at:at + length]))
-                at += length
+            lens = self._lens
+            if len(lens) == 1:                  # a map alone: most messages
+                message = [bytes(buf[at:at + lens[0]])]
+                at += lens[0]
+            else:
+                message = []
+                for length in lens:
+                    message.append(bytes(buf[at:at + length]))
+                    at += length
             pos = at
             self._lens = None
             out.append(message)
@@ -131,14 +145,14 @@ class Writer:
         return len(self._waiting)
 
     def write(self, parts: list) -> None:
-        buffers = frame(parts)
+        buffers, total = _framed(parts)
         sent = 0
         if not self._waiting:
             try:
                 sent = self.sock.sendmsg(buffers)
             except (BlockingIOError, InterruptedError):
                 pass
-            if sent == sum(memoryview(b).nbytes for b in buffers):
+            if sent == total:
                 return
         self._waiting.append(memoryview(b"".join(buffers))[sent:])
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from predd.engine.calls import Call
 from predd.engine.return_times import ReturnTimes
+from predd.server.quotas import add_count
 
 
 @dataclass(frozen=True)
@@ -170,12 +171,8 @@ class Scheduler:
 
     def _count(self, call: Call, n: int) -> None:
         self._pending += n
-        for table, key in ((self._of_session, call.session), (self._of_uid, call.uid)):
-            left = table.get(key, 0) + n
-            if left:
-                table[key] = left
-            else:
-                del table[key]
+        add_count(self._of_session, call.session, n)
+        add_count(self._of_uid, call.uid, n)
 
     def busy(self, oid: int) -> bool:
         return oid in self._queues
@@ -366,3 +363,4 @@ class Scheduler:
             return [f"scheduler counts {self._pending} calls {self._of_session} per session, "
                     f"{self._of_uid} per uid; queues hold {len(calls)}, {of_session}, {of_uid}"]
         return []
+

@@ -41,6 +41,7 @@ import torch
 import symphony_protocol as p
 from predd.engine import calls, sampling
 from predd.engine.calls import Call
+from predd.server.quotas import add_count
 
 if TYPE_CHECKING:
     from predd.memory.kvstore import KVStore
@@ -91,8 +92,9 @@ class Speculation:
         self.scheduler = scheduler
         self.store = store
         self.by_oid: dict[int, Call] = {}
-        self._of_session: Counter[int] = Counter()   # speculations per session and uid
-        self._of_uid: Counter[int] = Counter()
+        # speculations per session and uid (plain dicts: a Counter's `del` is Python)
+        self._of_session: dict[int, int] = {}
+        self._of_uid: dict[int, int] = {}
         self.stats = SpeculationStats()
         self.guesses: dict[int, tuple[int, float]] = {}   # oid -> (argmax told, hit rate)
         self.drop_all = False     # a call found no room: drop every one before the next step
@@ -102,24 +104,22 @@ class Speculation:
         return len(self.by_oid)
 
     def of_session(self, sid: int) -> int:
-        return self._of_session[sid]
+        return self._of_session.get(sid, 0)
 
     def of_uid(self, uid: int) -> int:
-        return self._of_uid[uid]
+        return self._of_uid.get(uid, 0)
 
     def _put(self, spec: Call) -> None:
         self.by_oid[spec.oid] = spec
-        self._of_session[spec.session] += 1
-        self._of_uid[spec.uid] += 1
+        add_count(self._of_session, spec.session, 1)
+        add_count(self._of_uid, spec.uid, 1)
 
     def _take(self, oid: int) -> Call | None:
         """`oid`'s speculation out of the table (not out of the queue), if any."""
         spec = self.by_oid.pop(oid, None)
         if spec is not None:
-            for counts, key in ((self._of_session, spec.session), (self._of_uid, spec.uid)):
-                counts[key] -= 1
-                if not counts[key]:
-                    del counts[key]
+            add_count(self._of_session, spec.session, -1)
+            add_count(self._of_uid, spec.uid, -1)
         return spec
 
     def _missed(self, spec: Call) -> None:
@@ -300,8 +300,8 @@ class Speculation:
                                 f"object {spec.oid}")
             elif spec not in self.scheduler.calls_on(oid):
                 problems.append(f"speculation on object {oid} is not queued")
-        counted = Counter(c.session for c in self.by_oid.values()), \
-            Counter(c.uid for c in self.by_oid.values())
+        counted = dict(Counter(c.session for c in self.by_oid.values())), \
+            dict(Counter(c.uid for c in self.by_oid.values()))
         if counted != (self._of_session, self._of_uid):
             problems.append(f"speculations counted per session and uid {self._of_session}, "
                             f"{self._of_uid}; found {counted}")

@@ -46,7 +46,8 @@ class Charge:
     pages: int            # pages charged so far: len(object.pages)
 
 
-def _add(counter: dict[int, int], key: int, n: int) -> None:
+def add_count(counter: dict[int, int], key: int, n: int) -> None:
+    """counter[key] += n, the key gone at 0 (a count per uid or session)."""
     left = counter.get(key, 0) + n
     if left:
         counter[key] = left
@@ -72,9 +73,9 @@ class Quotas:
         and `uid`."""
         assert oid not in self.charges, f"object {oid} charged twice"
         self.charges[oid] = Charge(session, uid, 0)
-        _add(self.objects_of_uid, uid, 1)
+        add_count(self.objects_of_uid, uid, 1)
         if session is not None:
-            _add(self.objects_of_session, session, 1)
+            add_count(self.objects_of_session, session, 1)
         self.resized(oid, pages)
 
     def resized(self, oid: int, delta: int) -> None:
@@ -84,9 +85,9 @@ class Quotas:
         if charge is None or delta == 0:
             return
         charge.pages += delta
-        _add(self.pages_of_uid, charge.uid, delta)
+        add_count(self.pages_of_uid, charge.uid, delta)
         if charge.session is not None:
-            _add(self.pages_of_session, charge.session, delta)
+            add_count(self.pages_of_session, charge.session, delta)
 
     def forget(self, oid: int) -> None:
         """Uncharge an object (it is being freed)."""
@@ -94,9 +95,9 @@ class Quotas:
             return
         self.resized(oid, -self.charges[oid].pages)
         charge = self.charges.pop(oid)
-        _add(self.objects_of_uid, charge.uid, -1)
+        add_count(self.objects_of_uid, charge.uid, -1)
         if charge.session is not None:
-            _add(self.objects_of_session, charge.session, -1)
+            add_count(self.objects_of_session, charge.session, -1)
 
     # ------------------------------------------------------------ checking
 
@@ -151,11 +152,11 @@ class Quotas:
             if obj is not None and len(obj.pages) != charge.pages:
                 problems.append(f"object {oid}: {len(obj.pages)} pages, "
                                 f"{charge.pages} charged")
-            _add(pages_uid, charge.uid, charge.pages)
-            _add(objects_uid, charge.uid, 1)
+            add_count(pages_uid, charge.uid, charge.pages)
+            add_count(objects_uid, charge.uid, 1)
             if charge.session is not None:
-                _add(pages_session, charge.session, charge.pages)
-                _add(objects_session, charge.session, 1)
+                add_count(pages_session, charge.session, charge.pages)
+                add_count(objects_session, charge.session, 1)
         for name, want, have in (("pages per uid", pages_uid, self.pages_of_uid),
                                  ("pages per session", pages_session, self.pages_of_session),
                                  ("objects per uid", objects_uid, self.objects_of_uid),
