@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -86,3 +87,11 @@ def test_a_writer_keeps_order_through_partial_sends():
     assert got == [[b"first", big], [b"second"]] and len(writer) == 0 and writer.flush()
     a.close()
     b.close()
+
+
+def test_one_packer_packs_after_a_value_it_could_not():
+    from symphony_protocol.codec import pack
+    good = {"op": "pred", "rid": 7, "tokens": [1, 2], "raw": b"\x00"}
+    with pytest.raises(TypeError):
+        pack({"op": "pred", "bad": object()})
+    assert pack(good) == msgpack.packb(good, use_bin_type=True)
