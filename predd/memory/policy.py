@@ -111,11 +111,10 @@ class Memory:
         """`obj`'s pages in a lower tier, each once, in its order. Asked of every call
         each step it is admitted: O(1) while the lower tiers hold no page, else one
         vectorised pass (not a Python loop over a long context's pages)."""
-        if not obj.pages or not (self.pool.used_in(HOST) or self.pool.used_in(DISK)):
+        if self.pool.all_on_device or not obj.pages:
             return []
         pages = np.asarray(obj.pages)
-        off = pages[self.pool.tier[pages] != DEVICE]
-        return list(dict.fromkeys(off.tolist())) if len(off) else []
+        return list(dict.fromkeys(pages[self.pool.tier[pages] != DEVICE].tolist()))
 
     def is_pinned(self, obj: KVObject) -> bool:
         return obj.oid in self.pinned

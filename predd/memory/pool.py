@@ -68,6 +68,12 @@ class Pool:
     def used_in(self, tier: int) -> int:
         return self.capacity[tier] - len(self._free_slots[tier])
 
+    @property
+    def all_on_device(self) -> bool:
+        """No page lives below the device (O(1): every live page holds one slot of its
+        tier), so no page table needs a look at `tier`."""
+        return not (self.used_in(HOST) or self.used_in(DISK))
+
     def alloc(self, n: int) -> list[int]:
         """n fresh device pages with refcount 1, or ENOSPC (nothing is taken then)."""
         if n > self.available:
@@ -112,9 +118,8 @@ class Pool:
     def device_slots(self, pages: np.ndarray) -> np.ndarray:
         """The device slots of `pages`, which must all be on the device."""
         pages = np.asarray(pages, dtype=np.int64)
-        # (a pass over every page of a step's tables: only where a lower tier holds one)
-        assert not (self.used_in(HOST) or self.used_in(DISK)) \
-            or not np.any(self.tier[pages] != DEVICE), "page table with a page off the device"
+        assert self.all_on_device or not np.any(self.tier[pages] != DEVICE), \
+            "page table with a page off the device"
         return self.slot[pages]
 
     def relocate(self, pages: list[int], tier: int) -> tuple[np.ndarray, np.ndarray]:
