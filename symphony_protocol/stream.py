@@ -25,8 +25,8 @@ from symphony_protocol.requests import ProtocolError
 
 STREAM_SUFFIX = ".stream"
 MAX_FRAMES = 64          # frames in one message (a kv_import has two)
-_U32 = struct.Struct("<I")
-_LENS = [struct.Struct(f"<{n}I") for n in range(MAX_FRAMES + 1)]   # a message's frame sizes
+# n little-endian u32s, n up to a header's: its count and MAX_FRAMES sizes
+_U32S = [struct.Struct(f"<{n}I") for n in range(MAX_FRAMES + 2)]
 
 
 def stream_path(addr: str) -> str | None:
@@ -44,7 +44,7 @@ def frame(parts: list) -> list:
 def _framed(parts: list) -> tuple[list, int]:
     """`frame(parts)`, and its bytes in all."""
     sizes = [memoryview(part).nbytes for part in parts]
-    head = struct.pack(f"<{len(parts) + 1}I", len(parts), *sizes)
+    head = _U32S[len(parts) + 1].pack(len(parts), *sizes)
     return [head, *parts], len(head) + sum(sizes)
 
 
@@ -99,13 +99,13 @@ class Reader:
             if self._lens is None:
                 if size - pos < 4:
                     break
-                n = _U32.unpack_from(buf, pos)[0]
+                n = _U32S[1].unpack_from(buf, pos)[0]
                 if not 0 < n <= MAX_FRAMES:
                     raise ProtocolError("EBADMSG", f"stream message of {n} frames")
                 head = 4 + 4 * n
                 if size - pos < head:
                     break
-                lens = _LENS[n].unpack_from(buf, pos + 4)
+                lens = _U32S[n].unpack_from(buf, pos + 4)
                 body = sum(lens)
                 if head + body > self.max_bytes:
                     raise ProtocolError("EMSGSIZE", f"stream message of {head + body} "
@@ -114,15 +114,10 @@ class Reader:
             at = pos + self._head
             if size < at + self._body:
                 break
-            lens = self._lens
-            if len(lens) == 1:                  # a map alone: most messages
-                message = [bytes(buf[at:at + lens[0]])]
-                at += lens[0]
-            else:
-                message = []
-                for length in lens:
-                    message.append(bytes(buf[at:at + length]))
-                    at += length
+            message = []
+            for length in self._lens:
+                message.append(bytes(buf[at:at + length]))
+                at += length
             pos = at
             self._lens = None
             out.append(message)
