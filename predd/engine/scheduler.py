@@ -363,4 +363,3 @@ class Scheduler:
             return [f"scheduler counts {self._pending} calls {self._of_session} per session, "
                     f"{self._of_uid} per uid; queues hold {len(calls)}, {of_session}, {of_uid}"]
         return []
-
