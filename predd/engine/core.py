@@ -88,7 +88,7 @@ class Engine(Intake, Admission, Cancellation, Continuation):
 
     def step(self) -> bool:
         """Run one batch if any call is ready; whether one ran."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         self.speculation.before_step()
         plan = self.scheduler.schedule(self._admit)
         if not plan.items and self.speculation.drop_all:   # they held the room: again
@@ -98,6 +98,7 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         if not plan.items:
             self.replay_deferred(time.monotonic())
             return False
+        self.counters.time_s["step_cpu"] -= cpu
         settled: set[int] = set()
         try:
             self._run(plan, settled)
@@ -110,6 +111,7 @@ class Engine(Intake, Admission, Cancellation, Continuation):
                 settled.add(item.call.cid)
                 self._fail(item.call, exc)
         self.replay_deferred(time.monotonic())
+        self.counters.time_s["step_cpu"] += time.thread_time()
         return True
 
     def _run(self, plan: Plan, settled: set[int]) -> None:
@@ -119,10 +121,11 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         times = self.counters.time_s
         prepared = time.perf_counter()
         items, chunks = chunks_for(plan.items, self.store, settled, self._fail)
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.thread_time()
         times["prepare"] += time.perf_counter() - prepared
         results = self._execute(chunks)
         elapsed = time.monotonic() - started
+        times["step_cpu"] -= time.thread_time() - cpu
         times["forward"] += elapsed
         finishing = time.perf_counter()
         ran: list[PlanItem] = []

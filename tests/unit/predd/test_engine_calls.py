@@ -208,3 +208,22 @@ def test_a_masked_pred_that_asks_for_no_rows_gets_none():
     reply = h.ok(b"a", "pred", cap=cap, tokens=[0], outputs=[], mask=[0])
     assert reply["logits"] == {"shape": [0, 0], "dtype": "float32"}
     assert h.ok(b"a", "kv_stat", cap=cap)["tokens"] == 1
+
+
+# ---------------------------------------------------------------- counting
+
+def test_a_steps_cpu_outside_its_forward_is_counted_and_an_empty_step_is_not(monkeypatch):
+    """`step_cpu`: predd's thread CPU in a step that ran, less what the forward took
+    (read before and after it): 0.75 - 0.25 here; a step with nothing to run reads
+    the clock once and counts nothing."""
+    import predd.engine.core as core
+    h = Harness()
+    kv = h.ok(A, "kv_create")["cap"]
+    ticks = iter([1.0, 1.25, 1.5, 1.75, 7.0])
+    monkeypatch.setattr(core.time, "thread_time", lambda: next(ticks))
+    h.send(A, "pred", cap=kv, tokens=[1, 2], outputs=[])
+    assert h.engine.step()
+    assert h.engine.counters.time_s["step_cpu"] == 0.5
+    assert not h.engine.step()
+    assert h.engine.counters.time_s["step_cpu"] == 0.5
+    assert next(ticks, None) is None
