@@ -61,7 +61,7 @@ def pick_tokens(calls: list[Call]) -> None:
     generates = [c for c in calls if c.generating and c.logits]
     samples = [c for c in calls if not c.generating and c.sample is not None and c.logits]
     _pick([c for c in generates if greedy(c)], [c for c in samples if greedy(c)],
-          lambda _, rows: _greedy_rows(rows))
+          lambda _, blocks: _greedy_rows(blocks))
     _pick([c for c in generates if c.picked is None], [c for c in samples if c.picks is None],
           _sampled_rows)
 
@@ -70,14 +70,25 @@ def _pick(generates: list[Call], samples: list[Call],
           rows_of: Callable[[list[Call], list[torch.Tensor]], tuple[list[int], list[float]]]
           ) -> None:
     """`rows_of`'s tokens for the last row of each of `generates` and every row of
-    `samples`; a call with a row left without (token -1) keeps its logits."""
-    owners = generates + [c for c in samples for block in c.logits for _ in block]
-    rows = ([c.logits[-1][-1] for c in generates]
-            + [row for c in samples for block in c.logits for row in block])
-    if not rows:
+    `samples`, given as the calls' row blocks (2-D views of the step's logits: no tensor
+    a row); a call with a row left without (token -1) keeps its logits."""
+    owners = list(generates)
+    blocks = []
+    for c in generates:
+        last = c.logits[-1]
+        blocks.append(last if last.shape[0] == 1 else last[-1:])
+    counts = []
+    for c in samples:
+        n = 0
+        for block in c.logits:
+            blocks.append(block)
+            n += block.shape[0]
+        owners += [c] * n
+        counts.append(n)
+    if not blocks:
         return
     try:
-        tokens, picked = rows_of(owners, rows)
+        tokens, picked = rows_of(owners, blocks)
     except Exception:
         return
     pairs = list(zip(tokens, picked))
@@ -86,19 +97,19 @@ def _pick(generates: list[Call], samples: list[Call],
             call.logits.pop()
             call.picked = (token, lp)
     at = len(generates)
-    for call in samples:
-        n = sum(len(block) for block in call.logits)
+    for call, n in zip(samples, counts):
         mine, at = pairs[at:at + n], at + n
         if all(token >= 0 for token, _ in mine):
             call.picks = mine
 
 
-def _sampled_rows(owners: list[Call], rows: list[torch.Tensor]
+def _sampled_rows(owners: list[Call], blocks: list[torch.Tensor]
                   ) -> tuple[list[int], list[float]]:
     """Each row's token by its call's mask, parameters and generator, and its logprob
     (`sampling.sample_rows`); token -1 for a row that is no distribution. SAMPLE_ROWS rows
     at a time: a call of thousands of outputs costs the step a few copies of 64 rows, not
     of all of them (a row's token is the same either way)."""
+    rows = [row for block in blocks for row in block]
     greedy = p.SampleParams(temperature=0.0)
     tokens: list[int] = []
     logprobs: list[float] = []
@@ -112,14 +123,15 @@ def _sampled_rows(owners: list[Call], rows: list[torch.Tensor]
     return tokens, logprobs
 
 
-def _greedy_rows(rows: list[torch.Tensor]) -> tuple[list[int], list[float]]:
-    """Each row's argmax and its logprob: predd's CPU kernel where it runs (no copy of
-    the rows; measured: docs/kernels.md, "Greedy pick without a log-softmax"), else
-    torch; token -1 for a row the kernel leaves to the caller (a NaN)."""
+def _greedy_rows(blocks: list[torch.Tensor]) -> tuple[list[int], list[float]]:
+    """Each row's argmax and its logprob, over the rows of `blocks` (2-D) in order:
+    predd's CPU kernel where it runs (no copy of the rows; measured: docs/kernels.md,
+    "Greedy pick without a log-softmax"), else torch; token -1 for a row the kernel
+    leaves to the caller (a NaN)."""
     kernels = _cpu_kernels()
-    if kernels is not None and rows[0].is_cpu and rows[0].dtype == torch.float32:
-        return kernels.greedy_pick(rows)
-    stacked = torch.stack(rows)                                        # [k, V]
+    if kernels is not None and blocks[0].is_cpu and blocks[0].dtype == torch.float32:
+        return kernels.greedy_pick(blocks)
+    stacked = torch.cat(blocks)                                        # [k, V]
     tokens = torch.argmax(stacked, dim=-1)
     logprobs = torch.log_softmax(stacked, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), logprobs.tolist()

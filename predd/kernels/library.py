@@ -369,18 +369,30 @@ class Kernels:
         return out
 
 
-    def greedy_pick(self, rows: list[torch.Tensor]) -> tuple[list[int], list[float]]:
-        """Each float32 logits row's argmax (the first of ties) and its logprob, without
-        concatenating the rows; token -1 (logprob NaN) for a row with a NaN or no
-        finite logit. Rows: contiguous float32 CPU vectors of one length."""
-        _contiguous(*rows)
-        n, v = len(rows), rows[0].numel() if rows else 0
-        if any(r.numel() != v for r in rows):
-            raise ValueError("greedy_pick takes rows of one length")
-        at = np.array([r.data_ptr() for r in rows], np.int64)
+    def greedy_pick(self, blocks: list[torch.Tensor]) -> tuple[list[int], list[float]]:
+        """Each float32 logits row's argmax (the first of ties) and its logprob, for the
+        rows of `blocks` in order (a block: a row, or a 2-D tensor of rows, each row
+        contiguous), without concatenating them or making a tensor a row; token -1
+        (logprob NaN) for a row with a NaN or no finite logit."""
+        at: list[int] = []
+        v = blocks[0].shape[-1] if blocks else 0
+        for b in blocks:
+            if (b.dtype != torch.float32 or not b.is_cpu or b.dim() not in (1, 2)
+                    or (b.shape[-1] > 1 and b.stride(-1) != 1)):
+                raise ValueError("the CPU kernels take contiguous float32 CPU rows here, "
+                                 f"not {str(b.dtype)[6:]} {tuple(b.shape)} of strides "
+                                 f"{b.stride()}")
+            if b.shape[-1] != v:
+                raise ValueError("greedy_pick takes rows of one length")
+            if b.dim() == 1 or b.shape[0] == 1:
+                at.append(b.data_ptr())
+            else:
+                first, step = b.data_ptr(), b.stride(0) * 4
+                at += [first + step * i for i in range(b.shape[0])]
+        n = len(at)
         tokens, logprobs = np.empty(n, np.int64), np.empty(n, np.float32)
-        self._lib.greedy_pick_f32(at.ctypes.data, n, v, tokens.ctypes.data,
-                                  logprobs.ctypes.data)
+        self._lib.greedy_pick_f32(np.array(at, np.int64).ctypes.data, n, v,
+                                  tokens.ctypes.data, logprobs.ctypes.data)
         return tokens.tolist(), logprobs.tolist()
 
     def quant_linear(self, x: torch.Tensor, blocks, bias: torch.Tensor | None) -> torch.Tensor:

@@ -498,6 +498,10 @@ def test_greedy_pick_rejects_rows_it_cannot_read():
         lib.greedy_pick([torch.zeros(4), torch.zeros(5)])
     with pytest.raises(ValueError, match="contiguous float32"):
         lib.greedy_pick([torch.zeros(4, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="contiguous float32"):
+        lib.greedy_pick([torch.zeros(8, 4).t()])            # rows strided within
+    with pytest.raises(ValueError, match="contiguous float32"):
+        lib.greedy_pick([torch.zeros(2, 2, 4)])
 
 
 def test_the_kernel_store_writes_where_index_copy_does_and_declines_other_layouts():
@@ -524,13 +528,18 @@ def test_the_kernel_store_writes_where_index_copy_does_and_declines_other_layout
 
 
 def test_greedy_rows_take_the_kernel_here_and_torch_without_it(monkeypatch):
+    """Blocks of one row, of several, and a view whose rows are strided (every other
+    row of the step's logits): the rows in order, the same by the kernel and by torch."""
     from predd.engine import outputs
-    rows = list(torch.randn(5, 1000, generator=torch.Generator().manual_seed(4)) * 3)
+    step = torch.randn(9, 1000, generator=torch.Generator().manual_seed(4)) * 3
+    blocks = [step[0:1], step[1:4], step[4:9:2], step[5:6]]
+    rows = torch.cat(blocks)
     assert outputs._cpu_kernels() is not None
-    tokens, logprobs = outputs._greedy_rows(rows)
+    tokens, logprobs = outputs._greedy_rows(blocks)
     monkeypatch.setattr(outputs, "_cpu_kernels", lambda: None)
-    want_tokens, want_logprobs = outputs._greedy_rows(rows)
-    assert tokens == want_tokens == torch.argmax(torch.stack(rows), -1).tolist()
+    want_tokens, want_logprobs = outputs._greedy_rows(blocks)
+    assert tokens == want_tokens == torch.argmax(rows, -1).tolist()
+    assert len(tokens) == 8
     assert np.allclose(logprobs, want_logprobs, atol=2e-6)
 
 
