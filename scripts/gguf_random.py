@@ -41,6 +41,12 @@ SHAPES = {
                           rope_theta=100000.0),
     "smollm2-1.7b": Shape(hidden=2048, ffn=8192, layers=24, heads=32, kv_heads=32,
                           rope_theta=130000.0),
+    # Llama-3-8B's body (4 q heads a kv head, head dim 128), SmolLM2's vocabulary; the
+    # 8-layer cut is the GPU loop check's (scripts/gpu_check.sh loop): 4 GB to write
+    "llama3-8b": Shape(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8,
+                       rope_theta=500000.0),
+    "llama3-8b-8l": Shape(hidden=4096, ffn=14336, layers=8, heads=32, kv_heads=8,
+                          rope_theta=500000.0),
 }
 
 

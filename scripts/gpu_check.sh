@@ -6,6 +6,8 @@
 #   bash scripts/gpu_check.sh run [OUT] # there, from the repo root, with .gpu/ carried
 #   bash scripts/gpu_check.sh graphs [OUT]   # there: the CUDA graphs' checks and timings
 #   bash scripts/gpu_check.sh buffer [OUT]   # there: bf16 graphs, the pred loop's buffer
+#   bash scripts/gpu_check.sh loop [OUT]     # there: the loops and the OpenAI program on
+#                                            # an 8B shape (LOOP_CPU=1: a rehearsal here)
 #
 # `prepare` downloads flashinfer-python (the version predd/attention/flashinfer_backend.py is
 # written against) with the two packages such a machine lacks (apache-tvm-ffi for its
@@ -150,6 +152,36 @@ buffer() {
     cat "$out/hold_trace.txt"
 }
 
+# Programs at the device's speed (its figures go to docs/benchmarks.md, "GPU"): on
+# Llama-3-8B's body cut to 8 layers (scripts/gguf_random.py, written there),
+# bf16, flashinfer, graphs on, speculation at its default, generate against the `pred`
+# loop and the `pred_sample` loop at 8 / 32 / 64 programs as processes, best of 2; then
+# the OpenAI program itself at 32 requests in flight (scripts/bench_openai.py, over its
+# JSON lines: the machine has neither FUSE nor the gateway's packages). LOOP_CPU=1
+# rehearses the same stages here, on B6's tiny shape and the CPU.
+loop() {
+    local out=${1:-.gpu/out} shape=llama3-8b-8l dtype=bfloat16 py=python3
+    local device="--device cuda --attention flashinfer --cuda-graphs on" tokenizer=$MODEL
+    if [ "${LOOP_CPU:-0}" = 1 ]; then
+        mkdir -p "$out"
+        exec > >(tee "$out/gpu_loop.log") 2>&1
+        shape=tiny dtype=auto py=${VENV:-.venv}/bin/python device="--device cpu" tokenizer=
+    else
+        setup "$out" gpu_loop.log
+    fi
+    local model=/tmp/$shape-random.gguf
+    stage "write the $shape shape" 120 "$py" scripts/gguf_random.py "$model" --shape "$shape" \
+        ${tokenizer:+--tokenizer "$tokenizer"}
+    SYMPHONY_BENCH_PREDD_ARGS="$device --model $model" \
+        stage "$shape, $dtype: generate, pred loop, pred_sample at 8/32/64 programs" 300 \
+        "$py" scripts/bench_completion.py --programs 8,32,64 --as processes \
+        --modes generate,pred_loop,pred_sample --baselines "" --repeat 2 --dtype "$dtype"
+    SYMPHONY_BENCH_PREDD_ARGS="$device" \
+        stage "$shape, $dtype: the OpenAI program, 64 prompts x 64 tokens, 32 in flight" 150 \
+        "$py" scripts/bench_openai.py --model "$model" --dtype "$dtype" --num-prompts 64 \
+        --concurrency 32
+}
+
 steps() {   # steps MODEL "CALLS CONTEXT"...: the decode step per backend, fp16, best of 20
     local model=$1; shift
     for shape in "$@"; do
@@ -167,5 +199,7 @@ case "${1:-}" in
     run) shift; run "$@" ;;
     graphs) shift; graphs "$@" ;;
     buffer) shift; buffer "$@" ;;
-    *) echo "usage: $0 prepare | run [OUT] | graphs [OUT] | buffer [OUT]" >&2; exit 2 ;;
+    loop) shift; loop "$@" ;;
+    *) echo "usage: $0 prepare | run [OUT] | graphs [OUT] | buffer [OUT] | loop [OUT]" >&2
+       exit 2 ;;
 esac

@@ -321,3 +321,16 @@ def test_a_client_that_leaves_cancels_its_request(client, predd, model):
     # the LIP cancels its generate in predd (it ends after its current step) and frees
     assert eventually(lambda: predd.call("stats")["pending_calls"] == 0, timeout=120)
     assert eventually(lambda: predd.call("stats")["pages_used"] == before, timeout=30)
+
+
+def test_our_load_client_reads_every_token_of_every_stream(server):
+    """scripts/bench_openai.py over HTTP: ignore_eos streams of token-id prompts, each
+    request's usage read from its stream."""
+    from types import SimpleNamespace
+
+    from scripts.bench_openai import Http, run
+    client = Http(server.url)
+    args = SimpleNamespace(num_prompts=4, input_len=24, output_len=7, concurrency=2)
+    got = run(lambda req, _i: client.complete(req), client.model, args)
+    assert (got["completed"], got["failed"], got["total_output_tokens"]) == (4, 0, 28)
+    assert got["errors"] == []

@@ -1,0 +1,298 @@
+"""The OpenAI API under load from a client of ours: --num-prompts completions of
+--input-len random token ids and --output-len tokens each (`ignore_eos`), at most
+--concurrency in flight, streamed; median TPOT, mean TTFT, output tokens/s, completed
+and failed requests, output tokens.
+
+Two ways in:
+* `--url URL`: an OpenAI server's completions API (`symphony serve`, or any other), its
+  server-sent events read over HTTP;
+* without it: the OpenAI program itself (`python -m openai_lip`) over its JSON lines on
+  stdin and stdout, beside a predd started here (`--model`, `--dtype` and
+  $SYMPHONY_BENCH_PREDD_ARGS): no gateway, no HTTP and no mount, so it also runs where
+  FUSE and the gateway's packages are missing (a GPU machine: scripts/gpu_check.sh loop).
+
+A request's TTFT runs from its sending to its first non-empty text; its TPOT is
+(latency - TTFT) / (output tokens - 1), the output tokens as its `usage` counts them
+(vLLM's serving benchmark defines both so). Only the standard library is used.
+
+    python scripts/bench_openai.py [--url URL] [--model PATH] [--dtype auto]
+        [--num-prompts 64] [--concurrency 32] [--input-len 128] [--output-len 64]
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import queue
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
+    sys.path.insert(0, ROOT)
+from scripts.bench_common import DTYPE_CHOICES, log, machine, result  # noqa: E402
+
+REQUEST_TIMEOUT_S = 600.0
+FIRST_ID, LAST_ID = 1000, 30000     # prompt ids: no special tokens in SmolLM2's vocabulary
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it (seconds from its sending)."""
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    tokens: int = 0
+    error: str = ""
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_ID, LAST_ID) for _ in range(length)] for _ in range(n)]
+
+
+def body(model: str, prompt: list[int], output_len: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+def read_events(messages: Iterable[dict], clock: Callable[[], float], started: float
+                ) -> Outcome:
+    """An Outcome from a request's streamed chunks (completions objects, each read at
+    `clock()`); the output tokens from the last `usage` seen."""
+    first, usage = None, None
+    for chunk in messages:
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        if first is None and any(c.get("text") for c in chunk.get("choices") or ()):
+            first = clock() - started
+    latency = clock() - started
+    if usage is None:
+        return Outcome(False, error="no usage in the stream")
+    return Outcome(True, first if first is not None else latency, latency,
+                   int(usage.get("completion_tokens", 0)))
+
+
+def summary(outcomes: list[Outcome], duration: float) -> dict:
+    """vLLM's serving benchmark's figures, by its definitions."""
+    done = [o for o in outcomes if o.ok]
+    tpots = [(o.latency - o.ttft) / (o.tokens - 1) for o in done if o.tokens > 1]
+    tokens = sum(o.tokens for o in done)
+    return {"completed": len(done), "failed": len(outcomes) - len(done),
+            "total_output_tokens": tokens, "duration_s": round(duration, 3),
+            "output_throughput": tokens / duration if duration > 0 else 0.0,
+            "median_tpot_ms": statistics.median(tpots) * 1e3 if tpots else float("nan"),
+            "mean_ttft_ms": statistics.fmean(o.ttft for o in done) * 1e3 if done else float("nan"),
+            "errors": sorted({o.error for o in outcomes if not o.ok})[:5]}
+
+
+# ------------------------------------------------------------------ over HTTP
+
+class Http:
+    """An OpenAI server's completions API: one connection a request."""
+
+    def __init__(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.base = parts.path.rstrip("/")
+        self.model = self._get("/v1/models")["data"][0]["id"]
+
+    def _get(self, path: str) -> dict:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        try:
+            conn.request("GET", self.base + path)
+            return json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+
+    def complete(self, request: dict) -> Outcome:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT_S)
+        started = time.perf_counter()
+        try:
+            conn.request("POST", self.base + "/v1/completions", json.dumps(request),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                return Outcome(False, error=f"HTTP {resp.status}: {resp.read()[:200]!r}")
+            return read_events(_sse(resp), time.perf_counter, started)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            return Outcome(False, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            conn.close()
+
+
+def _sse(lines: Iterable[bytes]) -> Iterable[dict]:
+    """The JSON objects of `data:` lines, to `[DONE]`."""
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
+# ------------------------------------------------------------------ the program itself
+
+class Program:
+    """`python -m openai_lip` beside the predd at `addr`, over its JSON lines: one
+    reader thread hands each line to the request of its id."""
+
+    def __init__(self, addr: str, model_path: str | None) -> None:
+        self.cache = tempfile.mkdtemp(prefix="openai-cache-")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "openai_lip", "--cache-dir", self.cache,
+             *(["--model", model_path] if model_path else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            env={**os.environ, "PREDD_ADDR": addr})
+        ready = json.loads(self.proc.stdout.readline() or "{}")
+        if not ready.get("ready"):
+            self.close()
+            raise RuntimeError(f"the OpenAI program did not start: {ready}")
+        self.model = ready["model"]
+        self.lock = threading.Lock()
+        self.inboxes: dict[int, queue.Queue] = {}
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.lock:
+                inbox = self.inboxes.get(msg.get("id"))
+            if inbox is not None:
+                inbox.put(msg)
+        with self.lock:
+            for inbox in self.inboxes.values():
+                inbox.put({"done": True, "gone": True})
+
+    def complete(self, request: dict, rid: int) -> Outcome:
+        inbox: queue.Queue = queue.Queue()
+        with self.lock:
+            self.inboxes[rid] = inbox
+            started = time.perf_counter()
+            self.proc.stdin.write(json.dumps({"id": rid, "op": "completion", "body": request,
+                                              "scope": "bench"}) + "\n")
+            self.proc.stdin.flush()
+        failed: list[str] = []
+
+        def chunks() -> Iterable[dict]:
+            while True:
+                msg = inbox.get(timeout=REQUEST_TIMEOUT_S)
+                if msg.get("status", 200) != 200:
+                    failed.append(f"{msg['status']}: {json.dumps(msg.get('body'))[:200]}")
+                if "chunk" in msg:
+                    yield msg["chunk"]
+                if msg.get("done"):
+                    if msg.get("gone"):
+                        failed.append("the OpenAI program exited")
+                    return
+        try:
+            outcome = read_events(chunks(), time.perf_counter, started)
+        except queue.Empty:
+            outcome = Outcome(False, error=f"no answer in {REQUEST_TIMEOUT_S:g} s")
+        finally:
+            with self.lock:
+                self.inboxes.pop(rid, None)
+        return Outcome(False, error=failed[0]) if failed else outcome
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ------------------------------------------------------------------ the load
+
+def run(complete: Callable[[dict, int], Outcome], model: str, args) -> dict:
+    """--num-prompts requests, --concurrency at a time; the summary."""
+    todo: queue.Queue = queue.Queue()
+    for i, prompt in enumerate(prompts(args.num_prompts, args.input_len)):
+        todo.put((i, body(model, prompt, args.output_len)))
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            try:
+                i, request = todo.get_nowait()
+            except queue.Empty:
+                return
+            outcome = complete(request, i)
+            with lock:
+                outcomes.append(outcome)
+
+    started = time.perf_counter()
+    workers = [threading.Thread(target=worker) for _ in range(min(args.concurrency,
+                                                                   args.num_prompts))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return summary(outcomes, time.perf_counter() - started)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", help="an OpenAI server (default: the OpenAI program itself, "
+                    "beside a predd started here)")
+    ap.add_argument("--model", help="the GGUF predd serves (without --url; default "
+                    "SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    args = ap.parse_args()
+    daemon = program = None
+    try:
+        if args.url:
+            client = Http(args.url)
+            complete, model, way = (lambda req, _i: client.complete(req)), client.model, args.url
+        else:
+            from scripts.bench_common import start_predd
+            from scripts.bench_completion import KV_PAGES, PAGE_SIZE, STEP_TOKENS
+            daemon = start_predd(*(["--model", args.model] if args.model else []),
+                                 "--dtype", machine(args.dtype), "--kv-pages", str(KV_PAGES),
+                                 "--page-size", str(PAGE_SIZE), "--max-batch", "64",
+                                 "--max-step-tokens", str(STEP_TOKENS))
+            program = Program(daemon.addr, args.model)
+            complete, model, way = program.complete, program.model, "the OpenAI program"
+        figures = run(complete, model, args)
+    finally:
+        if program is not None:
+            program.close()
+        if daemon is not None:
+            daemon.stop()
+    log(f"bench: {way}, {args.num_prompts} prompts of {args.input_len} tokens, "
+        f"{args.output_len} out, {args.concurrency} in flight: median TPOT "
+        f"{figures['median_tpot_ms']:.1f} ms, mean TTFT {figures['mean_ttft_ms']:.0f} ms, "
+        f"output {figures['output_throughput']:.1f} tokens/s, {figures['completed']} "
+        f"completed, {figures['failed']} failed, {figures['total_output_tokens']} output "
+        f"tokens in {figures['duration_s']} s{'; ' + str(figures['errors']) if figures['errors'] else ''}")
+    extra = {"num_prompts": args.num_prompts, "concurrency": args.concurrency,
+             "input_len": args.input_len, "output_len": args.output_len,
+             "completed": figures["completed"], "failed": figures["failed"]}
+    result("openai", "output_tokens", figures["total_output_tokens"], "asked",
+           args.num_prompts * args.output_len, **extra)
+    result("openai", "output_tokens_per_s", figures["output_throughput"], "none", 0.0,
+           median_tpot_ms=round(figures["median_tpot_ms"], 3),
+           mean_ttft_ms=round(figures["mean_ttft_ms"], 3), **extra)
+    return 0 if figures["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
