@@ -215,6 +215,25 @@ class Program:
             self.proc.wait()
 
 
+def predd_stats(addr: str) -> dict:
+    import liblip as lip
+    lip.connect(addr)
+    try:
+        return lip.stats()
+    finally:
+        lip.client().close()
+
+
+def split(before: dict, after: dict) -> str:
+    """predd's steps between two `stats`: how many, their mean batch, and its time a
+    step by phase (`time_ms`: ms of wall, the CPU ones of its thread)."""
+    steps = max(after["steps"] - before["steps"], 1)
+    calls = after["calls"] - before["calls"]
+    times = " ".join(f"{k} {(after['time_ms'][k] - before['time_ms'].get(k, 0)) / steps:.1f}"
+                     for k in after["time_ms"])
+    return f"{steps} steps, mean batch {calls / steps:.1f}; ms a step: {times}"
+
+
 # ------------------------------------------------------------------ the load
 
 def run(complete: Callable[[dict, int], Outcome], model: str, args) -> dict:
@@ -271,7 +290,10 @@ def main() -> int:
                                  "--max-step-tokens", str(STEP_TOKENS))
             program = Program(daemon.addr, args.model)
             complete, model, way = program.complete, program.model, "the OpenAI program"
+            before = predd_stats(daemon.addr)
         figures = run(complete, model, args)
+        if daemon is not None:
+            log(f"bench: predd: {split(before, predd_stats(daemon.addr))}")
     finally:
         if program is not None:
             program.close()

@@ -7,14 +7,12 @@ detokenised output, `max_tokens` reached ("length"), the object full to the cont
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 import symphony_protocol as p
-from predd.kernels import cpu_kernels, library
 from predd.engine import sampling
 from predd.engine.calls import Call
 
@@ -115,7 +113,7 @@ def _sampled_rows(owners: list[Call], blocks: list[torch.Tensor]
     logprobs: list[float] = []
     for at in range(0, len(rows), SAMPLE_ROWS):
         mine = range(at, min(at + SAMPLE_ROWS, len(rows)))
-        masked = torch.stack([sampling.apply_mask(rows[i], owners[i].allowed) for i in mine])
+        masked = [sampling.apply_mask(rows[i], owners[i].allowed) for i in mine]
         picks = sampling.sample_rows(masked, [owners[i].sample or greedy for i in mine],
                                      [owners[i].generator for i in mine])
         tokens += [t for t, _ in picks]
@@ -128,20 +126,13 @@ def _greedy_rows(blocks: list[torch.Tensor]) -> tuple[list[int], list[float]]:
     predd's CPU kernel where it runs (no copy of the rows; measured: docs/kernels.md,
     "Greedy pick without a log-softmax"), else torch; token -1 for a row the kernel
     leaves to the caller (a NaN)."""
-    kernels = _cpu_kernels()
+    kernels = sampling.cpu_kernels()
     if kernels is not None and blocks[0].is_cpu and blocks[0].dtype == torch.float32:
         return kernels.greedy_pick(blocks)
     stacked = torch.cat(blocks)                                        # [k, V]
     tokens = torch.argmax(stacked, dim=-1)
     logprobs = torch.log_softmax(stacked, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), logprobs.tolist()
-
-
-@functools.cache
-def _cpu_kernels() -> library.Kernels | None:
-    """predd's CPU kernels where they build and pass their probe here, else None (asked
-    once: a failed build is not retried every step)."""
-    return None if cpu_kernels.problem() else cpu_kernels.kernels()
 
 
 def next_token(call: Call) -> tuple[int, float]:

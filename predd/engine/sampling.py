@@ -6,11 +6,14 @@ A temperature below MIN_TEMPERATURE samples greedily.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from predd.kernels import cpu_kernels as cpu_kernels_mod
+from predd.kernels import library
 from symphony_protocol import ProtocolError, SampleParams
 
 MIN_TEMPERATURE = 1e-4   # below this, sampling is greedy (logits / T would overflow)
@@ -64,16 +67,46 @@ def sample(logits: torch.Tensor, params: SampleParams, gen: torch.Generator | No
     return token, logprob
 
 
-def sample_rows(rows: torch.Tensor, params: Sequence[SampleParams],
+def sample_rows(rows: torch.Tensor | Sequence[torch.Tensor], params: Sequence[SampleParams],
                 gens: Sequence[torch.Generator | None]) -> list[tuple[int, float]]:
-    """One token from each row of `rows` [k, V] (already masked) with that row's
-    parameters and generator, and its logprob; token -1 for a row that is no
+    """One token from each row of `rows` ([k, V], or k rows of [V]; already masked) with
+    that row's parameters and generator, and its logprob; token -1 for a row that is no
     distribution at its temperature (a NaN, nothing finite).
 
     Sampling is by the inverse of the row's cumulative distribution at one uniform draw
     from the row's generator: a row's token depends on its own logits, parameters and
     draw, never on the rows beside it. (torch.multinomial draws a random number for
-    every token of the vocabulary; measured: docs/kernels.md, "Sampling by one draw".)"""
+    every token of the vocabulary; measured: docs/kernels.md, "Sampling by one draw".)
+    A row without top-k or top-p goes to predd's CPU kernel where its rows are float32
+    on the CPU (csrc/greedy.c: no copy, nothing allocated; docs/kernels.md, "Sampled
+    picks in place"), the others to torch."""
+    out: list[tuple[int, float]] = [(-1, float("nan"))] * len(params)
+    plain = [i for i, p in enumerate(params)
+             if p.temperature >= MIN_TEMPERATURE and not p.top_k and p.top_p >= 1.0]
+    kernels = cpu_kernels() if plain and rows[0].is_cpu and \
+        rows[0].dtype == torch.float32 else None
+    if kernels is not None:
+        draws = [float(torch.rand((), generator=gens[i], dtype=torch.float64)) for i in plain]
+        tokens, logprobs = kernels.sample_pick([rows[i] for i in plain],
+                                               [params[i].temperature for i in plain], draws)
+        for i, token, lp in zip(plain, tokens, logprobs):
+            out[i] = (token, lp if token >= 0 else float("nan"))
+        done = set(plain)
+        rest = [i for i in range(len(params)) if i not in done]
+    else:
+        rest = list(range(len(params)))
+    if rest:
+        picked = _sample_by_torch(
+            rows[rest] if isinstance(rows, torch.Tensor) else torch.stack([rows[i] for i in rest]),
+            [params[i] for i in rest], [gens[i] for i in rest])
+        for i, pair in zip(rest, picked):
+            out[i] = pair
+    return out
+
+
+def _sample_by_torch(rows: torch.Tensor, params: Sequence[SampleParams],
+                     gens: Sequence[torch.Generator | None]) -> list[tuple[int, float]]:
+    """`sample_rows` in torch ops over the rows [k, V] at once."""
     logprobs = torch.log_softmax(rows, dim=-1)
     tokens = [-1] * len(params)
     cold = [i for i, p in enumerate(params) if p.temperature < MIN_TEMPERATURE]
@@ -107,6 +140,13 @@ def sample_rows(rows: torch.Tensor, params: Sequence[SampleParams],
             tokens[i] = picked[j]
     return [(t, float(logprobs[i, t]) if t >= 0 else float("nan"))
             for i, t in enumerate(tokens)]
+
+
+@functools.cache
+def cpu_kernels() -> library.Kernels | None:
+    """predd's CPU kernels where they build and pass their probe here, else None (asked
+    once: a failed build is not retried every step)."""
+    return None if cpu_kernels_mod.problem() else cpu_kernels_mod.kernels()
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> None:

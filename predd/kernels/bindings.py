@@ -37,6 +37,7 @@ SIGNATURES = {
     "linear_bf16_tiles": (ctypes.c_int, [ctypes.c_int]),
     "attention_tiles_bf16": (ctypes.c_int, [ctypes.c_int]),
     "greedy_pick_f32": (None, [ptr, i64, i64, ptr, ptr]),
+    "sample_pick_f32": (None, [ptr, i64, i64, ptr, ptr, ptr, ptr]),
     "paged_attention_tiles_bf16": (ctypes.c_int, attention[:12] + [ptr, ptr, i64, i64, f32]),
     "shared_prefix_tiles_bf16": (ctypes.c_int, [ptr, i64, ptr, i64, i64, i64, i64, ptr,
                                                  ptr, ptr, ptr, ptr, ptr, ptr, i64, f32,

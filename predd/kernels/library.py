@@ -374,24 +374,29 @@ class Kernels:
         rows of `blocks` in order (a block: a row, or a 2-D tensor of rows, each row
         contiguous), without concatenating them or making a tensor a row; token -1
         (logprob NaN) for a row with a NaN or no finite logit."""
-        at: list[int] = []
-        v = blocks[0].shape[-1] if blocks else 0
-        for b in blocks:
-            if (b.dtype != torch.float32 or not b.is_cpu or b.dim() not in (1, 2)
-                    or (b.shape[-1] > 1 and b.stride(-1) != 1)):
-                raise ValueError("the CPU kernels take contiguous float32 CPU rows here, "
-                                 f"not {str(b.dtype)[6:]} {tuple(b.shape)} of strides "
-                                 f"{b.stride()}")
-            if b.shape[-1] != v:
-                raise ValueError("greedy_pick takes rows of one length")
-            if b.dim() == 1 or b.shape[0] == 1:
-                at.append(b.data_ptr())
-            else:
-                first, step = b.data_ptr(), b.stride(0) * 4
-                at += [first + step * i for i in range(b.shape[0])]
+        at, v = _row_addresses(blocks)
         n = len(at)
         tokens, logprobs = np.empty(n, np.int64), np.empty(n, np.float32)
-        self._lib.greedy_pick_f32(np.array(at, np.int64).ctypes.data, n, v,
+        self._lib.greedy_pick_f32(at.ctypes.data, n, v, tokens.ctypes.data,
+                                  logprobs.ctypes.data)
+        return tokens.tolist(), logprobs.tolist()
+
+    def sample_pick(self, blocks: list[torch.Tensor], temperatures: list[float],
+                    draws: list[float]) -> tuple[list[int], list[float]]:
+        """A token drawn from each float32 logits row of `blocks` (as `greedy_pick`
+        takes them) at its temperature (> 0), by the inverse of its cumulative
+        distribution at its uniform draw in [0, 1), and its logprob at temperature 1;
+        token -1 (logprob NaN) for a row that is no distribution (csrc/greedy.c)."""
+        at, v = _row_addresses(blocks)
+        n = len(at)
+        if len(temperatures) != n or len(draws) != n:
+            raise ValueError(f"sample_pick: {n} rows, {len(temperatures)} temperatures, "
+                             f"{len(draws)} draws")
+        temps, us = np.asarray(temperatures, np.float64), np.asarray(draws, np.float64)
+        if n and not (np.all(temps > 0) and np.all((us >= 0) & (us < 1))):
+            raise ValueError("sample_pick: temperatures > 0 and draws in [0, 1)")
+        tokens, logprobs = np.empty(n, np.int64), np.empty(n, np.float32)
+        self._lib.sample_pick_f32(at.ctypes.data, n, v, temps.ctypes.data, us.ctypes.data,
                                   tokens.ctypes.data, logprobs.ctypes.data)
         return tokens.tolist(), logprobs.tolist()
 
@@ -474,6 +479,26 @@ class Kernels:
 
         run.keeps = (blocks, bias)          # the memory behind the pointers
         return run
+
+
+def _row_addresses(blocks: list[torch.Tensor]) -> tuple[np.ndarray, int]:
+    """The address of every row of `blocks` (1-D rows or 2-D tensors of contiguous
+    float32 CPU rows, all of one length), in order, and that length."""
+    at: list[int] = []
+    v = blocks[0].shape[-1] if blocks else 0
+    for b in blocks:
+        if (b.dtype != torch.float32 or not b.is_cpu or b.dim() not in (1, 2)
+                or (b.shape[-1] > 1 and b.stride(-1) != 1)):
+            raise ValueError("the CPU kernels take contiguous float32 CPU rows here, not "
+                             f"{str(b.dtype)[6:]} {tuple(b.shape)} of strides {b.stride()}")
+        if b.shape[-1] != v:
+            raise ValueError("the picks take rows of one length")
+        if b.dim() == 1 or b.shape[0] == 1:
+            at.append(b.data_ptr())
+        else:
+            first, step = b.data_ptr(), b.stride(0) * 4
+            at += [first + step * i for i in range(b.shape[0])]
+    return np.array(at, np.int64), v
 
 
 def _contiguous(*tensors: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> None:

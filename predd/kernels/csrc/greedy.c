@@ -1,6 +1,8 @@
-/* The greedy pick of a step's generates: each float32 logits row's argmax (the first
- * where several tie, as torch.argmax) and its logprob, -log(sum_i e^(x_i - max)), in
- * two passes over the row and no copy. torch needs a concatenation of the rows, a
+/* The picks of a step's tokens from float32 logits rows, in place, no copy and nothing
+ * allocated. The greedy pick: each row's argmax (the first where several tie, as
+ * torch.argmax) and its logprob, -log(sum_i e^(x_i - max)), in two passes over the row.
+ * The sampled pick (sample_pick_f32, below): a token drawn at a temperature by the
+ * inverse of the row's cumulative distribution at one uniform draw. torch needs a concatenation of the rows, a
  * log-softmax written out in full and an argmax (measured: docs/kernels.md, "Greedy
  * pick without a log-softmax"); this reads each row twice. The sum is in double: the
  * logprob is within ~2e-7 of the exact value (e^x's own error), where torch's float32
@@ -118,7 +120,8 @@ static double sum_exp8(const float *x, int64_t n, float *most, int64_t *at)
 }
 #endif
 
-static void pick_row(const float *x, int64_t n, int64_t *token, float *logprob)
+/* The row's max (*most), the first index holding it (*at), the sum of e^(x_i - max) */
+static void pick_row_sums(const float *x, int64_t n, float *most, int64_t *at, double *total)
 {
     float m;
     int64_t t;
@@ -140,6 +143,17 @@ static void pick_row(const float *x, int64_t n, int64_t *token, float *logprob)
     for (int64_t i = 0; i < n; i++)
         sum += (double)exp_approx(x[i] - m);
 #endif
+    *most = m;
+    *at = t;
+    *total = sum;
+}
+
+static void pick_row(const float *x, int64_t n, int64_t *token, float *logprob)
+{
+    float m;
+    int64_t t;
+    double sum;
+    pick_row_sums(x, n, &m, &t, &sum);
     if (!isfinite(m) || !isfinite(sum) || t == n) {
         *token = -1;
         *logprob = NAN;
@@ -157,4 +171,120 @@ void greedy_pick_f32(const int64_t *rows, int64_t n, int64_t v, int64_t *tokens,
     #pragma omp parallel for schedule(static) if (n > 1)
     for (int64_t r = 0; r < n; r++)
         pick_row((const float *)(intptr_t)rows[r], v, tokens + r, logprobs + r);
+}
+
+/* ---- the sampled pick
+ *
+ * A row's weights at temperature T are w_i = e^((x_i - max) / T), with no weight where
+ * that exponent is below -87 (e^-87 ~ 1.6e-38; a masked -inf logit is one). They are
+ * summed in blocks of LANES, each block's float sum added to a double in order; the draw
+ * u in [0, 1) picks the token where the running sum first passes u * total: the walk
+ * adds the same block sums in the same order, so it meets the total, and inside the
+ * block that passes it the weights are added one by one. Where rounding leaves the
+ * walk short of the target, the last token with a weight is taken. The logprob is at
+ * temperature 1, as the greedy pick's. Three passes and a half over a row. */
+
+#if defined(__AVX512F__)
+#define LANES 16
+static inline float block_weights(const float *x, float m, float inv)
+{
+    const __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x), _mm512_set1_ps(m)),
+                                   _mm512_set1_ps(inv));
+    const __mmask16 live = _mm512_cmp_ps_mask(z, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    return _mm512_reduce_add_ps(_mm512_maskz_mov_ps(live, exp_approx16(z)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+static inline float block_weights(const float *x, float m, float inv)
+{
+    const __m256 z = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_set1_ps(m)),
+                                   _mm256_set1_ps(inv));
+    const __m256 live = _mm256_cmp_ps(z, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+    const __m256 e = _mm256_and_ps(live, exp_approx8(z));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(e), _mm256_extractf128_ps(e, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#else
+#define LANES 1
+static inline float block_weights(const float *x, float m, float inv)
+{
+    const float z = (x[0] - m) * inv;
+    return z >= -87.0f ? exp_approx(z) : 0.0f;
+}
+#endif
+
+static inline float weight(float x, float m, float inv)
+{
+    const float z = (x - m) * inv;
+    return z >= -87.0f ? exp_approx(z) : 0.0f;
+}
+
+static void sample_row(const float *x, int64_t n, float inv, double u, int64_t *token,
+                       float *logprob)
+{
+    float m;
+    int64_t t;
+    double sum;
+    pick_row_sums(x, n, &m, &t, &sum);
+    if (!isfinite(m) || !isfinite(sum) || t == n) {
+        *token = -1;
+        *logprob = NAN;
+        return;
+    }
+    const int64_t full = n - n % LANES;
+    double total = 0.0;
+    for (int64_t i = 0; i < full; i += LANES)
+        total += (double)block_weights(x + i, m, inv);
+    for (int64_t i = full; i < n; i++)
+        total += (double)weight(x[i], m, inv);
+    const double target = u * total;
+    double run = 0.0;
+    int64_t pick = -1;
+    for (int64_t i = 0; i < full; i += LANES) {
+        const double block = (double)block_weights(x + i, m, inv);
+        if (run + block <= target) {
+            run += block;
+            continue;
+        }
+        int64_t live = -1;               /* the block that passes the target, one by one */
+        for (int64_t j = i; j < i + LANES; j++) {
+            const float w = weight(x[j], m, inv);
+            if (w > 0.0f) {
+                live = j;
+                run += (double)w;
+                if (run > target) {
+                    pick = j;
+                    break;
+                }
+            }
+        }
+        if (pick < 0)
+            pick = live;                 /* short by rounding: its last token with a weight */
+        break;
+    }
+    for (int64_t i = full; i < n && pick < 0; i++) {
+        const float w = weight(x[i], m, inv);
+        run += (double)w;
+        if (w > 0.0f && run > target)
+            pick = i;
+    }
+    for (int64_t i = n - 1; i >= 0 && pick < 0; i--)   /* never passed: the last with one */
+        if (weight(x[i], m, inv) > 0.0f)
+            pick = i;
+    *token = pick;
+    *logprob = (float)((double)(x[pick] - m) - log(sum));
+}
+
+/* rows: the addresses of n rows of v contiguous float32 logits each; temps: each row's
+ * temperature (> 0); draws: each row's uniform draw in [0, 1); tokens, logprobs: n
+ * results, token -1 where the row is no distribution (a NaN, nothing finite) */
+void sample_pick_f32(const int64_t *rows, int64_t n, int64_t v, const double *temps,
+                     const double *draws, int64_t *tokens, float *logprobs)
+{
+    #pragma omp parallel for schedule(static) if (n > 1)
+    for (int64_t r = 0; r < n; r++)
+        sample_row((const float *)(intptr_t)rows[r], v, (float)(1.0 / temps[r]), draws[r],
+                   tokens + r, logprobs + r);
 }

@@ -78,9 +78,11 @@ int linear_q4_1_int8(const float *x, int64_t M, int64_t K, const uint8_t *q,
 int linear_q8_0_int8(const float *x, int64_t M, int64_t K, const int8_t *q,
                      const uint16_t *d, int64_t N, const float *bias, float *y);
 
-/* ---- the greedy pick (greedy.c) */
+/* ---- the greedy and sampled picks (greedy.c) */
 void greedy_pick_f32(const int64_t *rows, int64_t n, int64_t v, int64_t *tokens,
                      float *logprobs);
+void sample_pick_f32(const int64_t *rows, int64_t n, int64_t v, const double *temps,
+                     const double *draws, int64_t *tokens, float *logprobs);
 
 /* ---- a step's plan (step_plan.c) */
 int64_t plan_rows(const int32_t *qo_indptr, const int32_t *kv_len, const int32_t *indptr,

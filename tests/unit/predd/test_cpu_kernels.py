@@ -504,6 +504,62 @@ def test_greedy_pick_rejects_rows_it_cannot_read():
         lib.greedy_pick([torch.zeros(2, 2, 4)])
 
 
+def _inverse_cdf(row: torch.Tensor, temperature: float, u: float) -> int:
+    """float64 reference: the first token whose cumulative weight passes u * total."""
+    x = row.double().numpy()
+    w = np.exp((x - x.max()) / temperature)
+    cdf = np.cumsum(w)
+    return int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+
+
+def test_sample_pick_draws_by_the_inverse_cdf_with_logprobs_at_temperature_one():
+    """64 rows of a real vocabulary's width and one of 1,003 (no multiple of the lanes),
+    at three temperatures: the token float64's inverse CDF gives at each draw, and a
+    logprob within float32's rounding (and 2e-7) of float64's log_softmax at temperature 1."""
+    lib = cpu_kernels.kernels()
+    gen = torch.Generator().manual_seed(7)
+    for width, temperature in ((49152, 1.0), (49152, 0.7), (1003, 1.6)):
+        rows = torch.randn(64, width, generator=gen) * 4
+        draws = torch.rand(64, generator=gen, dtype=torch.float64).tolist()
+        tokens, logprobs = lib.sample_pick([rows], [temperature] * 64, draws)
+        assert tokens == [_inverse_cdf(r, temperature, u) for r, u in zip(rows, draws)]
+        exact = torch.log_softmax(rows.double(), -1).gather(
+            1, torch.tensor(tokens)[:, None])[:, 0].numpy()
+        ulps = np.abs(np.spacing(exact.astype(np.float32)))     # float32's own rounding
+        assert np.all(np.abs(np.array(logprobs) - exact) <= 1.5 * ulps + 2e-7)
+
+
+def test_sample_pick_follows_the_distribution_and_never_draws_a_masked_token():
+    """Draws spread evenly over [0, 1) land on each token as often as its probability
+    (to the grid's step); -inf tokens never, at the ends of the range too: a draw of 0
+    takes the first token that can be drawn, one just under 1 the last."""
+    lib = cpu_kernels.kernels()
+    row = torch.full((40,), float("-inf"))
+    row[[3, 17, 18, 31]] = torch.tensor([0.0, 1.0, 2.0, 0.5])
+    grid = [(k + 0.5) / 4000 for k in range(4000)]
+    tokens, _ = lib.sample_pick([row] * len(grid), [1.0] * len(grid), grid)
+    counts = np.bincount(tokens, minlength=40) / len(grid)
+    assert set(np.nonzero(counts)[0]) == {3, 17, 18, 31}
+    assert np.allclose(counts, torch.softmax(row, 0).numpy(), atol=1 / 4000)
+    assert lib.sample_pick([row, row], [1.0, 1.0], [0.0, 1 - 2 ** -53])[0] == [3, 31]
+
+
+def test_sample_pick_leaves_a_row_that_is_no_distribution_and_checks_its_arguments():
+    lib = cpu_kernels.kernels()
+    rows = torch.randn(3, 100, generator=torch.Generator().manual_seed(2))
+    rows[1, 50] = float("nan")
+    rows[2] = float("-inf")
+    tokens, logprobs = lib.sample_pick([rows], [1.0] * 3, [0.5] * 3)
+    assert tokens[1:] == [-1, -1] and 0 <= tokens[0] < 100
+    assert logprobs[1] != logprobs[1] and logprobs[2] != logprobs[2]
+    with pytest.raises(ValueError, match="temperatures > 0"):
+        lib.sample_pick([rows[0]], [0.0], [0.5])
+    with pytest.raises(ValueError, match="draws in"):
+        lib.sample_pick([rows[0]], [1.0], [1.0])
+    with pytest.raises(ValueError, match="1 rows, 2 temperatures"):
+        lib.sample_pick([rows[0]], [1.0, 1.0], [0.5])
+
+
 def test_the_kernel_store_writes_where_index_copy_does_and_declines_other_layouts():
     """K/V rows as views of qkv go through store_entries; a contiguous copy of another
     row stride too; a layout it cannot take (heads not contiguous) is left to the
@@ -534,9 +590,9 @@ def test_greedy_rows_take_the_kernel_here_and_torch_without_it(monkeypatch):
     step = torch.randn(9, 1000, generator=torch.Generator().manual_seed(4)) * 3
     blocks = [step[0:1], step[1:4], step[4:9:2], step[5:6]]
     rows = torch.cat(blocks)
-    assert outputs._cpu_kernels() is not None
+    assert outputs.sampling.cpu_kernels() is not None
     tokens, logprobs = outputs._greedy_rows(blocks)
-    monkeypatch.setattr(outputs, "_cpu_kernels", lambda: None)
+    monkeypatch.setattr(outputs.sampling, "cpu_kernels", lambda: None)
     want_tokens, want_logprobs = outputs._greedy_rows(blocks)
     assert tokens == want_tokens == torch.argmax(rows, -1).tolist()
     assert len(tokens) == 8

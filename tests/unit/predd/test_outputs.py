@@ -36,8 +36,8 @@ def alone(c: Call) -> list[tuple[int, float]]:
 @pytest.fixture(params=["kernel", "torch"])
 def way(request, monkeypatch):
     if request.param == "torch":
-        monkeypatch.setattr(outputs, "_cpu_kernels", lambda: None)
-    elif outputs._cpu_kernels() is None:
+        monkeypatch.setattr(sampling, "cpu_kernels", lambda: None)
+    elif sampling.cpu_kernels() is None:
         pytest.skip("predd's CPU kernels do not build here")
     return request.param
 
@@ -98,7 +98,7 @@ def test_sampled_and_masked_calls_are_picked_as_alone_and_raw_and_topk_left(way)
 
 
 def test_a_nan_row_leaves_the_kernel_for_torchs_argmax():
-    if outputs._cpu_kernels() is None:
+    if sampling.cpu_kernels() is None:
         pytest.skip("predd's CPU kernels do not build here")
     bad = logits(2, 8)
     bad[1, 3] = float("nan")

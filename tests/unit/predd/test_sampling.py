@@ -201,9 +201,9 @@ def test_a_rows_token_does_not_depend_on_the_rows_beside_it():
     for row, q, got in zip(rows, params, together):
         assert sampling.sample(row, q, sampling.make_generator(q)) == got
     assert together[1][0] == int(torch.argmax(rows[1]))
-    logprobs = torch.log_softmax(rows, -1)
-    assert [lp for _, lp in together] == [float(logprobs[i, t])
-                                          for i, (t, _) in enumerate(together)]
+    logprobs = torch.log_softmax(rows.double(), -1)      # the kernel's within 5e-7 of it
+    assert [lp for _, lp in together] == pytest.approx(
+        [float(logprobs[i, t]) for i, (t, _) in enumerate(together)], abs=2e-6)
 
 
 def test_a_draw_at_the_top_of_the_range_takes_the_last_token_that_can_be_drawn(monkeypatch):
