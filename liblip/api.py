@@ -116,6 +116,48 @@ def detokenize(tokens: Sequence[int], skip_special: bool = False) -> str:
                          skip_special=skip_special)["text"]
 
 
+def decode(tokens: Sequence[int], skip_special: bool = False) -> str:
+    """`detokenize`'s text, decoded in this process with predd's own tokenizer (asked
+    for once a predd address with the `tokenizer` call): no round trip, so a stream's
+    text costs predd nothing. Where the `tokenizers` package is missing or predd does
+    not answer that call, `detokenize`."""
+    c = client()
+    backend = _decoders.get(c.addr)
+    if backend is None:
+        with _decoders_lock:           # one fetch a predd, not one a thread that asks first
+            backend = _decoders.get(c.addr)
+            if backend is None:
+                backend = _decoders[c.addr] = _decoder_of(c)
+    if backend is False:
+        return detokenize(tokens, skip_special)
+    ids = [int(t) for t in tokens]
+    vocab = info_cached()["vocab_size"]
+    if any(not 0 <= t < vocab for t in ids):
+        raise LipError("EINVAL", f"detokenize.tokens: token ids must be in [0, {vocab})")
+    return backend.decode(ids, skip_special_tokens=skip_special)
+
+
+_decoders: dict[str, object] = {}     # predd address: its tokenizer here, or False
+_decoders_lock = threading.Lock()
+
+
+def _decoder_of(c: Client):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return False
+    try:
+        spec = c.call("tokenizer").get("json")
+    except LipError as exc:
+        if exc.code in ("ENOSYS", "EINVAL", "EOPNOTSUPP"):   # a predd without the call
+            return False
+        raise
+    try:
+        return Tokenizer.from_str(spec) if isinstance(spec, str) else False
+    except Exception:          # noqa: BLE001 - a spec this tokenizers cannot read
+        return False
+
+
 def chat_template(messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of `messages` rendered with the model's chat template."""
     return client().call("chat_template", messages=messages,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from liblip.api import detokenize, send_to_user
+from liblip.api import decode, send_to_user
 
 
 class TextStream:
@@ -22,7 +22,7 @@ class TextStream:
 
     def feed(self, token: int) -> None:
         self.tokens.append(token)
-        text = detokenize(self.tokens, skip_special=True)
+        text = decode(self.tokens, skip_special=True)
         if not text.endswith("\ufffd"):   # U+FFFD: the last character is not complete
             send_to_user(text[len(self.shown):])
             self.shown = text

@@ -1,7 +1,7 @@
 """OpenAI response bodies for the OpenAI LIP: whole answers, stream chunks, logprobs.
 
 A logprob entry is `(token id, logprob, [(alternative id, logprob), ...])`; token
-strings come from predd's `detokenize` of the single token, cached.
+strings are the single token decoded with predd's tokenizer (`lip.decode`), cached.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Formatter:
         with self.lock:
             text = self.token_text.get(t)
         if text is None:
-            text = lip.detokenize([t])
+            text = lip.decode([t])
             with self.lock:
                 self.token_text[t] = text
         return text
@@ -71,7 +71,7 @@ class Formatter:
     def whole(self, c: Completion, cid: str, prompt: list[int], choices: list[Choice],
               usage: dict) -> dict:
         out = []
-        echo = lip.detokenize(prompt) if c.echo else ""
+        echo = lip.decode(prompt) if c.echo else ""
         for ch in choices:
             text = ch.out.full()
             if c.chat:

@@ -75,6 +75,7 @@ class Server:
                                  max_files=args.cache_files, min_tokens=self.info["page_size"])
         self.grammar = Grammar(args.model)
         self.grammar.preload()
+        lip.decode([])                       # predd's tokenizer, fetched before any request
         self.format = Formatter(self.model)
         self.requests: dict = {}
         self.lock = threading.Lock()
@@ -178,7 +179,7 @@ class Server:
         if c.stream:
             self.replies.send({"id": req.rid, "status": 200, "stream": True})
             opening = {"role": "assistant", "content": ""} if c.chat else \
-                lip.detokenize(prompt) if c.echo else ""
+                lip.decode(prompt) if c.echo else ""
             for ch in choices:
                 self._chunk(req, c, cid, ch, opening, [])
 

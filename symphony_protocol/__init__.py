@@ -23,13 +23,13 @@ name is declared once in its module; this package re-exports them, so a user wri
 """
 from symphony_protocol.requests import (  # noqa: F401
     PROTOCOL_VERSION, RIGHTS, CAP_HEX_LEN, MAX_ITEMS, MAX_CHARS, ProtocolError,
-    Request, Hello, Bye, Ping, Info, Stats, Ps, Fsck, Tokenize, Detokenize,
+    Request, Hello, Bye, Ping, Info, Stats, Ps, Fsck, Tokenize, Detokenize, TokenizerSpec,
     ChatTemplate, KvCreate, KvFork, KvGrant, KvFree, KvStat, KvPolicy, IoWait,
     KvTokens, KvTruncate, KvExtract, KvMerge, KvExport, KvImport, Pred, Generate,
     Cancel, REQUESTS, SAMPLE_KEYS, SampleParams, decode_frames, decode_request, check_rights)
 from symphony_protocol.replies import (  # noqa: F401
     Reply, ErrorReply, EmptyReply, HelloReply, InfoReply, StatsReply, PsReply,
-    FsckReply, TokenizeReply, DetokenizeReply, ChatTemplateReply, KvReply,
+    FsckReply, TokenizeReply, DetokenizeReply, TokenizerReply, ChatTemplateReply, KvReply,
     KvExportReply, KvTokensReply, Cost, PredReply, PredLogits, PredSample, PredTopk,
     GenerateChunk, GenerateReply, REPLIES, decode_reply)
 from symphony_protocol.codec import (  # noqa: F401

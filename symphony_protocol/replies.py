@@ -12,7 +12,7 @@ from symphony_protocol.requests import (
     Bye, Cancel, ChatTemplate, Detokenize, Fsck, Generate, Hello, Info, IoWait, KvCreate,
     KvExport, KvExtract, KvFork, KvFree, KvGrant, KvImport, KvMerge, KvPolicy, KvStat,
     KvTokens, KvTruncate, Ping, Pred, ProtocolError, Ps, REQUESTS, Request, Stats,
-    Tokenize, _hints)
+    Tokenize, TokenizerSpec, _hints)
 
 @dataclass(kw_only=True)
 class Reply:
@@ -197,6 +197,11 @@ class DetokenizeReply(Reply):
 
 
 @dataclass(kw_only=True)
+class TokenizerReply(Reply):
+    json: str
+
+
+@dataclass(kw_only=True)
 class ChatTemplateReply(Reply):
     text: str
     tokens: list[int]
@@ -344,7 +349,7 @@ class GenerateReply(Reply):
 REPLIES: dict[type[Request], type[Reply]] = {
     Hello: HelloReply, Bye: EmptyReply, Ping: EmptyReply, Info: InfoReply,
     Stats: StatsReply, Ps: PsReply, Fsck: FsckReply, Tokenize: TokenizeReply,
-    Detokenize: DetokenizeReply, ChatTemplate: ChatTemplateReply, KvCreate: KvReply,
+    Detokenize: DetokenizeReply, TokenizerSpec: TokenizerReply, ChatTemplate: ChatTemplateReply, KvCreate: KvReply,
     KvPolicy: KvReply, IoWait: EmptyReply,
     KvFork: KvReply, KvGrant: KvReply, KvFree: EmptyReply, KvStat: KvReply,
     KvTokens: KvTokensReply, KvTruncate: KvReply, KvExtract: KvReply, KvMerge: KvReply,

@@ -95,6 +95,13 @@ class Detokenize(Request):
 
 
 @dataclass
+class TokenizerSpec(Request):
+    """The served model's tokenizer as Hugging Face tokenizers' JSON: a client decodes
+    ids to text itself, as `detokenize` would, without a round trip a chunk."""
+    op: ClassVar[str] = "tokenizer"
+
+
+@dataclass
 class ChatTemplate(Request):
     messages: list[dict] = field(default_factory=list)
     add_generation_prompt: bool = True
@@ -240,8 +247,8 @@ class Generate(Request):
 
 REQUESTS: dict[str, type[Request]] = {
     cls.op: cls for cls in (
-        Hello, Bye, Ping, Info, Stats, Ps, Fsck, Tokenize, Detokenize, ChatTemplate,
-        KvCreate, KvFork, KvGrant, KvFree, KvStat, KvTokens, KvTruncate, KvExtract,
+        Hello, Bye, Ping, Info, Stats, Ps, Fsck, Tokenize, Detokenize, TokenizerSpec,
+        ChatTemplate, KvCreate, KvFork, KvGrant, KvFree, KvStat, KvTokens, KvTruncate, KvExtract,
         KvMerge, KvExport, KvImport, KvPolicy, IoWait, Pred, Generate, Cancel)
 }
 

@@ -54,7 +54,7 @@ HIT_RATE = 0.6         # a pred loop's argmax is speculated once this share of c
 ROOM_ERRORS = ("EDQUOT", "ENOSPC")   # what a speculation's page may cause another to get
 QUICK_FIELDS = frozenset({"op", "rid", "cap", "tokens", "sample", "into"})
 NEUTRAL = (p.Hello, p.Bye, p.Ping, p.Info, p.Stats, p.Ps, p.Tokenize, p.Detokenize,
-           p.ChatTemplate)
+           p.TokenizerSpec, p.ChatTemplate)
 
 
 def enabled(mode: str, device: str) -> tuple[bool, str]:

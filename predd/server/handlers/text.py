@@ -24,6 +24,11 @@ def detokenize(e: Engine, s: Session, r: p.Detokenize, extra: list[bytes],
     return p.DetokenizeReply(text=e.tokenizer.decode(r.tokens, skip_special=r.skip_special))
 
 
+def tokenizer(e: Engine, s: Session, r: p.TokenizerSpec, extra: list[bytes],
+              now: float) -> p.TokenizerReply:
+    return p.TokenizerReply(json=e.tokenizer.spec())
+
+
 def chat_template(e: Engine, s: Session, r: p.ChatTemplate, extra: list[bytes],
                   now: float) -> p.ChatTemplateReply:
     e.limits.check_messages(r.messages)
@@ -34,4 +39,5 @@ def chat_template(e: Engine, s: Session, r: p.ChatTemplate, extra: list[bytes],
     return p.ChatTemplateReply(text=text, tokens=e.tokenizer.encode(text))
 
 
-HANDLERS = {p.Tokenize: tokenize, p.Detokenize: detokenize, p.ChatTemplate: chat_template}
+HANDLERS = {p.Tokenize: tokenize, p.Detokenize: detokenize, p.TokenizerSpec: tokenizer,
+            p.ChatTemplate: chat_template}
