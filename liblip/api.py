@@ -147,13 +147,13 @@ def _decoder_of(c: Client):
     except ImportError:
         return False
     try:
-        spec = c.call("tokenizer").get("json")
+        _, frames = c.request("tokenizer")
     except LipError as exc:
         if exc.code in ("ENOSYS", "EINVAL", "EOPNOTSUPP"):   # a predd without the call
             return False
         raise
     try:
-        return Tokenizer.from_str(spec) if isinstance(spec, str) else False
+        return Tokenizer.from_str(bytes(frames[0]).decode()) if len(frames) == 1 else False
     except Exception:          # noqa: BLE001 - a spec this tokenizers cannot read
         return False
 

@@ -198,7 +198,19 @@ class DetokenizeReply(Reply):
 
 @dataclass(kw_only=True)
 class TokenizerReply(Reply):
-    json: str
+    """The tokenizer's JSON (UTF-8) as the one binary frame: predd sends the same bytes
+    to every caller, never packed again."""
+    json: bytes = b""
+
+    def fields(self) -> dict:
+        return {}
+
+    def frames(self) -> list[bytes]:
+        return [self.json]
+
+    @classmethod
+    def from_wire(cls, header: dict, frames: list[bytes]) -> TokenizerReply:
+        return cls(json=_one_frame(frames, "tokenizer"))
 
 
 @dataclass(kw_only=True)

@@ -129,12 +129,13 @@ class Reader:
 class Writer:
     """Messages onto a non-blocking stream socket, in order: one is sent at once when
     nothing waits before it; what the socket does not take waits (`len`: how many
-    messages or message ends) until `flush`. An OSError other than EAGAIN (the peer
-    gone) reaches the caller."""
+    messages or message ends; `queued`: their bytes) until `flush`. An OSError other
+    than EAGAIN (the peer gone) reaches the caller."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._waiting: collections.deque[memoryview] = collections.deque()
+        self.queued = 0
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -150,6 +151,7 @@ class Writer:
             if sent == total:
                 return
         self._waiting.append(memoryview(b"".join(buffers))[sent:])
+        self.queued += total - sent
 
     def flush(self) -> bool:
         """Send what waits, as far as the socket takes it; whether all of it went."""
@@ -158,6 +160,7 @@ class Writer:
                 sent = self.sock.send(self._waiting[0])
             except (BlockingIOError, InterruptedError):
                 return False
+            self.queued -= sent
             if sent < len(self._waiting[0]):
                 self._waiting[0] = self._waiting[0][sent:]
                 return False

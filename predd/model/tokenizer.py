@@ -52,7 +52,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._special_strings = special_strings  # bos_token, eos_token for templates
         self._compiled: Any = None
-        self._spec: str | None = None
+        self._spec: bytes | None = None
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
         """Ids of `text`; `add_special` adds what the model's post-processor adds (BOS)."""
@@ -61,10 +61,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
-    def spec(self) -> str:
-        """The backend as tokenizers' JSON (made once): what a client decodes with."""
+    def spec(self) -> bytes:
+        """The backend as tokenizers' JSON, UTF-8 (made once): what a client decodes with."""
         if self._spec is None:
-            self._spec = self.backend.to_str()
+            self._spec = self.backend.to_str().encode()
         return self._spec
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -10,10 +10,10 @@ session ends at once (no lease to wait out).
 
 All sockets are non-blocking and watched by one epoll, whose descriptor the loop polls
 beside the ZeroMQ socket. Limits, as on ZeroMQ: an inbound message larger than the
-engine's largest legitimate request closes its connection; at most HWM replies queue
-for a peer that does not read them, and later ones are dropped (logged once a
-connection), so a reader that stalls never blocks the loop or grows predd without
-bound. A turn hands on at most `budget` messages from all connections together, at
+engine's largest legitimate request closes its connection; at most HWM replies, and no
+more once QUEUED_BYTES wait, queue for a peer that does not read them, and later ones
+are dropped (logged once a connection), so a reader that stalls never blocks the loop
+or grows predd without bound (1,024 unread `tokenizer` replies would be 1.5 GB). A turn hands on at most `budget` messages from all connections together, at
 most MESSAGES_PER_TURN from one, in turn; a connection with whole messages left waits
 in the backlog, unread, until they are handled. A uid other than predd's own holds at
 most `per_uid` connections (the quota's sessions per uid), and all of them together at
@@ -43,6 +43,7 @@ MESSAGES_PER_TURN = 64   # handled per connection per turn; the rest wait in its
 ACCEPT_MAX = 64          # connections accepted per turn
 REFUSED_LOG_S = 1.0      # refused connections are logged at most this often
 PAUSE_S = 1.0            # no accepting this long after running out of descriptors
+QUEUED_BYTES = 64 << 20  # a connection's unread replies: no more queued once this many wait
 _CRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 IN, OUT, ERR = select.EPOLLIN, select.EPOLLOUT, select.EPOLLERR | select.EPOLLHUP
 
@@ -196,10 +197,10 @@ class Streams:
         conn = self.by_identity.get(identity)
         if conn is None:
             return identity[:1] == b"\x01"
-        if len(conn.writer) >= self.hwm:
+        if len(conn.writer) >= self.hwm or conn.writer.queued >= QUEUED_BYTES:
             if not conn.dropped:
                 self.log(f"replies dropped: {conn.peer.address} reads none "
-                         f"({len(conn.writer)} queued)")
+                         f"({len(conn.writer)} queued, {conn.writer.queued} bytes)")
             conn.dropped += 1
             return True
         waited = len(conn.writer)

@@ -96,3 +96,24 @@ def test_an_ipc_path_too_long_for_a_socket_name_leaves_zmq_alone(tmp_path):
         assert any(line.startswith("no local stream") for line in logs)
     finally:
         server.close()
+
+
+def test_replies_to_a_peer_that_reads_none_stop_queueing_at_their_bytes(streams, monkeypatch):
+    """Big replies (a `tokenizer`'s 1.5 MB) to a connection that never reads: what the
+    socket does not take queues up to QUEUED_BYTES, then each further reply is dropped
+    and counted; the log says so once."""
+    import predd.server.streams as module
+    monkeypatch.setattr(module, "QUEUED_BYTES", 4 << 20)
+    [sock] = connect(streams, 1)
+    identity = []
+    streams.turn(lambda *a: None, lambda i: None, 0)             # accepts it
+    sock.sendall(ping(1))
+    streams.turn(lambda ident, frames, peer: identity.append(ident), lambda i: None, 8)
+    big = b"x" * (1 << 20)
+    for _ in range(12):
+        assert streams.send(identity[0], [b"header", big])
+    conn = streams.by_identity[identity[0]]
+    assert 4 << 20 <= conn.writer.queued < (4 << 20) + (1 << 20) + 64
+    assert conn.dropped >= 1 and len(conn.writer) + conn.dropped < 12 + 1
+    assert [m for m in streams.logs if "replies dropped" in m and "bytes" in m]
+    sock.close()

@@ -214,7 +214,7 @@ REPLY_CASES = [
       "trusted": False, "logits_slot_bytes": 0, "logits_buffer": ""}, []),
     ("tokenize", p.TokenizeReply(tokens=[1, 2]), {"tokens": [1, 2]}, []),
     ("detokenize", p.DetokenizeReply(text="ab"), {"text": "ab"}, []),
-    ("tokenizer", p.TokenizerReply(json="{}"), {"json": "{}"}, []),
+    ("tokenizer", p.TokenizerReply(json=b"{}"), {}, [b"{}"]),
     ("chat_template", p.ChatTemplateReply(text="ab", tokens=[1, 2]),
      {"text": "ab", "tokens": [1, 2]}, []),
     ("kv_create", p.KvReply(**KV, cap="c" * 32, rights="rw"),

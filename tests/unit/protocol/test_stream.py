@@ -74,9 +74,10 @@ def test_a_writer_keeps_order_through_partial_sends():
     writer = Writer(a)
     big = bytes(range(256)) * 4096                    # 1 MiB: more than the socket takes
     writer.write([b"first", big])
-    assert len(writer) == 1
+    assert len(writer) == 1 and 0 < writer.queued <= len(big) + 13
+    queued = writer.queued
     writer.write([b"second"])                         # waits behind the first's end
-    assert len(writer) == 2
+    assert len(writer) == 2 and writer.queued == queued + 4 + 4 + 6
     reader, got = Reader(1 << 21), []
     while len(got) < 2:
         writer.flush()
@@ -85,6 +86,7 @@ def test_a_writer_keeps_order_through_partial_sends():
         except BlockingIOError:
             pass
     assert got == [[b"first", big], [b"second"]] and len(writer) == 0 and writer.flush()
+    assert writer.queued == 0
     a.close()
     b.close()
 
