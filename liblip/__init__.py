@@ -16,7 +16,7 @@ from liblip.api import (KV, chat_template, client, client_of, connect, decode, d
                         info_cached, io_wait, kv_close, kv_create, kv_export, kv_extract,
                         kv_fork, kv_free, kv_import, kv_merge, kv_open, kv_policy,
                         kv_positions, kv_rehome, kv_remove, kv_save, kv_stat, kv_tokens, kv_truncate,
-                        ps, send_to_user, stats, tokenize)
+                        ps, send_to_user, stats, tokenize, tokenizer)
 from liblip.client import LipError
 from liblip.predict import (Distribution, Generated, Sampled, TopK, generate,
                             generate_stream, pred, pred_outputs, pred_sample, pred_topk,
@@ -32,5 +32,5 @@ __all__ = [
     "kv_policy", "kv_positions",
     "kv_rehome", "kv_remove", "kv_save", "kv_stat", "kv_tokens", "kv_truncate", "pred", "pred_outputs",
     "pred_sample", "pred_topk", "prefill", "ps", "send_to_user", "stats", "stream_text",
-    "tokenize",
+    "tokenize", "tokenizer",
 ]

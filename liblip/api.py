@@ -121,6 +121,20 @@ def decode(tokens: Sequence[int], skip_special: bool = False) -> str:
     for once a predd address with the `tokenizer` call): no round trip, so a stream's
     text costs predd nothing. Where the `tokenizers` package is missing or predd does
     not answer that call, `detokenize`."""
+    backend = tokenizer()
+    if backend is None:
+        return detokenize(tokens, skip_special)
+    ids = [int(t) for t in tokens]
+    vocab = info_cached()["vocab_size"]
+    if any(not 0 <= t < vocab for t in ids):
+        raise LipError("EINVAL", f"detokenize.tokens: token ids must be in [0, {vocab})")
+    return backend.decode(ids, skip_special_tokens=skip_special)
+
+
+def tokenizer():
+    """predd's tokenizer as a `tokenizers.Tokenizer` held in this process (asked for once
+    a predd address with the `tokenizer` call); None where the `tokenizers` package is
+    missing or predd does not answer that call."""
     c = client()
     backend = _decoders.get(c.addr)
     if backend is None:
@@ -128,13 +142,7 @@ def decode(tokens: Sequence[int], skip_special: bool = False) -> str:
             backend = _decoders.get(c.addr)
             if backend is None:
                 backend = _decoders[c.addr] = _decoder_of(c)
-    if backend is False:
-        return detokenize(tokens, skip_special)
-    ids = [int(t) for t in tokens]
-    vocab = info_cached()["vocab_size"]
-    if any(not 0 <= t < vocab for t in ids):
-        raise LipError("EINVAL", f"detokenize.tokens: token ids must be in [0, {vocab})")
-    return backend.decode(ids, skip_special_tokens=skip_special)
+    return backend or None
 
 
 _decoders: dict[str, object] = {}     # predd address: its tokenizer here, or False

@@ -20,7 +20,7 @@ import numpy as np
 
 import liblip as lip
 from openai_lip.requests import RequestError
-from openai_lip.vocab import PreddTokenizer, default_model, gguf_vocab
+from openai_lip.vocab import PreddTokenizer, default_model, gguf_vocab, tokenizer_vocab
 
 
 
@@ -194,8 +194,9 @@ class Grammar:
     def _load(self):
         import llguidance
         try:
-            path = self.model or default_model()
-            tokens = gguf_vocab(path)
+            held = lip.tokenizer()
+            path = "predd's tokenizer" if held is not None else self.model or default_model()
+            tokens = tokenizer_vocab(held) if held is not None else gguf_vocab(path)
         except Exception as exc:   # noqa: BLE001
             raise RequestError(400, "response_format needs the served model's GGUF "
                                f"vocabulary ({exc})", "response_format") from None

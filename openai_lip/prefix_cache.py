@@ -56,8 +56,47 @@ def scope_tag(scope: str) -> str:
     return hashlib.sha256(scope.encode()).hexdigest()[:8]
 
 
+class EmptyCaches:
+    """Empty caches made ahead of the requests that take them: a request whose prompt has
+    no cached prefix begins with its `generate`, not with a `kv_create` that waits for
+    predd's step to end (a burst of requests would enter that step one by one). At most
+    `keep` wait, holding no page; each one taken is made again by a thread of its own,
+    so that the calls of a burst's refill are answered in one turn."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.ready: collections.deque[lip.KV] = collections.deque()
+        self.making = 0
+        self.lock = threading.Lock()
+        self._refill()
+
+    def take(self) -> lip.KV:
+        with self.lock:
+            kv = self.ready.popleft() if self.ready else None
+        self._refill()
+        return kv if kv is not None else lip.kv_create()
+
+    def _refill(self) -> None:
+        with self.lock:
+            missing = self.keep - len(self.ready) - self.making
+            self.making += max(missing, 0)
+        for _ in range(missing):
+            threading.Thread(target=self._make, daemon=True).start()
+
+    def _make(self) -> None:
+        try:
+            kv = lip.kv_create()
+        except lip.LipError:         # refused (a quota, no session): made on demand instead
+            kv = None
+        with self.lock:
+            self.making -= 1
+            if kv is not None:
+                self.ready.append(kv)
+
+
 class PrefixCache:
-    def __init__(self, folder: str, max_files: int = 16, min_tokens: int = 16) -> None:
+    def __init__(self, folder: str, max_files: int = 16, min_tokens: int = 16,
+                 spares: int = 0) -> None:
         self.folder = folder
         self.max_files = max_files
         self.min_tokens = min_tokens
@@ -67,6 +106,7 @@ class PrefixCache:
         self.moving: set[str] = set()       # files being saved or removed: not saved anew
         self.coming: dict[int, Entry] = {}  # promised files, by promise
         self._promises = itertools.count(1)
+        self.empty = EmptyCaches(spares) if spares else None
         os.makedirs(folder, mode=0o700, exist_ok=True)
         self._load()
 
@@ -103,7 +143,7 @@ class PrefixCache:
         # predd answers between steps: a call made under the lock would let one request
         # through a step
         if best is None:
-            return lip.kv_create(), 0
+            return self.fresh(), 0
         try:
             with lip.kv_open(best) as src:
                 kv = lip.kv_fork(src)
@@ -114,10 +154,14 @@ class PrefixCache:
                 with self.lock:
                     if self.entries.get(best) is chosen:
                         del self.entries[best]
-            return lip.kv_create(), 0
+            return self.fresh(), 0
         if stored > best_len:
             lip.kv_truncate(kv, best_len)
         return kv, best_len
+
+    def fresh(self) -> lip.KV:
+        """An empty read-write cache: one made ahead where there are spares."""
+        return self.empty.take() if self.empty is not None else lip.kv_create()
 
     def _best(self, tag: str, tokens: list[int]) -> tuple[str | None, int]:
         """The kept file of scope `tag` sharing the longest prefix with `tokens`."""

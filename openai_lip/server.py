@@ -48,6 +48,7 @@ from openai_lip.room import Room
 from symphony_protocol import default_mount
 
 MAX_REQUESTS = 64       # requests running at once; more wait in a queue
+SPARE_CACHES = 32       # empty caches made ahead (prefix_cache.EmptyCaches)
 MAX_QUEUED = 4096       # requests waiting to start; more are a 429
 STATUS_OF = {"EINVAL": 400, "EDQUOT": 429, "EAGAIN": 429, "ENOSPC": 503, "EIO": 503}
 
@@ -72,7 +73,8 @@ class Server:
         self.model = self.info["model"]
         self.created = int(time.time())
         self.cache = PrefixCache(args.cache_dir or os.path.join(default_mount(), "openai"),
-                                 max_files=args.cache_files, min_tokens=self.info["page_size"])
+                                 max_files=args.cache_files, min_tokens=self.info["page_size"],
+                                 spares=SPARE_CACHES)
         self.grammar = Grammar(args.model)
         self.grammar.preload()
         lip.decode([])                       # predd's tokenizer, fetched before any request

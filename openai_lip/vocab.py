@@ -1,9 +1,10 @@
 """The served model's vocabulary as bytes, for llguidance (JSON schemas).
 
-llguidance needs each token's bytes. predd has no call that returns them (its
-`detokenize` of a single byte-level token cannot show half a UTF-8 character), so the
-token table is read from the model's GGUF file with the `gguf` package (plain Python +
-numpy, no torch); encoding is predd's own `tokenize`, so both sides cut text alike.
+llguidance needs each token's bytes (`detokenize` of a single byte-level token cannot
+show half a UTF-8 character). They come from predd's own tokenizer held in the program
+(`lip.tokenizer()`: 0.07 s for SmolLM2), else from the model's GGUF file with the `gguf`
+package (2.4 s of CPU: it parses every field); encoding is predd's own `tokenize`, so
+both sides cut text alike.
 """
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ def byte_decoder() -> dict[str, int]:
             *range(ord("®"), ord("ÿ") + 1)]
     shift = iter(range(256, 512))
     return {chr(b if b in keep else next(shift)): b for b in range(256)}
+
+
+def tokenizer_vocab(tok) -> list[bytes]:
+    """Each token's bytes from a byte-level BPE `tokenizers.Tokenizer`; special tokens
+    get llguidance's 0xFF prefix (the same table as `gguf_vocab` of its GGUF)."""
+    decode = byte_decoder()
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    table = [b""] * tok.get_vocab_size(with_added_tokens=True)
+    for text, i in tok.get_vocab(with_added_tokens=True).items():
+        table[i] = b"\xff" + text.encode() if i in special else bytes(decode[c] for c in text)
+    return table
 
 
 def gguf_vocab(path: str) -> list[bytes]:

@@ -14,12 +14,14 @@ import argparse
 import json
 import os
 import platform
+import queue
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -119,6 +121,62 @@ def start_predd(*args: str, timeout: float = 600.0):
     log(f"bench: predd {' '.join(args)}: attention {info['attention']}, "
         f"linear {info.get('linear') or '?'} ({info.get('linear_reason') or '?'})")
     return daemon
+
+
+class JsonLines:
+    """A process spoken to in JSON lines (a LIP serving requests): `send` writes one
+    object a line; once `start`ed, a thread hands each line it reads to the inbox of the
+    line's "id" (`inbox` opens one, `done` closes it), and when the output ends, each
+    open inbox gets `{"gone": True, "code": ...}`."""
+
+    def __init__(self, argv: list[str], env: dict) -> None:
+        from predd.server.launch import die_with_parent
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env, cwd=ROOT, preexec_fn=die_with_parent)
+        self.lock = threading.Lock()
+        self.inboxes: dict = {}
+        self.reader = threading.Thread(target=self._read, daemon=True)
+
+    def start(self) -> None:
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.lock:
+                inbox = self.inboxes.get(msg.get("id"))
+            if inbox is not None:
+                inbox.put(msg)
+        with self.lock:
+            for inbox in self.inboxes.values():
+                inbox.put({"gone": True, "code": self.proc.poll()})
+
+    def inbox(self, rid) -> queue.SimpleQueue:
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        with self.lock:
+            self.inboxes[rid] = box
+        return box
+
+    def done(self, rid) -> None:
+        with self.lock:
+            self.inboxes.pop(rid, None)
+
+    def send(self, obj: dict) -> None:
+        with self.lock:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
+
+    def close(self, timeout: float) -> int:
+        """Its input closed: its exit code once it ends (killed after `timeout`)."""
+        self.proc.stdin.close()
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        if self.reader.is_alive():
+            self.reader.join(timeout=10)
+        return code
 
 
 class Mount:

@@ -27,7 +27,6 @@ import os
 import queue
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
     sys.path.insert(0, ROOT)
-from scripts.bench_common import DTYPE_CHOICES, log, machine, result  # noqa: E402
+from scripts.bench_common import DTYPE_CHOICES, JsonLines, log, machine, result  # noqa: E402
 
 REQUEST_TIMEOUT_S = 600.0
 FIRST_ID, LAST_ID = 1000, 30000     # prompt ids: no special tokens in SmolLM2's vocabulary
@@ -145,45 +144,27 @@ def _sse(lines: Iterable[bytes]) -> Iterable[dict]:
 # ------------------------------------------------------------------ the program itself
 
 class Program:
-    """`python -m openai_lip` beside the predd at `addr`, over its JSON lines: one
-    reader thread hands each line to the request of its id."""
+    """`python -m openai_lip` beside the predd at `addr`, over its JSON lines: each
+    request's lines go to the inbox of its id (scripts/bench_common.py, `JsonLines`)."""
 
     def __init__(self, addr: str, model_path: str | None) -> None:
         self.cache = tempfile.mkdtemp(prefix="openai-cache-")
-        self.proc = subprocess.Popen(
+        self.lines = JsonLines(
             [sys.executable, "-m", "openai_lip", "--cache-dir", self.cache,
              *(["--model", model_path] if model_path else [])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-            env={**os.environ, "PREDD_ADDR": addr})
+            {**os.environ, "PREDD_ADDR": addr})
+        self.proc = self.lines.proc
         ready = json.loads(self.proc.stdout.readline() or "{}")
         if not ready.get("ready"):
             self.close()
             raise RuntimeError(f"the OpenAI program did not start: {ready}")
         self.model = ready["model"]
-        self.lock = threading.Lock()
-        self.inboxes: dict[int, queue.Queue] = {}
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            msg = json.loads(line)
-            with self.lock:
-                inbox = self.inboxes.get(msg.get("id"))
-            if inbox is not None:
-                inbox.put(msg)
-        with self.lock:
-            for inbox in self.inboxes.values():
-                inbox.put({"done": True, "gone": True})
+        self.lines.start()
 
     def complete(self, request: dict, rid: int) -> Outcome:
-        inbox: queue.Queue = queue.Queue()
-        with self.lock:
-            self.inboxes[rid] = inbox
-            started = time.perf_counter()
-            self.proc.stdin.write(json.dumps({"id": rid, "op": "completion", "body": request,
-                                              "scope": "bench"}) + "\n")
-            self.proc.stdin.flush()
+        inbox = self.lines.inbox(rid)
+        started = time.perf_counter()
+        self.lines.send({"id": rid, "op": "completion", "body": request, "scope": "bench"})
         failed: list[str] = []
 
         def chunks() -> Iterable[dict]:
@@ -193,26 +174,20 @@ class Program:
                     failed.append(f"{msg['status']}: {json.dumps(msg.get('body'))[:200]}")
                 if "chunk" in msg:
                     yield msg["chunk"]
-                if msg.get("done"):
-                    if msg.get("gone"):
-                        failed.append("the OpenAI program exited")
+                if msg.get("gone"):
+                    failed.append(f"the OpenAI program exited {msg['code']}")
+                if msg.get("done") or msg.get("gone"):
                     return
         try:
             outcome = read_events(chunks(), time.perf_counter, started)
         except queue.Empty:
             outcome = Outcome(False, error=f"no answer in {REQUEST_TIMEOUT_S:g} s")
         finally:
-            with self.lock:
-                self.inboxes.pop(rid, None)
+            self.lines.done(rid)
         return Outcome(False, error=failed[0]) if failed else outcome
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.lines.close(10)
 
 
 def predd_stats(addr: str) -> dict:

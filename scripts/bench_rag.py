@@ -37,9 +37,7 @@ import argparse
 import contextlib
 import json
 import os
-import queue
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -51,8 +49,9 @@ if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages an
     sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "mount_examples"))
 from scripts import bench_vllm  # noqa: E402
-from scripts.bench_common import (Mount, changed, log, machine, percentile,  # noqa: E402
-                                  quick_defaults, result, serving_flags, start_predd)
+from scripts.bench_common import (JsonLines, Mount, changed, log, machine,  # noqa: E402
+                                  percentile, quick_defaults, result, serving_flags,
+                                  start_predd)
 from scripts.rag_workload import (Request, Run, Workload, closed_loop,  # noqa: E402
                                   make_workload, workload_flags)
 
@@ -63,42 +62,28 @@ TIMEOUT_S = 900
 # ------------------------------------------------------------------ systems
 
 class LipProcess:
-    """rag_popular.py as a process: requests written as JSON lines, answers read by a
-    thread and handed to the waiting client by id."""
+    """rag_popular.py as a process: requests written as JSON lines, each answer handed
+    to the client waiting on its id."""
 
     def __init__(self, env: dict, *args: str) -> None:
         self.report = tempfile.mktemp(prefix="rag-report-", suffix=".json")
-        from predd.server.launch import die_with_parent
-        self.proc = subprocess.Popen(
-            [sys.executable, LIP, *args, "--report", self.report], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT, preexec_fn=die_with_parent)
-        self.waiting: dict[int, queue.SimpleQueue] = {}
-        self.lock = threading.Lock()
+        self.lines = JsonLines([sys.executable, LIP, *args, "--report", self.report], env)
+        self.lines.start()
         self.next_id = 0
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            msg = json.loads(line)
-            with self.lock:
-                box = self.waiting.pop(msg.get("id"), None)
-            if box is not None:
-                box.put(msg)
-        with self.lock:
-            for box in self.waiting.values():
-                box.put({"error": "EIO", "message": f"the LIP exited {self.proc.poll()}"})
+        self.ids = threading.Lock()
 
     def submit(self, r: Request, max_tokens: int) -> dict:
-        box: queue.SimpleQueue = queue.SimpleQueue()
-        with self.lock:
+        with self.ids:
             rid = self.next_id = self.next_id + 1
-            self.waiting[rid] = box
-            self.proc.stdin.write(json.dumps({     # token ids, as vLLM gets them
-                "id": rid, "doc": r.doc, "question_tokens": r.question_tokens,
-                "max_tokens": max_tokens}) + "\n")
-            self.proc.stdin.flush()
-        reply = box.get(timeout=TIMEOUT_S)
+        box = self.lines.inbox(rid)
+        self.lines.send({"id": rid, "doc": r.doc, "question_tokens": r.question_tokens,
+                         "max_tokens": max_tokens})      # token ids, as vLLM gets them
+        try:
+            reply = box.get(timeout=TIMEOUT_S)
+        finally:
+            self.lines.done(rid)
+        if reply.get("gone"):
+            raise RuntimeError(f"EIO: the LIP exited {reply['code']}")
         if "error" in reply:
             raise RuntimeError(f"{reply['error']}: {reply.get('message')}")
         if reply["doc_tokens"] != len(r.doc_tokens) or \
@@ -109,9 +94,7 @@ class LipProcess:
         return reply
 
     def close(self) -> dict:
-        self.proc.stdin.close()
-        code = self.proc.wait(timeout=120)
-        self.reader.join(timeout=10)
+        code = self.lines.close(120)
         if code != 0:
             raise RuntimeError(f"rag_popular.py exited {code}")
         try:

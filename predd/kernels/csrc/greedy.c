@@ -148,17 +148,26 @@ static void pick_row_sums(const float *x, int64_t n, float *most, int64_t *at, d
     *total = sum;
 }
 
+/* pick_row_sums, and whether the row is a distribution; where it is not (a NaN, or no
+ * finite logit), token -1 and logprob NaN are its results */
+static int row_sums(const float *x, int64_t n, float *m, int64_t *t, double *sum,
+                    int64_t *token, float *logprob)
+{
+    pick_row_sums(x, n, m, t, sum);
+    if (isfinite(*m) && isfinite(*sum) && *t != n)
+        return 1;
+    *token = -1;
+    *logprob = NAN;
+    return 0;
+}
+
 static void pick_row(const float *x, int64_t n, int64_t *token, float *logprob)
 {
     float m;
     int64_t t;
     double sum;
-    pick_row_sums(x, n, &m, &t, &sum);
-    if (!isfinite(m) || !isfinite(sum) || t == n) {
-        *token = -1;
-        *logprob = NAN;
+    if (!row_sums(x, n, &m, &t, &sum, token, logprob))
         return;
-    }
     *token = t;
     *logprob = (float)-log(sum);
 }
@@ -227,12 +236,8 @@ static void sample_row(const float *x, int64_t n, float inv, double u, int64_t *
     float m;
     int64_t t;
     double sum;
-    pick_row_sums(x, n, &m, &t, &sum);
-    if (!isfinite(m) || !isfinite(sum) || t == n) {
-        *token = -1;
-        *logprob = NAN;
+    if (!row_sums(x, n, &m, &t, &sum, token, logprob))
         return;
-    }
     const int64_t full = n - n % LANES;
     double total = 0.0;
     for (int64_t i = 0; i < full; i += LANES)

@@ -30,3 +30,13 @@ def test_decode_refuses_ids_outside_the_vocabulary_as_detokenize_does(lip):
         with pytest.raises(lip.LipError) as remote:
             lip.detokenize(bad)
         assert local.value.code == remote.value.code == "EINVAL"
+
+
+def test_the_held_tokenizer_gives_the_grammars_byte_table_of_the_gguf(lip):
+    """The OpenAI program's vocabulary for llguidance, from predd's tokenizer (no GGUF
+    read): every token's bytes as the GGUF's own table has them, specials marked."""
+    from openai_lip.vocab import default_model, gguf_vocab, tokenizer_vocab
+    table = tokenizer_vocab(lip.tokenizer())
+    assert len(table) == lip.info()["vocab_size"]
+    assert table == gguf_vocab(default_model())
+    assert sum(t.startswith(b"\xff") for t in table) == 17
