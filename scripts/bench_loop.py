@@ -81,13 +81,14 @@ def measure(model: str, args, modes: list[str], *flags: str) -> dict:
         daemon.stop()
     spec = after.get("speculation") or {}
     requests = max(after["requests"] - before["requests"], 1)
-    cpu_us = {k: (after["time_ms"][k] - before["time_ms"][k]) * 1e3 / requests
-              for k in ("requests_cpu", "step_cpu")}
+    steps = max(after["steps"] - before["steps"], 1)
+    cpu = {k: after["time_ms"][k] - before["time_ms"][k] for k in ("requests_cpu", "step_cpu")}
     log(f"bench: predd {' '.join(flags) or '(defaults)'}: speculation {spec}, step "
-        f"{(after['step_ms'] - before['step_ms']) / max(after['steps'] - before['steps'], 1):.2f}"
-        f" ms on average; predd's CPU a request: {cpu_us['requests_cpu']:.0f} us in the turns "
-        f"that take them in and {cpu_us['step_cpu']:.0f} us in steps outside the forward "
-        "(stats.time_ms.requests_cpu and step_cpu; every mode and N together)")
+        f"{(after['step_ms'] - before['step_ms']) / steps:.2f} ms on average; predd's CPU: "
+        f"{cpu['requests_cpu'] * 1e3 / requests:.0f} us a request in the turns that take "
+        f"them in, {cpu['step_cpu'] / steps:.2f} ms a step outside its forward "
+        "(stats.time_ms.requests_cpu and step_cpu; every mode and N together; each run's "
+        "line has its own split)")
     return {(mode, n): args.new_tokens * n / best[("processes", n, mode)][0]
             for mode in modes for n in args.programs}
 
