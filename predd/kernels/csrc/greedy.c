@@ -278,6 +278,11 @@ static void sample_row(const float *x, int64_t n, float inv, double u, int64_t *
     for (int64_t i = n - 1; i >= 0 && pick < 0; i--)   /* never passed: the last with one */
         if (weight(x[i], m, inv) > 0.0f)
             pick = i;
+    if (pick < 0) {                  /* no weight at all (not at a temperature > 0) */
+        *token = -1;
+        *logprob = NAN;
+        return;
+    }
     *token = pick;
     *logprob = (float)((double)(x[pick] - m) - log(sum));
 }
