@@ -121,11 +121,11 @@ def decode(tokens: Sequence[int], skip_special: bool = False) -> str:
     for once a predd address with the `tokenizer` call): no round trip, so a stream's
     text costs predd nothing. Where the `tokenizers` package is missing or predd does
     not answer that call, `detokenize`."""
-    backend = tokenizer()
-    if backend is None:
+    held = _held()
+    if held is None:
         return detokenize(tokens, skip_special)
+    backend, vocab = held
     ids = [int(t) for t in tokens]
-    vocab = info_cached()["vocab_size"]
     if any(not 0 <= t < vocab for t in ids):
         raise LipError("EINVAL", f"detokenize.tokens: token ids must be in [0, {vocab})")
     return backend.decode(ids, skip_special_tokens=skip_special)
@@ -135,17 +135,25 @@ def tokenizer():
     """predd's tokenizer as a `tokenizers.Tokenizer` held in this process (asked for once
     a predd address with the `tokenizer` call); None where the `tokenizers` package is
     missing or predd does not answer that call."""
+    held = _held()
+    return held[0] if held is not None else None
+
+
+def _held():
+    """(the tokenizer, predd's vocabulary size) held for the client's predd, or None."""
     c = client()
-    backend = _decoders.get(c.addr)
-    if backend is None:
+    held = _decoders.get(c.addr)
+    if held is None:
         with _decoders_lock:           # one fetch a predd, not one a thread that asks first
-            backend = _decoders.get(c.addr)
-            if backend is None:
-                backend = _decoders[c.addr] = _decoder_of(c)
-    return backend or None
+            held = _decoders.get(c.addr)
+            if held is None:
+                backend = _decoder_of(c)
+                held = _decoders[c.addr] = (backend, c.call("info")["vocab_size"]) \
+                    if backend else False
+    return held or None
 
 
-_decoders: dict[str, object] = {}     # predd address: its tokenizer here, or False
+_decoders: dict[str, object] = {}     # predd address: (its tokenizer here, vocab), or False
 _decoders_lock = threading.Lock()
 
 

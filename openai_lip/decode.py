@@ -114,12 +114,13 @@ class TextOut:
         self._early = 0 if min_tokens == 0 else None    # chars of the first min_tokens
 
     def _text(self) -> tuple[str, bool]:
-        text = lip.decode([t for t in self.ids if t not in eos_ids()], skip_special=True)
+        eos = eos_ids()
+        text = lip.decode([t for t in self.ids if t not in eos], skip_special=True)
         if self._early is None:
             if len(self.ids) < self.min_tokens:
                 return text, False
             self._early = len(lip.decode(
-                [t for t in self.ids[:self.min_tokens] if t not in eos_ids()], skip_special=True))
+                [t for t in self.ids[:self.min_tokens] if t not in eos], skip_special=True))
         cuts = [at for s in self.stops
                 if (at := text.find(s, max(0, self._early - len(s) + 1))) >= 0]
         return (text[:min(cuts)], True) if cuts else (text, False)
