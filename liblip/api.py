@@ -148,7 +148,7 @@ def _held():
             held = _decoders.get(c.addr)
             if held is None:
                 backend = _decoder_of(c)
-                held = _decoders[c.addr] = (backend, c.call("info")["vocab_size"]) \
+                held = _decoders[c.addr] = (backend, info_cached()["vocab_size"]) \
                     if backend else False
     return held or None
 

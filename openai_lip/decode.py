@@ -199,8 +199,8 @@ class Grammar:
             path = "predd's tokenizer" if held is not None else self.model or default_model()
             tokens = tokenizer_vocab(held) if held is not None else gguf_vocab(path)
         except Exception as exc:   # noqa: BLE001
-            raise RequestError(400, "response_format needs the served model's GGUF "
-                               f"vocabulary ({exc})", "response_format") from None
+            raise RequestError(400, "response_format needs the served model's vocabulary "
+                               f"({exc})", "response_format") from None
         if len(tokens) != lip.info_cached()["vocab_size"]:
             raise RequestError(400, f"{path}: vocabulary size differs from the served "
                                "model's", "response_format")

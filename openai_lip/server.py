@@ -77,7 +77,7 @@ class Server:
                                  spares=SPARE_CACHES)
         self.grammar = Grammar(args.model)
         self.grammar.preload()
-        lip.decode([])                       # predd's tokenizer, fetched before any request
+        lip.tokenizer()                      # predd's tokenizer, fetched before any request
         self.format = Formatter(self.model)
         self.requests: dict = {}
         self.lock = threading.Lock()

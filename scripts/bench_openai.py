@@ -38,7 +38,8 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:      # run as `python scripts/NAME.py`: the packages and scripts.*
     sys.path.insert(0, ROOT)
-from scripts.bench_common import DTYPE_CHOICES, JsonLines, log, machine, result  # noqa: E402
+from scripts.bench_common import (DTYPE_CHOICES, JsonLines, changed, log, machine,  # noqa: E402
+                                  result)
 
 REQUEST_TIMEOUT_S = 600.0
 FIRST_ID, LAST_ID = 1000, 30000     # prompt ids: no special tokens in SmolLM2's vocabulary
@@ -204,9 +205,8 @@ def split(before: dict, after: dict) -> str:
     step by phase (`time_ms`: ms of wall, the CPU ones of its thread)."""
     steps = max(after["steps"] - before["steps"], 1)
     calls = after["calls"] - before["calls"]
-    times = " ".join(f"{k} {(after['time_ms'][k] - before['time_ms'].get(k, 0)) / steps:.1f}"
-                     for k in after["time_ms"])
-    return f"{steps} steps, mean batch {calls / steps:.1f}; ms a step: {times}"
+    return (f"{steps} steps, mean batch {calls / steps:.1f}; ms a step: "
+            f"{changed(before, after, 'time_ms', steps)}")
 
 
 # ------------------------------------------------------------------ the load

@@ -1,6 +1,7 @@
 """Server-side masks, sampling and top-k on hand-made logits (no model)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -201,9 +202,17 @@ def test_a_rows_token_does_not_depend_on_the_rows_beside_it():
     for row, q, got in zip(rows, params, together):
         assert sampling.sample(row, q, sampling.make_generator(q)) == got
     assert together[1][0] == int(torch.argmax(rows[1]))
-    logprobs = torch.log_softmax(rows.double(), -1)      # the kernel's within 5e-7 of it
-    assert [lp for _, lp in together] == pytest.approx(
-        [float(logprobs[i, t]) for i, (t, _) in enumerate(together)], abs=2e-6)
+    # rows with top-k or top-p (and greedy ones) are torch's: its log_softmax exactly;
+    # plain ones the kernel's: float64's to float32's rounding (docs/kernels.md)
+    by_torch = torch.log_softmax(rows, -1)
+    exact = torch.log_softmax(rows.double(), -1)
+    for i, (q, (t, lp)) in enumerate(zip(params, together)):
+        if q.temperature >= sampling.MIN_TEMPERATURE and not q.top_k and q.top_p >= 1.0 \
+                and sampling.cpu_kernels() is not None:
+            want = float(exact[i, t])
+            assert abs(lp - want) <= 1.5 * abs(float(np.spacing(np.float32(want)))) + 2e-7
+        else:
+            assert lp == float(by_torch[i, t])
 
 
 def test_a_draw_at_the_top_of_the_range_takes_the_last_token_that_can_be_drawn(monkeypatch):
