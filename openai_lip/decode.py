@@ -103,7 +103,13 @@ class TextOut:
     """A choice's text as its tokens come: stop strings cut it (and are left out), and
     text that might begin a stop string or end mid-character is held back. With
     `min_tokens`, as vLLM does, no stop string counts before that many tokens: only one
-    that ends after their text."""
+    that ends after their text.
+
+    The text grows a token at a time: the tokens from
+    `_prefix` on are decoded, and what the ones before `_read` gave is cut off its front
+    (a window of a few tokens, not the whole output: a token costs the same at the
+    2,000th as at the first). A window whose front is not that text (a decoder that
+    joins tokens across it) is decoded whole instead; `full` always is."""
 
     def __init__(self, stops: list[str], min_tokens: int = 0) -> None:
         self.stops = stops
@@ -112,27 +118,67 @@ class TextOut:
         self.sent = ""
         self.stopped = False
         self._early = 0 if min_tokens == 0 else None    # chars of the first min_tokens
+        self._eos = eos_ids()
+        self._shown: list[int] = []     # the ids that make text (not EOS)
+        self._done = ""                 # the text of _shown[:_read]
+        self._prefix = self._read = 0
+        self._searched = 0              # text before this holds no stop string's end
+
+    def _grow(self) -> str:
+        """The text of every token so far (a last character may still be partial)."""
+        shown = self._shown
+        if self._read == len(shown):
+            return self._done
+        head = lip.decode(shown[self._prefix:self._read], skip_special=True)
+        window = lip.decode(shown[self._prefix:], skip_special=True)
+        if not window.startswith(head):
+            window, head = lip.decode(shown, skip_special=True), self._done
+            if not window.startswith(head):      # earlier text changed: start again
+                self._done, self._prefix, self._read, self._searched = "", 0, 0, 0
+                return window
+        if window.endswith("\ufffd"):          # a character's bytes still to come
+            return self._done + window[len(head):]
+        self._done += window[len(head):]
+        self._prefix, self._read = self._read, len(shown)
+        return self._done
+
+    def _early_chars(self) -> int | None:
+        """Where a stop string may end after (the first min_tokens' text), once known."""
+        if self._early is None and len(self.ids) >= self.min_tokens:
+            self._early = len(lip.decode(
+                [t for t in self.ids[:self.min_tokens] if t not in self._eos],
+                skip_special=True))
+        return self._early
+
+    def _cut(self, text: str, searched: int = 0) -> int | None:
+        """Where the first stop string in `text` begins (None: none), looking only at
+        those that end past `searched` and the first min_tokens' text."""
+        early = self._early_chars()
+        if early is None:
+            return None
+        cuts = [at for s in self.stops
+                if (at := text.find(s, max(0, early - len(s) + 1, searched - len(s) + 1)))
+                >= 0]
+        return min(cuts) if cuts else None
 
     def _text(self) -> tuple[str, bool]:
-        eos = eos_ids()
-        text = lip.decode([t for t in self.ids if t not in eos], skip_special=True)
-        if self._early is None:
-            if len(self.ids) < self.min_tokens:
-                return text, False
-            self._early = len(lip.decode(
-                [t for t in self.ids[:self.min_tokens] if t not in eos], skip_special=True))
-        cuts = [at for s in self.stops
-                if (at := text.find(s, max(0, self._early - len(s) + 1))) >= 0]
-        return (text[:min(cuts)], True) if cuts else (text, False)
+        text = self._grow()
+        cut = self._cut(text, self._searched)
+        if cut is not None:
+            return text[:cut], True
+        if self._early is not None:
+            self._searched = len(self._done)    # (a partial last character may change)
+        return text, False
 
     def add(self, ids: list[int]) -> str:
         """Take tokens without looking at the text (nobody is watching it)."""
         self.ids += ids
+        self._shown += [t for t in ids if t not in self._eos]
         return ""
 
     def feed(self, ids: list[int]) -> str:
         """Take tokens; the text that is safe to show now."""
-        self.ids += ids
+        self.add(ids)
         text, self.stopped = self._text()
         if not self.stopped:
             hold = max((k for s in self.stops for k in range(1, len(s))
@@ -144,10 +190,13 @@ class TextOut:
 
     def finish(self) -> str:
         """The text not shown yet, once the choice is over."""
-        return self._advance(self._text()[0])
+        return self._advance(self.full())
 
     def full(self) -> str:
-        return self._text()[0]
+        """The whole text, decoded at once, up to its first stop string."""
+        text = lip.decode(self._shown, skip_special=True)
+        cut = self._cut(text)
+        return text if cut is None else text[:cut]
 
     def _advance(self, text: str) -> str:
         if not text.startswith(self.sent):

@@ -25,6 +25,7 @@ from symphony_protocol.requests import ProtocolError
 
 STREAM_SUFFIX = ".stream"
 MAX_FRAMES = 64          # frames in one message (a kv_import has two)
+IOV_MAX = 1024           # buffers one sendmsg takes (Linux's UIO_MAXIOV)
 # n little-endian u32s, n up to a header's: its count and MAX_FRAMES sizes
 _U32S = [struct.Struct(f"<{n}I") for n in range(MAX_FRAMES + 2)]
 
@@ -141,7 +142,24 @@ class Writer:
         return len(self._waiting)
 
     def write(self, parts: list) -> None:
-        buffers, total = _framed(parts)
+        self._write(*_framed(parts))
+
+    def write_all(self, messages: list[list]) -> None:
+        """Messages (each `parts`, as `write` takes) in order: one `sendmsg` for as many
+        as IOV_MAX buffers hold."""
+        buffers: list = []
+        total = 0
+        for parts in messages:
+            framed, size = _framed(parts)
+            if len(buffers) + len(framed) > IOV_MAX:
+                self._write(buffers, total)
+                buffers, total = [], 0
+            buffers += framed
+            total += size
+        if buffers:
+            self._write(buffers, total)
+
+    def _write(self, buffers: list, total: int) -> None:
         sent = 0
         if not self._waiting:
             try:

@@ -21,6 +21,7 @@ threads, polled with the ZeroMQ socket in one `zmq.Poller`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -110,6 +111,9 @@ class Server:
         except zmq.ZMQError as exc:   # the peer is gone: nothing to tell
             self.log(f"reply dropped: {exc}")
 
+    def _corked(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.streams is None else self.streams.corked()
+
     def stop(self, *_args) -> None:
         self.running = False
 
@@ -128,7 +132,9 @@ class Server:
                 next_lease_check = now + LEASE_CHECK_S
             wait = sched.wait_time(now)
             if wait == 0.0:
-                if engine.step():
+                with self._corked():
+                    stepped = engine.step()
+                if stepped:
                     continue
                 wait = ROOM_POLL_S   # every queued call waits for room on the device
             timeout = IDLE_POLL_S if wait is None else min(wait, IDLE_POLL_S)
@@ -156,7 +162,8 @@ class Server:
         deadline = started + DRAIN_S
         if self.streams is not None:
             try:
-                self.stream_work = self.streams.turn(self._handle, self._ended, DRAIN_MAX)
+                with self.streams.corked():
+                    self.stream_work = self.streams.turn(self._handle, self._ended, DRAIN_MAX)
             except Exception as exc:   # a bug must not take the daemon down
                 self.log(f"internal error on the local stream: {type(exc).__name__}: {exc}")
         for _ in range(DRAIN_MAX):

@@ -24,13 +24,14 @@ second rather than spin on a listener it cannot empty.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import resource
 import select
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from symphony_protocol import ProtocolError, pack
@@ -86,6 +87,7 @@ class Streams:
         self.epoll.register(self.listener.fileno(), IN)
         self.by_fd: dict[int, Connection] = {}
         self.by_identity: dict[bytes, Connection] = {}
+        self._corked: dict[Connection, list[list]] | None = None   # `corked`'s held replies
 
     def fileno(self) -> int:
         return self.epoll.fileno()
@@ -197,20 +199,48 @@ class Streams:
         conn = self.by_identity.get(identity)
         if conn is None:
             return identity[:1] == b"\x01"
-        if len(conn.writer) >= self.hwm or conn.writer.queued >= QUEUED_BYTES:
+        held = None if self._corked is None else self._corked.get(conn)
+        if (len(conn.writer) + (len(held) if held else 0) >= self.hwm
+                or conn.writer.queued >= QUEUED_BYTES):
             if not conn.dropped:
                 self.log(f"replies dropped: {conn.peer.address} reads none "
                          f"({len(conn.writer)} queued, {conn.writer.queued} bytes)")
             conn.dropped += 1
             return True
+        if held is not None:
+            held.append(parts)
+            return True
+        if self._corked is not None:
+            self._corked[conn] = []
+        self._write(conn, [parts])
+        return True
+
+    @contextlib.contextmanager
+    def corked(self) -> Iterator[None]:
+        """Replies sent meanwhile (a step's, a turn's) go out a connection at a time: its
+        first at once, the rest together at the end, in one `sendmsg`. A connection that
+        many calls share (a threaded program's) then wakes its reader twice a step, not
+        once a call; a connection with one call waits for nothing."""
+        if self._corked is not None:
+            yield
+            return
+        self._corked = {}
+        try:
+            yield
+        finally:
+            corked, self._corked = self._corked, None
+            for conn, held in corked.items():
+                if held and conn.sock.fileno() != -1:
+                    self._write(conn, held)
+
+    def _write(self, conn: Connection, messages: list[list]) -> None:
         waited = len(conn.writer)
         try:
-            conn.writer.write(parts)
+            conn.writer.write_all(messages)
         except OSError:                # the peer went; its end is seen when read
-            return True
+            return
         if len(conn.writer) and not waited:
             self.epoll.modify(conn.sock.fileno(), IN | OUT)
-        return True
 
     def _flush(self, conn: Connection, ended) -> None:
         try:

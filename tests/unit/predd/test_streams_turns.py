@@ -13,7 +13,7 @@ import pytest
 
 from predd.server.loop import Server
 from predd.server.streams import MESSAGES_PER_TURN, Streams
-from symphony_protocol.stream import frame
+from symphony_protocol.stream import Reader, frame
 
 
 def ping(rid: int) -> bytes:
@@ -117,3 +117,37 @@ def test_replies_to_a_peer_that_reads_none_stop_queueing_at_their_bytes(streams,
     assert conn.dropped >= 1 and len(conn.writer) + conn.dropped < 12 + 1
     assert [m for m in streams.logs if "replies dropped" in m and "bytes" in m]
     sock.close()
+
+
+def test_corked_replies_go_out_a_connection_at_a_time(streams):
+    """While corked (a step, a turn) a connection's first reply goes at once and the rest
+    wait for the end, then come in order in one write; a connection with one reply
+    waits for nothing; a reply over the HWM counts the held ones and is dropped."""
+    a, b = connect(streams, 2)
+    ids: list[bytes] = []
+    streams.turn(lambda *x: None, lambda i: None, 0)             # accepts both
+    for sock in (a, b):
+        sock.sendall(ping(1))
+        streams.turn(lambda ident, frames, peer: ids.append(ident), lambda i: None, 8)
+    a.setblocking(False)
+    b.setblocking(False)
+    reader_a, reader_b = Reader(1 << 20), Reader(1 << 20)
+    streams.hwm = 3
+    with streams.corked():
+        for n in range(5):
+            assert streams.send(ids[0], [b"a%d" % n])
+        assert streams.send(ids[1], [b"b0"])
+        assert reader_a.feed(a.recv(1 << 16)) == [[b"a0"]]       # the first, at once
+        assert reader_b.feed(b.recv(1 << 16)) == [[b"b0"]]
+        with pytest.raises(BlockingIOError):
+            a.recv(1 << 16)                                      # the rest are held
+        with streams.corked():                                   # nested: one cork
+            assert streams.send(ids[1], [b"b1"])
+        with pytest.raises(BlockingIOError):
+            b.recv(1 << 16)
+    assert reader_a.feed(a.recv(1 << 16)) == [[b"a1"], [b"a2"], [b"a3"]]
+    assert reader_b.feed(b.recv(1 << 16)) == [[b"b1"]]
+    assert streams.by_identity[ids[0]].dropped == 1             # a4: three held, the HWM
+    assert [m for m in streams.logs if "replies dropped" in m]
+    a.close()
+    b.close()

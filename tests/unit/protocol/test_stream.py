@@ -91,6 +91,47 @@ def test_a_writer_keeps_order_through_partial_sends():
     b.close()
 
 
+class CountingSocket:
+    """A socket's `sendmsg` calls counted (socket objects take no new attributes)."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.calls = sock, []
+
+    def sendmsg(self, buffers):
+        self.calls.append(len(buffers))
+        return self.sock.sendmsg(buffers)
+
+    def send(self, data):
+        return self.sock.send(data)
+
+
+def test_write_all_sends_many_messages_in_order_in_few_calls():
+    """2,000 two-frame messages are 6,000 buffers: six `sendmsg` calls of at most
+    IOV_MAX, read back whole and in order; after a short send the rest waits, in order."""
+    import socket
+    from symphony_protocol.stream import IOV_MAX
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setblocking(False)
+    b.setblocking(False)
+    counted = CountingSocket(a)
+    writer = Writer(counted)
+    messages = [[b"h%d" % i, b"x" * (i % 7)] for i in range(2000)]
+    writer.write_all(messages)
+    writer.write_all([])
+    assert len(counted.calls) == 6 and max(counted.calls) <= IOV_MAX
+    assert sum(counted.calls) == 3 * 2000
+    reader, got = Reader(1 << 20), []
+    while len(got) < 2000:
+        writer.flush()
+        try:
+            got += reader.feed(b.recv(1 << 16))
+        except BlockingIOError:
+            pass
+    assert got == messages and writer.queued == 0
+    a.close()
+    b.close()
+
+
 def test_one_packer_packs_after_a_value_it_could_not():
     from symphony_protocol.codec import pack
     good = {"op": "pred", "rid": 7, "tokens": [1, 2], "raw": b"\x00"}
