@@ -17,7 +17,7 @@ from liblip.api import (KV, chat_template, client, client_of, connect, decode, d
                         kv_positions, kv_rehome, kv_remove, kv_save, kv_stat, kv_tokens, kv_truncate,
                         ps, send_to_user, stats, tokenize, tokenizer)
 from liblip.client import LipError
-from liblip.predict import (Distribution, Generated, Sampled, TopK, generate,
+from liblip.predict import (Distribution, Generated, Sampled, TopK, generate, generate_into,
                             generate_stream, pred, pred_outputs, pred_sample, pred_topk,
                             prefill)
 from liblip.textstream import TextStream, stream_text
@@ -25,7 +25,7 @@ from liblip.textstream import TextStream, stream_text
 __all__ = [
     "KV", "Distribution", "Generated", "LipError", "Sampled", "TextStream", "TopK",
     "chat_template", "client", "client_of", "connect", "decode", "detokenize", "fsck",
-    "generate", "generate_stream", "info", "info_cached", "io_wait", "kv_close", "kv_create",
+    "generate", "generate_into", "generate_stream", "info", "info_cached", "io_wait", "kv_close", "kv_create",
     "kv_export", "kv_extract", "kv_fork", "kv_free", "kv_import", "kv_merge", "kv_open",
     "kv_policy", "kv_positions",
     "kv_rehome", "kv_remove", "kv_save", "kv_stat", "kv_tokens", "kv_truncate", "pred", "pred_outputs",

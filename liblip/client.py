@@ -79,6 +79,42 @@ FOLLOW_S = 0.05     # a call that does not hold the socket looks again this ofte
 KEEP_S = 0.1        # the keeper thread's round
 RETRY_S = 0.02      # a reader retries sending this often while not connected
 CANCEL_TIMEOUT_S = 5.0   # a stream left early waits this long for its call to end
+_LEAVE = object()    # put in a delivered stream's end queue: on_reply asked to leave
+
+
+class _Delivered:
+    """A streaming call's queue whose replies are handled where they are read
+    (`Client.stream_into`): every reply but the last goes to `on_reply` on the reading
+    thread; the last, an error, or the request to leave goes to `ended` for the caller.
+    No caller reads for it, so a `_READ` hand-off wakes the keeper instead."""
+
+    def __init__(self, client: "Client", on_reply: Callable[[dict], Any]) -> None:
+        self.client, self.on_reply = client, on_reply
+        self.ended: queue.SimpleQueue = queue.SimpleQueue()
+        self.leaving = False
+        self.error: BaseException | None = None
+        self.heard = time.monotonic()
+
+    def empty(self) -> bool:
+        return True
+
+    def put(self, item) -> None:
+        if item is _READ:
+            self.client._wanted.set()
+            return
+        self.heard = time.monotonic()
+        if isinstance(item, LipError) or not item[0].get("ok") or not item[0].get("more"):
+            self.ended.put(item)
+            return
+        if self.leaving:
+            return
+        try:
+            keep = self.on_reply(item[0])
+        except Exception as exc:   # noqa: BLE001 - the caller's, raised in its thread
+            self.error, keep = exc, False
+        if keep is False:
+            self.leaving = True
+            self.ended.put(_LEAVE)
 # zmq's flags as plain ints: its enum.Flag values cost a Python call at every | and &
 NOBLOCK, EVENTS = int(zmq.NOBLOCK), int(zmq.EVENTS)
 POLLIN = int(zmq.POLLIN)
@@ -135,6 +171,7 @@ class Client:
         self._rids = itertools.count(1)
         self._waiting: dict[int, queue.SimpleQueue] = {}
         self._waiting_lock = threading.Lock()
+        self._delivering = 0                   # stream_into calls waiting: the keeper reads
         self._closed = False
         self._stop = threading.Event()
         self._wanted = threading.Event()       # wakes the keeper to read for several calls
@@ -162,12 +199,13 @@ class Client:
 
     # ------------------------------------------------------------ calling
 
-    def _send(self, op: str, fields: dict,
-              frames: tuple[bytes, ...]) -> tuple[int, queue.SimpleQueue]:
+    def _send(self, op: str, fields: dict, frames: tuple[bytes, ...],
+              inbox: Any = None) -> tuple[int, queue.SimpleQueue]:
         if self._closed:
             raise LipError("EBADF", "client is closed")
         rid = next(self._rids)
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        if inbox is None:
+            inbox = queue.SimpleQueue()
         with self._waiting_lock:
             self._waiting[rid] = inbox
         message = [encode_request(op, rid, fields), *frames]
@@ -262,6 +300,65 @@ class Client:
                     pass
             self._forget(rid)
 
+    def stream_into(self, op: str, on_reply: Callable[[dict], Any],
+                    timeout: float | None = None, **fields) -> dict:
+        """A streaming op whose replies are handled where they are read: each one
+        before the last goes to `on_reply(header)` on the thread that reads the socket
+        (the keeper, or another call's), in order, with no hand-off to this thread. So
+        `on_reply` must be quick and must not call predd: every reply waits behind it.
+        When it returns False (or raises), the call is cancelled in predd (a generate
+        stops after its current step) and its later replies are dropped. Returns the
+        last reply (its end awaited, so the cache is settled); raises its error, or what
+        `on_reply` raised. `timeout`: the longest wait for any reply."""
+        inbox = _Delivered(self, on_reply)
+        rid = None
+        with self._waiting_lock:
+            self._delivering += 1
+        try:
+            rid, _ = self._send(op, fields, (), inbox)
+            self._wanted.set()
+            cancelled = False
+            while True:
+                try:
+                    item = inbox.ended.get(timeout=FOLLOW_S)
+                except queue.Empty:
+                    if self._closed:
+                        raise LipError("EBADF", "client is closed") from None
+                    if timeout is not None and time.monotonic() - inbox.heard > timeout \
+                            and not cancelled:
+                        inbox.leaving = True
+                        inbox.error = LipError("ETIMEDOUT", f"no reply from predd at "
+                                               f"{self.addr} in {timeout:.1f}s")
+                        item = _LEAVE
+                    else:
+                        self._wanted.set()    # (the socket was busy when it was asked)
+                        continue
+                if item is _LEAVE:
+                    if not cancelled:
+                        cancelled = True
+                        try:
+                            self.call("cancel", timeout=CANCEL_TIMEOUT_S, target=rid)
+                        except LipError:     # it ended meanwhile (ESRCH), or predd is gone
+                            pass
+                    continue
+                break
+            if inbox.error is not None:
+                raise inbox.error
+            if isinstance(item, LipError):
+                raise item
+            header, _ = item
+            if not header.get("ok"):
+                err = header.get("error") or {}
+                exc = LipError(err.get("code", "EIO"), err.get("message", "unknown error"))
+                exc.from_predd = True
+                raise exc
+            return header
+        finally:
+            with self._waiting_lock:
+                self._delivering -= 1
+            if rid is not None:
+                self._forget(rid)
+
     def ask(self, op: str, frames: tuple[bytes, ...] = (), timeout: float | None = None,
             **fields) -> Reply:
         """One request's reply as its record (symphony_protocol.REPLIES: a KvReply for
@@ -354,7 +451,8 @@ class Client:
                 continue                  # a caller reads; it wakes us when it is done
             try:
                 self._pump(0.0)
-                while len(self._waiting) > 1 and not self._stop.is_set():
+                while (len(self._waiting) > 1 or self._delivering) \
+                        and not self._stop.is_set():
                     self._pump(self._ping_every / 2 if not self._outbox else RETRY_S)
             finally:
                 self._release(None)

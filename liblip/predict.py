@@ -16,8 +16,9 @@ may be empty: then predd computes the cache's last entry again and predicts afte
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -250,6 +251,38 @@ def generate_stream(kv: KV, tokens: Sequence[int], max_tokens: int = 16,
                 out.finish_reason = reply.get("finish_reason", "")
                 out.cost = reply.get("cost", {})
         yield from ids
+
+
+def generate_into(kv: KV, tokens: Sequence[int], on_tokens: Callable[[list, list], Any],
+                  max_tokens: int = 16, stop: Sequence[int | str] | None = None,
+                  sample: dict | None = None, ignore_eos: bool = False,
+                  out: Generated | None = None) -> Generated:
+    """`generate_stream` with no hand-off between threads a token: `on_tokens(ids,
+    logprobs)` gets each chunk's tokens on the thread that reads the client's socket,
+    the moment they come (`Client.stream_into`: it must be quick and call no liblip,
+    for every reply of the client waits behind it), the last chunk's on this thread.
+    Returning False stops the generation: predd cancels it after its current step, and
+    tokens after that are neither given nor kept. Returns what `generate` returns for
+    the tokens given (finish_reason only where it was not stopped)."""
+    fields = _generate_fields(kv, tokens, max_tokens, stop, sample, ignore_eos)
+    got = Generated() if out is None else out
+    stopped = False
+
+    def chunk(header: dict) -> bool:
+        nonlocal stopped
+        ids, lps = header.get("tokens", []), header.get("logprobs", [])
+        got.extend(ids)
+        got.logprobs.extend(lps)
+        stopped = on_tokens(ids, lps) is False
+        return not stopped
+
+    last = client_of(kv).stream_into("generate", chunk, stream=True, **fields)
+    got.cost = last.get("cost", {})
+    if not stopped:
+        got.finish_reason = last.get("finish_reason", "")
+        if last.get("tokens"):
+            chunk(last)
+    return got
 
 
 def generate(kv: KV, tokens: Sequence[int], max_tokens: int = 16,

@@ -1,8 +1,10 @@
 """How the OpenAI LIP decodes one choice, with liblip calls only.
 
 * `decode_generate`: predd's own loop (sampling, EOS and stop strings inside predd),
-  one `generate` call a choice. A cancelled request leaves its stream, which cancels
-  the generate in predd after its current step (liblip's `Client.stream`).
+  one `generate` call a choice, its tokens handled on the thread that reads predd's
+  replies (`lip.generate_into`: no hand-off between threads a token). A cancelled
+  request, or a stop string seen here first, stops it: predd cancels the generate
+  after its current step.
 * `decode_pred`: one `pred` per token, for what predd's loop cannot do: the top
   alternatives' logprobs (raw logits come back and the program samples) and JSON
   schemas (an llguidance mask goes with each call, as mount_examples/constrained_json.py
@@ -303,7 +305,8 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
         if last is None:
             return
         pending = []
-    stop = [*stops] if ignore_eos else [*eos_ids(), *stops]
+    eos = eos_ids()
+    stop = [*stops] if ignore_eos else [*eos, *stops]
     while True:
         budget = max_tokens - len(ch.ids)
         if budget <= 0:
@@ -314,25 +317,30 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
         out = lip.Generated()
         refused = None
         produced = 0
-        stream = lip.generate_stream(ch.kv, [*pending, last], budget, stop=stop,
-                                     sample=fields, out=out)
-        try:
-            for token in stream:
-                req.check()
+
+        def on_tokens(ids: list[int], logprobs: list[float]) -> bool:
+            """A chunk's tokens, on the thread that reads predd's replies."""
+            nonlocal produced
+            if req.cancelled.is_set():
+                return False
+            for k, token in enumerate(ids):
                 produced += 1
-                lp = out.logprobs[len(out) - 1] if len(out.logprobs) >= len(out) else 0.0
+                lp = logprobs[k] if k < len(logprobs) else 0.0
                 ch.ids.append(token)
-                entries = [] if token in eos_ids() else [(token, lp, [])]
+                entries = [] if token in eos else [(token, lp, [])]
                 ch.entries += entries
                 text = ch.out.feed([token]) if emit or stops else ch.out.add([token])
                 if emit:
                     emit(text, entries)
                 if ch.out.stopped:   # seen here at the same token as predd, or first
-                    break
+                    return False
+            return True
+
+        try:
+            lip.generate_into(ch.kv, [*pending, last], on_tokens, budget, stop=stop,
+                              sample=fields, out=out)
         except lip.LipError as exc:
             refused = exc
-        finally:
-            stream.close()          # before its end: predd cancels the rest
         req.check()
         ch.add_cost(out.cost)
         if produced:             # the first token came: the prompt is in the cache
@@ -342,7 +350,7 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
             return
         reason = out.finish_reason if refused is None else refused.code
         if not reason and out:   # a predd whose last token reply ends the stream
-            reason = "stop" if out[-1] in eos_ids() and not ignore_eos else \
+            reason = "stop" if out[-1] in eos and not ignore_eos else \
                 "length" if len(out) >= budget else ""
         if reason in ("stop", "length"):
             ch.finish_reason = reason

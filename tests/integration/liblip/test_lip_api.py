@@ -102,3 +102,24 @@ def test_a_stream_left_early_cancels_its_generate_in_predd(lip):
     # the cache goes on as a pred loop would: the last generated token is not appended
     assert lip.pred_sample(kv, [want[len(kept)]], {"temperature": 0.0}).token == \
         want[len(kept) + 1]
+
+
+def test_generate_into_gives_the_stream_s_tokens_and_stops_where_told(lip):
+    """generate_into hands each chunk's tokens to its callback (on the reading thread),
+    the same tokens as generate; a callback that returns False stops the generate in
+    predd, and the cache holds what a left stream leaves."""
+    prompt = lip.tokenize("Once upon a time, in a land far away,")
+    want = list(lip.generate(lip.kv_create(), prompt, max_tokens=40, stop=[]))
+    given: list[int] = []
+    out = lip.generate_into(lip.kv_create(), prompt, lambda ids, lps: given.extend(ids),
+                            max_tokens=40, stop=[])
+    assert given == want == list(out) and out.finish_reason == "length"
+    assert len(out.logprobs) == 40 and out.cost["computed"] > 0
+    kv = lip.kv_create()
+    seen: list[int] = []
+    out = lip.generate_into(kv, prompt, lambda ids, lps: seen.extend(ids) or len(seen) < 3,
+                            max_tokens=200, stop=[])
+    assert seen == want[:3] and out.finish_reason == ""
+    assert lip.stats()["pending_calls"] == 0
+    kept = lip.kv_tokens(kv)[len(prompt):]
+    assert 2 <= len(kept) < 40 and kept == want[:len(kept)]

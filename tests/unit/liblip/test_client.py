@@ -21,6 +21,7 @@ class Stub:
         self.addr = f"ipc://{tmp_path}/stub.sock"
         self.silent = threading.Event()      # read requests, answer none
         self.stop = threading.Event()
+        self.ops: list[str] = []
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -37,6 +38,7 @@ class Stub:
             if self.silent.is_set():
                 continue
             rid, op = req["rid"], req["op"]
+            self.ops.append(op)
             reply = {"ok": True, "rid": rid}
             if op == "pred":
                 out = [np.array(req["tokens"], np.float32).tobytes()]
@@ -45,6 +47,11 @@ class Stub:
                     self.sock.send_multipart(
                         [ident, msgpack.packb({"ok": True, "rid": rid, "i": i, "more": True})])
                 reply["i"], out = 3, []
+            elif op == "failgen":
+                self.sock.send_multipart(
+                    [ident, msgpack.packb({"ok": True, "rid": rid, "i": 0, "more": True})])
+                reply = {"ok": False, "rid": rid, "error": {"code": "ENOSPC", "message": "full"}}
+                out = []
             elif op == "fail":
                 reply = {"ok": False, "rid": rid, "error": {"code": "ENOENT", "message": "no"}}
                 out = []
@@ -114,6 +121,49 @@ def test_a_stream_arrives_in_order_beside_other_calls(stub):
         other.start()
         assert [h["i"] for h in client.stream("gen")] == [0, 1, 2, 3]
         other.join(30)
+    finally:
+        client.close()
+
+
+def test_a_delivered_stream_is_handled_on_the_reading_thread_in_order(stub):
+    """stream_into: the replies before the last go to on_reply on the thread that reads
+    (not the caller's), in order, beside other calls; the last is returned."""
+    client = Client(stub.addr)
+    seen: list[tuple[int, str]] = []
+    try:
+        other = threading.Thread(target=lambda: [pred(client, [i]) for i in range(50)])
+        other.start()
+        last = client.stream_into(
+            "gen", lambda h: seen.append((h["i"], threading.current_thread().name)))
+        other.join(30)
+        assert last["i"] == 3 and [i for i, _ in seen] == [0, 1, 2]
+        assert threading.current_thread().name not in {name for _, name in seen}
+        assert client._waiting == {} and client._delivering == 0
+    finally:
+        client.close()
+
+
+def test_a_delivered_stream_left_or_failed_is_cancelled_and_raises(stub):
+    """on_reply returning False cancels the call in predd and drops what follows; one
+    that raises cancels it too and its exception reaches the caller; an error reply
+    is raised by its errno."""
+    client = Client(stub.addr)
+    try:
+        seen: list[int] = []
+        last = client.stream_into("gen", lambda h: seen.append(h["i"]) or False)
+        assert seen == [0] and last["i"] == 3 and "cancel" in stub.ops
+
+        def broken(header: dict) -> bool:
+            raise ValueError("the program's own bug")
+        stub.ops.clear()
+        with pytest.raises(ValueError, match="own bug"):
+            client.stream_into("gen", broken)
+        assert "cancel" in stub.ops
+        with pytest.raises(LipError) as err:
+            client.stream_into("failgen", lambda h: True)
+        assert err.value.code == "ENOSPC" and err.value.from_predd
+        assert pred(client, [5]) == [5]
+        assert client._waiting == {} and client._delivering == 0
     finally:
         client.close()
 
