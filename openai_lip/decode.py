@@ -101,6 +101,16 @@ class Request:
                 pass
 
 
+def text_decoder():
+    """ids -> text, special tokens left out: with predd's tokenizer held here where there
+    is one (`lip.tokenizer`, without `lip.decode`'s checks: the ids are predd's own),
+    else `lip.decode`."""
+    backend = lip.tokenizer()
+    if backend is None:
+        return lambda ids: lip.decode(ids, skip_special=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+
+
 class TextOut:
     """A choice's text as its tokens come: stop strings cut it (and are left out), and
     text that might begin a stop string or end mid-character is held back. With
@@ -121,6 +131,7 @@ class TextOut:
         self.stopped = False
         self._early = 0 if min_tokens == 0 else None    # chars of the first min_tokens
         self._eos = eos_ids()
+        self._decode = text_decoder()
         self._shown: list[int] = []     # the ids that make text (not EOS)
         self._done = ""                 # the text of _shown[:_read]
         self._prefix = self._read = 0
@@ -131,10 +142,10 @@ class TextOut:
         shown = self._shown
         if self._read == len(shown):
             return self._done
-        head = lip.decode(shown[self._prefix:self._read], skip_special=True)
-        window = lip.decode(shown[self._prefix:], skip_special=True)
+        head = self._decode(shown[self._prefix:self._read])
+        window = self._decode(shown[self._prefix:])
         if not window.startswith(head):
-            window, head = lip.decode(shown, skip_special=True), self._done
+            window, head = self._decode(shown), self._done
             if not window.startswith(head):      # earlier text changed: start again
                 self._done, self._prefix, self._read, self._searched = "", 0, 0, 0
                 return window
@@ -147,9 +158,8 @@ class TextOut:
     def _early_chars(self) -> int | None:
         """Where a stop string may end after (the first min_tokens' text), once known."""
         if self._early is None and len(self.ids) >= self.min_tokens:
-            self._early = len(lip.decode(
-                [t for t in self.ids[:self.min_tokens] if t not in self._eos],
-                skip_special=True))
+            self._early = len(self._decode(
+                [t for t in self.ids[:self.min_tokens] if t not in self._eos]))
         return self._early
 
     def _cut(self, text: str, searched: int = 0) -> int | None:
@@ -196,7 +206,7 @@ class TextOut:
 
     def full(self) -> str:
         """The whole text, decoded at once, up to its first stop string."""
-        text = lip.decode(self._shown, skip_special=True)
+        text = self._decode(self._shown)
         cut = self._cut(text)
         return text if cut is None else text[:cut]
 

@@ -53,6 +53,9 @@ MAX_QUEUED = 4096       # requests waiting to start; more are a 429
 STATUS_OF = {"EINVAL": 400, "EDQUOT": 429, "EAGAIN": 429, "ENOSPC": 503, "EIO": 503}
 
 
+_encode = json.JSONEncoder(separators=(",", ":")).encode   # one encoder for every line
+
+
 class Replies:
     """stdout, one JSON object per line, whole lines only."""
 
@@ -60,7 +63,7 @@ class Replies:
         self.lock = threading.Lock()
 
     def send(self, obj: dict) -> None:
-        line = json.dumps(obj, separators=(",", ":")) + "\n"
+        line = _encode(obj) + "\n"
         with self.lock:
             sys.stdout.write(line)
             sys.stdout.flush()

@@ -25,11 +25,12 @@ def tokenizer():
 def lip(tokenizer, monkeypatch):
     calls: list[int] = []
 
-    def decode(ids, skip_special=False):
-        calls.append(len(ids))
-        return tokenizer.decode(ids, skip_special)
+    class Held:                         # predd's tokenizer as lip.tokenizer() holds it
+        def decode(self, ids, skip_special_tokens=False):
+            calls.append(len(ids))
+            return tokenizer.decode(ids, skip_special_tokens)
 
-    fake = SimpleNamespace(decode=decode, calls=calls,
+    fake = SimpleNamespace(tokenizer=Held, calls=calls,
                            info_cached=lambda: {"eos_ids": tokenizer.eos_ids})
     monkeypatch.setattr(decode_mod, "lip", fake)
     return fake
