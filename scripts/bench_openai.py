@@ -10,13 +10,18 @@ Two ways in:
   stdin and stdout, beside a predd started here (`--model`, `--dtype` and
   $SYMPHONY_BENCH_PREDD_ARGS): no gateway, no HTTP and no mount, so it also runs where
   FUSE and the gateway's packages are missing (a GPU machine: scripts/gpu_check.sh loop).
+  There `--baseline generate` (the default) also sends the same requests through
+  predd's own loop with no program between (liblip's `generate_into` from threads here),
+  alternated with the program round by round (`--repeat`), and gives the ratios: what
+  the OpenAI program costs beside predd's loop.
 
 A request's TTFT runs from its sending to its first non-empty text; its TPOT is
 (latency - TTFT) / (output tokens - 1), the output tokens as its `usage` counts them
-(vLLM's serving benchmark defines both so). Only the standard library is used.
+(vLLM's serving benchmark defines both so). Over HTTP only the standard library is used.
 
     python scripts/bench_openai.py [--url URL] [--model PATH] [--dtype auto]
         [--num-prompts 64] [--concurrency 32] [--input-len 128] [--output-len 64]
+        [--baseline generate|none] [--repeat 1]
 """
 from __future__ import annotations
 
@@ -191,13 +196,52 @@ class Program:
         self.lines.close(10)
 
 
+class Generate:
+    """The same requests through predd's own loop with no program between: liblip's
+    `generate_into` from threads of this process (one a request in flight), every token
+    asked, sampled at temperature 1 as the OpenAI program samples a request that sets
+    none. What the OpenAI program adds to it is the figure (`--baseline generate`)."""
+
+    def __init__(self, addr: str) -> None:
+        import liblip
+        self.lip = liblip
+        liblip.connect(addr)
+
+    def complete(self, request: dict, rid: int) -> Outcome:
+        lip = self.lip
+        started = time.perf_counter()
+        first, got = 0.0, 0
+
+        def on_tokens(ids: list, _logprobs: list) -> None:
+            nonlocal first, got
+            if ids and not got:
+                first = time.perf_counter() - started
+            got += len(ids)
+        kv = None
+        try:
+            kv = lip.kv_create()
+            lip.generate_into(kv, request["prompt"], on_tokens, request["max_tokens"],
+                              stop=[], sample={"temperature": 1.0, "top_p": 1.0, "seed": rid})
+        except lip.LipError as exc:
+            return Outcome(False, error=f"{exc.code}: {exc}")
+        finally:
+            if kv is not None:
+                lip.kv_close(kv)
+        return Outcome(True, first, time.perf_counter() - started, got)
+
+    def close(self) -> None:
+        self.lip.client().close()
+
+
 def predd_stats(addr: str) -> dict:
-    import liblip as lip
-    lip.connect(addr)
+    """predd's `stats`, on a connection of its own (liblip's process-wide one may be
+    serving the generate baseline)."""
+    from liblip.client import Client
+    client = Client(addr)
     try:
-        return lip.stats()
+        return client.call("stats")
     finally:
-        lip.client().close()
+        client.close()
 
 
 def split(before: dict, after: dict) -> str:
@@ -211,10 +255,11 @@ def split(before: dict, after: dict) -> str:
 
 # ------------------------------------------------------------------ the load
 
-def run(complete: Callable[[dict, int], Outcome], model: str, args) -> dict:
-    """--num-prompts requests, --concurrency at a time; the summary."""
+def run(complete: Callable[[dict, int], Outcome], model: str, args, seed: int = 0) -> dict:
+    """--num-prompts requests, --concurrency at a time; the summary. Each `seed` makes
+    other prompts (a round of its own, no prefix a round before left cached)."""
     todo: queue.Queue = queue.Queue()
-    for i, prompt in enumerate(prompts(args.num_prompts, args.input_len)):
+    for i, prompt in enumerate(prompts(args.num_prompts, args.input_len, seed)):
         todo.put((i, body(model, prompt, args.output_len)))
     outcomes: list[Outcome] = []
     lock = threading.Lock()
@@ -250,8 +295,13 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--baseline", choices=("generate", "none"), default="generate",
+                    help="without --url: also the same requests through predd's own loop "
+                    "(liblip generate from threads here), alternated, and the ratios")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds (each its own prompts)")
     args = ap.parse_args()
-    daemon = program = None
+    daemon = program = baseline = None
+    rounds: list[tuple[dict, dict | None]] = []
     try:
         if args.url:
             client = Http(args.url)
@@ -265,30 +315,64 @@ def main() -> int:
                                  "--max-step-tokens", str(STEP_TOKENS))
             program = Program(daemon.addr, args.model)
             complete, model, way = program.complete, program.model, "the OpenAI program"
-            before = predd_stats(daemon.addr)
-        figures = run(complete, model, args)
-        if daemon is not None:
-            log(f"bench: predd: {split(before, predd_stats(daemon.addr))}")
+            if args.baseline == "generate":
+                baseline = Generate(daemon.addr)
+        for r in range(args.repeat):
+            before = predd_stats(daemon.addr) if daemon is not None else None
+            figures = run(complete, model, args, seed=r)
+            if daemon is not None:
+                log(f"bench: round {r + 1}, {way}: predd {split(before, predd_stats(daemon.addr))}")
+            report(way, args, figures)
+            theirs = None
+            if baseline is not None:
+                before = predd_stats(daemon.addr)
+                theirs = run(baseline.complete, model, args, seed=r)
+                log(f"bench: round {r + 1}, generate: predd "
+                    f"{split(before, predd_stats(daemon.addr))}")
+                report("predd's generate from threads", args, theirs)
+            rounds.append((figures, theirs))
     finally:
+        if baseline is not None:
+            baseline.close()
         if program is not None:
             program.close()
         if daemon is not None:
             daemon.stop()
+    extra = {"num_prompts": args.num_prompts, "concurrency": args.concurrency,
+             "input_len": args.input_len, "output_len": args.output_len, "rounds": args.repeat,
+             "completed": sum(f["completed"] for f, _ in rounds),
+             "failed": sum(f["failed"] for f, _ in rounds)}
+    result("openai", "output_tokens", sum(f["total_output_tokens"] for f, _ in rounds),
+           "asked", args.repeat * args.num_prompts * args.output_len, **extra)
+    ours = statistics.median(f["output_throughput"] for f, _ in rounds)
+    tpot = statistics.median(f["median_tpot_ms"] for f, _ in rounds)
+    ttft = statistics.median(f["mean_ttft_ms"] for f, _ in rounds)
+    if baseline is None:
+        result("openai", "output_tokens_per_s", ours, "none", 0.0,
+               median_tpot_ms=round(tpot, 3), mean_ttft_ms=round(ttft, 3), **extra)
+    else:
+        def ratios(key: str) -> list[float]:
+            return [round(f[key] / g[key], 3) if g[key] else 0.0 for f, g in rounds]
+        theirs = statistics.median(g["output_throughput"] for _, g in rounds)
+        their_tpot = statistics.median(g["median_tpot_ms"] for _, g in rounds)
+        result("openai", "output_tokens_per_s", ours, "generate", theirs,
+               round_ratios=ratios("output_throughput"), **extra)
+        result("openai", "median_tpot_ms", tpot, "generate", their_tpot,
+               ratio=round(tpot / their_tpot, 3) if their_tpot else None,
+               ratio_is="openai / generate (lower is better)",
+               round_ratios=ratios("median_tpot_ms"), **extra)
+    failed = sum(f["failed"] + (g["failed"] if g else 0) for f, g in rounds)
+    return 0 if failed == 0 else 1
+
+
+def report(way: str, args, figures: dict) -> None:
     log(f"bench: {way}, {args.num_prompts} prompts of {args.input_len} tokens, "
         f"{args.output_len} out, {args.concurrency} in flight: median TPOT "
         f"{figures['median_tpot_ms']:.1f} ms, mean TTFT {figures['mean_ttft_ms']:.0f} ms, "
         f"output {figures['output_throughput']:.1f} tokens/s, {figures['completed']} "
         f"completed, {figures['failed']} failed, {figures['total_output_tokens']} output "
-        f"tokens in {figures['duration_s']} s{'; ' + str(figures['errors']) if figures['errors'] else ''}")
-    extra = {"num_prompts": args.num_prompts, "concurrency": args.concurrency,
-             "input_len": args.input_len, "output_len": args.output_len,
-             "completed": figures["completed"], "failed": figures["failed"]}
-    result("openai", "output_tokens", figures["total_output_tokens"], "asked",
-           args.num_prompts * args.output_len, **extra)
-    result("openai", "output_tokens_per_s", figures["output_throughput"], "none", 0.0,
-           median_tpot_ms=round(figures["median_tpot_ms"], 3),
-           mean_ttft_ms=round(figures["mean_ttft_ms"], 3), **extra)
-    return 0 if figures["failed"] == 0 else 1
+        f"tokens in {figures['duration_s']} s"
+        f"{'; ' + str(figures['errors']) if figures['errors'] else ''}")
 
 
 if __name__ == "__main__":

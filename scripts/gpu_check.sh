@@ -157,7 +157,8 @@ buffer() {
 # bf16, flashinfer, graphs on, speculation at its default, generate against the `pred`
 # loop and the `pred_sample` loop at 8 / 32 / 64 programs as processes, best of 2; then
 # the OpenAI program itself at 32 requests in flight (scripts/bench_openai.py, over its
-# JSON lines: the machine has neither FUSE nor the gateway's packages). LOOP_CPU=1
+# JSON lines: the machine has neither FUSE nor the gateway's packages), and the same
+# requests through predd's generate with no program between. LOOP_CPU=1
 # rehearses the same stages here, on B6's tiny shape and the CPU.
 loop() {
     local out=${1:-.gpu/out} shape=llama3-8b-8l dtype=bfloat16 py=python3
