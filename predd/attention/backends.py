@@ -91,8 +91,9 @@ class TorchAttention:
         entries with a mask."""
         cache, dev = self.cache, self.cache.device
         parts = []
+        q_len = tables.q_len
         for i in calls:
-            start, n, kv_len = int(tables.qo_indptr[i]), int(tables.q_len[i]), int(tables.kv_len[i])
+            start, n, kv_len = int(tables.qo_indptr[i]), int(q_len[i]), int(tables.kv_len[i])
             past = kv_len - n
             if not past:                        # sees only itself: no gather, causal
                 parts.append((start, n, None, None, kv_len))
@@ -170,7 +171,7 @@ class CpuAttention(TorchAttention):
         return store
 
     def prepare(self, tables: PageTables) -> Callable:
-        mine = [i for i in range(len(tables)) if tables.q_len[i] <= self.KERNEL_ROWS]
+        mine = np.flatnonzero(tables.q_len <= self.KERNEL_ROWS).tolist()   # (one diff)
         others = sorted(set(range(len(tables))) - set(mine))
         if not mine:
             return self._attend(tables, lambda layer, q, out: None, others)
