@@ -136,6 +136,7 @@ class TextOut:
         self._done = ""                 # the text of _shown[:_read]
         self._prefix = self._read = 0
         self._searched = 0              # text before this holds no stop string's end
+        self._blanks: dict[int, bool] = {}   # tokens whose text alone is empty
 
     def _grow(self) -> str:
         """The text of every token so far (a last character may still be partial)."""
@@ -152,8 +153,20 @@ class TextOut:
         if window.endswith("\ufffd"):          # a character's bytes still to come
             return self._done + window[len(head):]
         self._done += window[len(head):]
-        self._prefix, self._read = self._read, len(shown)
+        # the next window starts at the first new token, or before it where that token
+        # has no text of its own (a special left out): a window must begin with text,
+        # or a decoder that strips the text's first space strips the next token's
+        prefix = self._read
+        while prefix > 0 and self._blank(shown[prefix]):
+            prefix -= 1
+        self._prefix, self._read = prefix, len(shown)
         return self._done
+
+    def _blank(self, token: int) -> bool:
+        blank = self._blanks.get(token)
+        if blank is None:
+            blank = self._blanks[token] = self._decode([token]) == ""
+        return blank
 
     def _early_chars(self) -> int | None:
         """Where a stop string may end after (the first min_tokens' text), once known."""

@@ -99,3 +99,29 @@ def test_a_token_decodes_a_window_not_the_output(tokenizer, lip):
         out.feed([t])
     assert out.sent + out.finish() == whole(tokenizer, ids)
     assert max(lip.calls[:-1]) <= 3          # finish decodes the whole once
+
+
+def test_a_window_never_begins_with_a_token_without_text(monkeypatch):
+    """A decoder that strips the text's first space (SentencePiece's Metaspace): a
+    special token left out must not begin a window, or the next word loses its space."""
+    from tokenizers import Tokenizer, decoders, models
+    words = ["\u2581Hello", "\u2581world", "<sp>", "\u2581cat", "<unk>", "</s>"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.decoder = decoders.Metaspace()
+    tok.add_special_tokens(["<sp>", "</s>"])
+    monkeypatch.setattr(decode_mod, "lip", SimpleNamespace(
+        tokenizer=lambda: tok, info_cached=lambda: {"eos_ids": [5]}))
+    rng = random.Random(3)
+    for _ in range(300):
+        ids = [rng.choice([0, 1, 2, 3, 2, 5]) for _ in range(rng.randrange(1, 12))]
+        out = TextOut(["cat w"])
+        shown = ""
+        for t in ids:
+            shown += out.feed([t])
+            if out.stopped:
+                break
+        if not out.stopped:
+            shown += out.finish()
+        text = tok.decode([t for t in ids if t != 5], skip_special_tokens=True)
+        at = text.find("cat w")
+        assert shown == (text if at < 0 else text[:at]), ids
