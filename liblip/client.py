@@ -108,10 +108,13 @@ class _Delivered:
             return
         if self.leaving:
             return
+        self.client._delivering_on = threading.get_ident()
         try:
             keep = self.on_reply(item[0])
         except Exception as exc:   # noqa: BLE001 - the caller's, raised in its thread
             self.error, keep = exc, False
+        finally:
+            self.client._delivering_on = None
         if keep is False:
             self.leaving = True
             self.ended.put(_LEAVE)
@@ -172,6 +175,7 @@ class Client:
         self._waiting: dict[int, queue.SimpleQueue] = {}
         self._waiting_lock = threading.Lock()
         self._delivering = 0                   # stream_into calls waiting: the keeper reads
+        self._delivering_on: int | None = None  # the thread inside an on_reply, if any
         self._closed = False
         self._stop = threading.Event()
         self._wanted = threading.Event()       # wakes the keeper to read for several calls
@@ -203,12 +207,15 @@ class Client:
               inbox: Any = None) -> tuple[int, queue.SimpleQueue]:
         if self._closed:
             raise LipError("EBADF", "client is closed")
+        if self._delivering_on == threading.get_ident():
+            raise LipError("EDEADLK", f"{op}: a call from inside a stream_into callback "
+                           "would wait for the thread that reads its reply")
         rid = next(self._rids)
+        message = [encode_request(op, rid, fields), *frames]   # (before it waits: may raise)
         if inbox is None:
             inbox = queue.SimpleQueue()
         with self._waiting_lock:
             self._waiting[rid] = inbox
-        message = [encode_request(op, rid, fields), *frames]
         if self._sock_lock.acquire(blocking=False):
             try:
                 self._outbox.append((rid, message))
@@ -308,8 +315,10 @@ class Client:
         `on_reply` must be quick and must not call predd: every reply waits behind it.
         When it returns False (or raises), the call is cancelled in predd (a generate
         stops after its current step) and its later replies are dropped. Returns the
-        last reply (its end awaited, so the cache is settled); raises its error, or what
-        `on_reply` raised. `timeout`: the longest wait for any reply."""
+        last reply (its end awaited, so the cache is settled; once cancelled, for at most
+        CANCEL_TIMEOUT_S); raises its error, or what `on_reply` raised. `timeout`: the
+        longest wait for any reply. A call to predd from inside `on_reply` raises EDEADLK
+        (its reply would wait for the thread making it)."""
         inbox = _Delivered(self, on_reply)
         rid = None
         with self._waiting_lock:
@@ -317,15 +326,19 @@ class Client:
         try:
             rid, _ = self._send(op, fields, (), inbox)
             self._wanted.set()
-            cancelled = False
+            cancelled = 0.0         # when it was cancelled
             while True:
                 try:
                     item = inbox.ended.get(timeout=FOLLOW_S)
                 except queue.Empty:
+                    now = time.monotonic()
                     if self._closed:
                         raise LipError("EBADF", "client is closed") from None
-                    if timeout is not None and time.monotonic() - inbox.heard > timeout \
-                            and not cancelled:
+                    if cancelled and now - cancelled > CANCEL_TIMEOUT_S:
+                        item = LipError("ETIMEDOUT", f"predd at {self.addr} did not end a "
+                                        f"cancelled {op} in {CANCEL_TIMEOUT_S:g}s")
+                        break
+                    if timeout is not None and now - inbox.heard > timeout and not cancelled:
                         inbox.leaving = True
                         inbox.error = LipError("ETIMEDOUT", f"no reply from predd at "
                                                f"{self.addr} in {timeout:.1f}s")
@@ -335,7 +348,7 @@ class Client:
                         continue
                 if item is _LEAVE:
                     if not cancelled:
-                        cancelled = True
+                        cancelled = time.monotonic()
                         try:
                             self.call("cancel", timeout=CANCEL_TIMEOUT_S, target=rid)
                         except LipError:     # it ended meanwhile (ESRCH), or predd is gone

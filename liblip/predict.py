@@ -276,7 +276,12 @@ def generate_into(kv: KV, tokens: Sequence[int], on_tokens: Callable[[list, list
         stopped = on_tokens(ids, lps) is False
         return not stopped
 
-    last = client_of(kv).stream_into("generate", chunk, stream=True, **fields)
+    try:
+        last = client_of(kv).stream_into("generate", chunk, stream=True, **fields)
+    except LipError as exc:
+        if stopped and exc.code == "ECANCELED":    # the end of the stop asked for
+            return got
+        raise
     got.cost = last.get("cost", {})
     if not stopped:
         got.finish_reason = last.get("finish_reason", "")

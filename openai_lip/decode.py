@@ -360,8 +360,13 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
             return True
 
         try:
-            lip.generate_into(ch.kv, [*pending, last], on_tokens, budget, stop=stop,
-                              sample=fields, out=out)
+            if lip.tokenizer() is not None:
+                lip.generate_into(ch.kv, [*pending, last], on_tokens, budget, stop=stop,
+                                  sample=fields, out=out)
+            else:   # text by predd's detokenize: never on the thread that reads its replies
+                _stream_to(on_tokens, lip.generate_stream(ch.kv, [*pending, last], budget,
+                                                          stop=stop, sample=fields, out=out),
+                           out)
         except lip.LipError as exc:
             refused = exc
         req.check()
@@ -382,6 +387,17 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
             last = ch.ids[-1]       # the cache holds all the others
         ch.kv = req.no_room(refused or lip.LipError(reason or "EIO", "generation failed"),
                             ch.kv)
+
+
+def _stream_to(on_tokens, stream, out: lip.Generated) -> None:
+    """`on_tokens` for each token of a `generate_stream` (with its logprob, from `out`),
+    on this thread, until it returns False; the stream closed (predd cancels the rest)."""
+    try:
+        for i, token in enumerate(stream):
+            if on_tokens([token], out.logprobs[i:i + 1] or [0.0]) is False:
+                break
+    finally:
+        stream.close()
 
 
 def _without_eos(req: Request, last: int, ch: Choice, count: int, sample: dict,

@@ -40,3 +40,46 @@ def test_the_held_tokenizer_gives_the_grammars_byte_table_of_the_gguf(lip):
     assert len(table) == lip.info()["vocab_size"]
     assert table == gguf_vocab(default_model())
     assert sum(t.startswith(b"\xff") for t in table) == 17
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_the_openai_programs_generate_gives_the_same_text_with_or_without_a_held_tokenizer(
+        lip, monkeypatch, held):
+    """decode_generate handles a stream's tokens on the reading thread where the
+    tokenizer is held here, and on its own thread where text comes from predd's
+    detokenize (a call from the reading thread would wait on itself: EDEADLK). Either
+    way: generate's tokens, the whole text, and a stop string cut where it begins."""
+    from openai_lip import decode as dm
+    if not held:
+        monkeypatch.setattr(dm.lip, "tokenizer", lambda: None)
+    prompt = lip.tokenize("The capital of France is")
+    want = list(lip.generate(lip.kv_create(), prompt, max_tokens=24, stop=[]))
+    req = dm.Request(1)
+    shown: list[str] = []
+    ch = dm.Choice(0, [])
+    dm.decode_generate(req, lip.kv_create(), prompt[-1], ch, 24, {"temperature": 0.0}, [],
+                       lambda text, entries: shown.append(text), ignore_eos=True,
+                       pending=prompt[:-1])
+    assert ch.ids == want and ch.finish_reason == "length"
+    assert "".join(shown) + ch.out.finish() == lip.decode(want, True)
+    stop = lip.decode(want[5:7], True)
+    cut = dm.Choice(0, [stop])
+    dm.decode_generate(req, lip.kv_create(), prompt[-1], cut, 24, {"temperature": 0.0},
+                       [stop], lambda text, entries: None, ignore_eos=True,
+                       pending=prompt[:-1])
+    whole = lip.decode(want, True)
+    assert cut.finish_reason == "stop" and cut.out.full() == whole[:whole.find(stop)]
+
+
+def test_a_call_from_inside_a_stream_into_callback_is_refused(lip):
+    errors: list[str] = []
+
+    def on_tokens(ids, logprobs):
+        try:
+            lip.detokenize(ids)
+        except lip.LipError as exc:
+            errors.append(exc.code)
+        return False
+    lip.generate_into(lip.kv_create(), lip.tokenize("Hello"), on_tokens, max_tokens=8)
+    assert errors == ["EDEADLK"]
+    assert lip.detokenize([1]) is not None            # the client goes on
