@@ -130,36 +130,38 @@ class Reader:
 class Writer:
     """Messages onto a non-blocking stream socket, in order: one is sent at once when
     nothing waits before it; what the socket does not take waits (`len`: how many
-    messages or message ends; `queued`: their bytes) until `flush`. An OSError other
-    than EAGAIN (the peer gone) reaches the caller."""
+    messages, a message partly sent counted; `queued`: their bytes) until `flush`. An
+    OSError other than EAGAIN (the peer gone) reaches the caller."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._waiting: collections.deque[memoryview] = collections.deque()
+        self._waiting: collections.deque[list] = collections.deque()   # [bytes, messages]
+        self._messages = 0
         self.queued = 0
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return self._messages
 
     def write(self, parts: list) -> None:
-        self._write(*_framed(parts))
+        self._write(*_framed(parts), 1)
 
     def write_all(self, messages: list[list]) -> None:
         """Messages (each `parts`, as `write` takes) in order: one `sendmsg` for as many
         as IOV_MAX buffers hold."""
         buffers: list = []
-        total = 0
+        total = count = 0
         for parts in messages:
             framed, size = _framed(parts)
             if len(buffers) + len(framed) > IOV_MAX:
-                self._write(buffers, total)
-                buffers, total = [], 0
+                self._write(buffers, total, count)
+                buffers, total, count = [], 0, 0
             buffers += framed
             total += size
+            count += 1
         if buffers:
-            self._write(buffers, total)
+            self._write(buffers, total, count)
 
-    def _write(self, buffers: list, total: int) -> None:
+    def _write(self, buffers: list, total: int, count: int) -> None:
         sent = 0
         if not self._waiting:
             try:
@@ -168,19 +170,22 @@ class Writer:
                 pass
             if sent == total:
                 return
-        self._waiting.append(memoryview(b"".join(buffers))[sent:])
+        self._waiting.append([memoryview(b"".join(buffers))[sent:], count])
+        self._messages += count
         self.queued += total - sent
 
     def flush(self) -> bool:
         """Send what waits, as far as the socket takes it; whether all of it went."""
         while self._waiting:
+            entry = self._waiting[0]
             try:
-                sent = self.sock.send(self._waiting[0])
+                sent = self.sock.send(entry[0])
             except (BlockingIOError, InterruptedError):
                 return False
             self.queued -= sent
-            if sent < len(self._waiting[0]):
-                self._waiting[0] = self._waiting[0][sent:]
+            if sent < len(entry[0]):
+                entry[0] = entry[0][sent:]
                 return False
             self._waiting.popleft()
+            self._messages -= entry[1]
         return True

@@ -57,6 +57,7 @@ class Connection:
     reader: Reader
     writer: Writer
     dropped: int = 0         # replies dropped at the HWM
+    held: int = 0            # bytes of the replies held while corked
 
 
 class Streams:
@@ -201,7 +202,7 @@ class Streams:
             return identity[:1] == b"\x01"
         held = None if self._corked is None else self._corked.get(conn)
         if (len(conn.writer) + (len(held) if held else 0) >= self.hwm
-                or conn.writer.queued >= QUEUED_BYTES):
+                or conn.writer.queued + conn.held >= QUEUED_BYTES):
             if not conn.dropped:
                 self.log(f"replies dropped: {conn.peer.address} reads none "
                          f"({len(conn.writer)} queued, {conn.writer.queued} bytes)")
@@ -209,6 +210,7 @@ class Streams:
             return True
         if held is not None:
             held.append(parts)
+            conn.held += sum(memoryview(part).nbytes for part in parts)
             return True
         if self._corked is not None:
             self._corked[conn] = []
@@ -230,6 +232,7 @@ class Streams:
         finally:
             corked, self._corked = self._corked, None
             for conn, held in corked.items():
+                conn.held = 0
                 if held and conn.sock.fileno() != -1:
                     self._write(conn, held)
 
@@ -237,10 +240,10 @@ class Streams:
         waited = len(conn.writer)
         try:
             conn.writer.write_all(messages)
+            if len(conn.writer) and not waited:
+                self.epoll.modify(conn.sock.fileno(), IN | OUT)
         except OSError:                # the peer went; its end is seen when read
             return
-        if len(conn.writer) and not waited:
-            self.epoll.modify(conn.sock.fileno(), IN | OUT)
 
     def _flush(self, conn: Connection, ended) -> None:
         try:

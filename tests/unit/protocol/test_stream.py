@@ -127,7 +127,32 @@ def test_write_all_sends_many_messages_in_order_in_few_calls():
             got += reader.feed(b.recv(1 << 16))
         except BlockingIOError:
             pass
-    assert got == messages and writer.queued == 0
+    assert got == messages and writer.queued == 0 and len(writer) == 0
+    a.close()
+    b.close()
+
+
+def test_a_writer_counts_messages_not_writes_while_they_wait():
+    """Messages written together and not yet taken count one each (predd's HWM counts
+    replies), until flushed."""
+    import socket
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setblocking(False)
+    b.setblocking(False)
+    writer = Writer(a)
+    big = b"x" * (1 << 20)                           # more than the socket takes
+    writer.write_all([[b"one", big], [b"two"], [b"three"]])
+    assert len(writer) == 3
+    writer.write([b"four"])
+    assert len(writer) == 4
+    reader, got = Reader(1 << 21), []
+    while len(got) < 4:
+        writer.flush()
+        try:
+            got += reader.feed(b.recv(1 << 16))
+        except BlockingIOError:
+            pass
+    assert [m[0] for m in got] == [b"one", b"two", b"three", b"four"] and len(writer) == 0
     a.close()
     b.close()
 
