@@ -57,16 +57,53 @@ _encode = json.JSONEncoder(separators=(",", ":")).encode   # one encoder for eve
 
 
 class Replies:
-    """stdout, one JSON object per line, whole lines only."""
+    """stdout, one JSON object per line, whole lines only, in the order sent. A thread
+    of its own writes them: a sender never waits on the reader of stdout (stream chunks
+    are made on the thread that reads predd's replies, which must not stall behind a
+    full pipe: it also keeps the session's lease), and lines sent together go out in
+    one write. Past QUEUED_BYTES not yet taken, a sender waits for room."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
+    QUEUED_BYTES = 64 << 20
+
+    def __init__(self, out=None) -> None:
+        self.out = sys.stdout if out is None else out
+        self.cond = threading.Condition()
+        self.lines: list[str] = []
+        self.queued = 0
+        self.writing = False
+        self.thread = threading.Thread(target=self._write, name="openai-replies", daemon=True)
+        self.thread.start()
 
     def send(self, obj: dict) -> None:
         line = _encode(obj) + "\n"
-        with self.lock:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+        with self.cond:
+            while self.queued >= self.QUEUED_BYTES:
+                self.cond.wait()
+            self.lines.append(line)
+            self.queued += len(line)
+            if len(self.lines) == 1:
+                self.cond.notify_all()
+
+    def drain(self) -> None:
+        """Return once every line sent so far is written."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.lines and not self.writing)
+
+    def _write(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.lines)
+                lines, self.lines, self.queued = self.lines, [], 0
+                self.writing = True
+                self.cond.notify_all()
+            try:
+                self.out.write("".join(lines))
+                self.out.flush()
+            except (OSError, ValueError):     # stdout gone: the gateway went away
+                pass
+            with self.cond:
+                self.writing = False
+                self.cond.notify_all()
 
 
 class Server:
@@ -289,3 +326,4 @@ def main(argv: list[str] | None = None) -> None:
             continue
         if isinstance(msg, dict):
             server.handle(msg)
+    replies.drain()
