@@ -12,8 +12,10 @@ Two ways in:
   FUSE and the gateway's packages are missing (a GPU machine: scripts/gpu_check.sh loop).
   There `--baseline generate` (the default) also sends the same requests through
   predd's own loop with no program between (liblip's `generate_into` from threads here),
-  alternated with the program round by round (`--repeat`), and gives the ratios: what
-  the OpenAI program costs beside predd's loop.
+  alternated with the program round by round (`--repeat`; each goes first every other
+  round, after a warm-up of both), and gives the ratios: what the OpenAI program costs
+  beside predd's loop. (TTFT is the first token for the baseline, the first text for
+  the program.)
 
 A request's TTFT runs from its sending to its first non-empty text; its TPOT is
 (latency - TTFT) / (output tokens - 1), the output tokens as its `usage` counts them
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import queue
 import random
@@ -226,7 +229,10 @@ class Generate:
             return Outcome(False, error=f"{exc.code}: {exc}")
         finally:
             if kv is not None:
-                lip.kv_close(kv)
+                try:
+                    lip.kv_close(kv)
+                except lip.LipError:
+                    pass
         return Outcome(True, first, time.perf_counter() - started, got)
 
     def close(self) -> None:
@@ -317,19 +323,28 @@ def main() -> int:
             complete, model, way = program.complete, program.model, "the OpenAI program"
             if args.baseline == "generate":
                 baseline = Generate(daemon.addr)
-        for r in range(args.repeat):
+        if baseline is not None:      # both warm (predd's first steps, the program's)
+            warm = argparse.Namespace(**{**vars(args), "num_prompts": min(
+                args.num_prompts, args.concurrency)})
+            run(complete, model, warm, seed=-1)
+            run(baseline.complete, model, warm, seed=-1)
+
+        def measured(r: int, name: str, complete_one) -> dict:
             before = predd_stats(daemon.addr) if daemon is not None else None
-            figures = run(complete, model, args, seed=r)
+            figures = run(complete_one, model, args, seed=r)
             if daemon is not None:
-                log(f"bench: round {r + 1}, {way}: predd {split(before, predd_stats(daemon.addr))}")
-            report(way, args, figures)
-            theirs = None
-            if baseline is not None:
-                before = predd_stats(daemon.addr)
-                theirs = run(baseline.complete, model, args, seed=r)
-                log(f"bench: round {r + 1}, generate: predd "
+                log(f"bench: round {r + 1}, {name}: predd "
                     f"{split(before, predd_stats(daemon.addr))}")
-                report("predd's generate from threads", args, theirs)
+            report(name, args, figures)
+            return figures
+        for r in range(args.repeat):
+            if baseline is not None and r % 2:          # each goes first every other round
+                theirs = measured(r, "predd's generate from threads", baseline.complete)
+                figures = measured(r, way, complete)
+            else:
+                figures = measured(r, way, complete)
+                theirs = None if baseline is None else \
+                    measured(r, "predd's generate from threads", baseline.complete)
             rounds.append((figures, theirs))
     finally:
         if baseline is not None:
@@ -351,15 +366,17 @@ def main() -> int:
         result("openai", "output_tokens_per_s", ours, "none", 0.0,
                median_tpot_ms=round(tpot, 3), mean_ttft_ms=round(ttft, 3), **extra)
     else:
-        def ratios(key: str) -> list[float]:
-            return [round(f[key] / g[key], 3) if g[key] else 0.0 for f, g in rounds]
+        def ratio(a: float, b: float) -> float | None:
+            return round(a / b, 3) if b and math.isfinite(a) and math.isfinite(b) else None
+
+        def ratios(key: str) -> list[float | None]:
+            return [ratio(f[key], g[key]) for f, g in rounds]
         theirs = statistics.median(g["output_throughput"] for _, g in rounds)
         their_tpot = statistics.median(g["median_tpot_ms"] for _, g in rounds)
         result("openai", "output_tokens_per_s", ours, "generate", theirs,
-               round_ratios=ratios("output_throughput"), **extra)
+               ratio=ratio(ours, theirs), round_ratios=ratios("output_throughput"), **extra)
         result("openai", "median_tpot_ms", tpot, "generate", their_tpot,
-               ratio=round(tpot / their_tpot, 3) if their_tpot else None,
-               ratio_is="openai / generate (lower is better)",
+               ratio=ratio(tpot, their_tpot), ratio_is="openai / generate (lower is better)",
                round_ratios=ratios("median_tpot_ms"), **extra)
     failed = sum(f["failed"] + (g["failed"] if g else 0) for f, g in rounds)
     return 0 if failed == 0 else 1
