@@ -19,8 +19,10 @@ How it uses the system calls:
   thread each); n = 1 without top_logprobs or response_format leaves it to the first
   call of its decoding (`generate`, or with min_tokens its first `pred_sample`), so the
   step that ends the prompt picks the first token;
-* plain decoding is predd's own loop (`generate`); top_logprobs and response_format
-  take a pred per token: raw logits and/or an llguidance mask (decode.py);
+* plain decoding is predd's own loop (`generate`), its tokens made into text and
+  chunks on the thread that reads predd's replies (`lip.generate_into`), and the lines
+  written by a thread of their own; top_logprobs and response_format take a pred per
+  token: raw logits and/or an llguidance mask (decode.py);
 * a cancelled request stops at its next call and frees its caches;
 * 64 requests run at once, the rest wait in a queue; a call predd refuses for room
   waits, or gives its cache back and computes it again, rather than fail (room.py).
