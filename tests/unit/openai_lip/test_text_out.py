@@ -40,11 +40,15 @@ def whole(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode([t for t in ids if t not in tokenizer.eos_ids], True)
 
 
+_PARTIAL: list[int] = []
+
+
 def pieces(tokenizer, rng: random.Random, n: int) -> list[int]:
     """Random ids, with specials, EOS and tokens that hold part of a character."""
-    partial = [i for i in range(49152) if "\ufffd" in tokenizer.decode([i])]
-    assert len(partial) > 100
-    pool = [*range(1, 17), *tokenizer.eos_ids, *partial]
+    if not _PARTIAL:
+        _PARTIAL.extend(i for i in range(49152) if "\ufffd" in tokenizer.decode([i]))
+    assert len(_PARTIAL) > 100
+    pool = [*range(1, 17), *tokenizer.eos_ids, *_PARTIAL]
     return [rng.choice(pool) if rng.random() < 0.3 else rng.randrange(17, 49152)
             for _ in range(n)]
 
