@@ -239,6 +239,16 @@ class Generate:
         self.lip.client().close()
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU so far (Linux /proc), 0 where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def predd_stats(addr: str) -> dict:
     """predd's `stats`, on a connection of its own (liblip's process-wide one may be
     serving the generate baseline)."""
@@ -331,10 +341,16 @@ def main() -> int:
 
         def measured(r: int, name: str, complete_one) -> dict:
             before = predd_stats(daemon.addr) if daemon is not None else None
+            cpu = cpu_seconds(program.proc.pid) if program is not None else 0.0
             figures = run(complete_one, model, args, seed=r)
             if daemon is not None:
+                mine = ""
+                if complete_one == complete and figures["total_output_tokens"]:
+                    used = cpu_seconds(program.proc.pid) - cpu
+                    mine = (f"; the program's CPU "
+                            f"{used * 1e6 / figures['total_output_tokens']:.0f} µs a token")
                 log(f"bench: round {r + 1}, {name}: predd "
-                    f"{split(before, predd_stats(daemon.addr))}")
+                    f"{split(before, predd_stats(daemon.addr))}{mine}")
             report(name, args, figures)
             return figures
         for r in range(args.repeat):
