@@ -6,7 +6,9 @@ thread sends and receives on that thread, with no hand-off to another. While sev
 calls wait, the keeper thread reads for all of them and puts each reply in the queue of
 the request it answers; when one waiter is left, it hands the socket to it. A request is
 sent by its own thread when the socket is free, else handed to the reader through a
-queue and an eventfd that the reader polls too. (One thread's round trip is shorter and
+queue and an eventfd that the reader polls too. A stream taken with `stream_into` is
+not handed over at all: the reader gives each of its replies to the caller's callback
+where it reads them, and wakes the caller once, at its end. (One thread's round trip is shorter and
 takes less CPU this way than through an I/O thread, and many threads' the same;
 measured: docs/kernels.md, "liblip's client reads on the calling thread".)
 
