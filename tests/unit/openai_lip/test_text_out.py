@@ -53,6 +53,16 @@ def pieces(tokenizer, rng: random.Random, n: int) -> list[int]:
             for _ in range(n)]
 
 
+def streamed(ids: list[int], stops: list[str]) -> tuple[TextOut, str]:
+    """ids fed a token at a time until a stop string: the TextOut, and all it showed."""
+    out, shown = TextOut(stops), ""
+    for t in ids:
+        shown += out.feed([t])
+        if out.stopped:
+            return out, shown
+    return out, shown + out.finish()
+
+
 def test_grown_text_is_the_whole_decode_at_every_token(tokenizer, lip):
     rng = random.Random(7)
     for _ in range(40):
@@ -74,13 +84,7 @@ def test_stop_strings_cut_where_the_whole_text_would(tokenizer, lip):
         ids = [*pieces(tokenizer, rng, rng.randrange(0, 8)), *text_ids,
                *pieces(tokenizer, rng, 4)]
         stops = [rng.choice(["gamma", "a d", " ze", "theta", "nope"])]
-        out, shown = TextOut(stops), ""
-        for t in ids:
-            shown += out.feed([t])
-            if out.stopped:
-                break
-        if not out.stopped:
-            shown += out.finish()
+        out, shown = streamed(ids, stops)
         full = whole(tokenizer, ids)
         at = full.find(stops[0])
         assert shown == (full if at < 0 else full[:at]), (stops, full)
@@ -118,14 +122,7 @@ def test_a_window_never_begins_with_a_token_without_text(monkeypatch):
     rng = random.Random(3)
     for _ in range(300):
         ids = [rng.choice([0, 1, 2, 3, 2, 5]) for _ in range(rng.randrange(1, 12))]
-        out = TextOut(["cat w"])
-        shown = ""
-        for t in ids:
-            shown += out.feed([t])
-            if out.stopped:
-                break
-        if not out.stopped:
-            shown += out.finish()
+        _, shown = streamed(ids, ["cat w"])
         text = tok.decode([t for t in ids if t != 5], skip_special_tokens=True)
         at = text.find("cat w")
         assert shown == (text if at < 0 else text[:at]), ids

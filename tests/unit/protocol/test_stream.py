@@ -66,6 +66,18 @@ def test_many_small_messages_in_one_read_cost_one_pass():
     assert reader.feed(data[-3:]) == [[b"p"]] and reader.pending == 0
 
 
+def drained(writer: Writer, sock, count: int, max_bytes: int) -> list[list[bytes]]:
+    """Flush `writer` while reading its peer `sock` until `count` messages came."""
+    reader, got = Reader(max_bytes), []
+    while len(got) < count:
+        writer.flush()
+        try:
+            got += reader.feed(sock.recv(1 << 16))
+        except BlockingIOError:
+            pass
+    return got
+
+
 def test_a_writer_keeps_order_through_partial_sends():
     import socket
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -78,13 +90,7 @@ def test_a_writer_keeps_order_through_partial_sends():
     queued = writer.queued
     writer.write([b"second"])                         # waits behind the first's end
     assert len(writer) == 2 and writer.queued == queued + 4 + 4 + 6
-    reader, got = Reader(1 << 21), []
-    while len(got) < 2:
-        writer.flush()
-        try:
-            got += reader.feed(b.recv(1 << 16))
-        except BlockingIOError:
-            pass
+    got = drained(writer, b, 2, 1 << 21)
     assert got == [[b"first", big], [b"second"]] and len(writer) == 0 and writer.flush()
     assert writer.queued == 0
     a.close()
@@ -120,13 +126,7 @@ def test_write_all_sends_many_messages_in_order_in_few_calls():
     writer.write_all([])
     assert len(counted.calls) == 6 and max(counted.calls) <= IOV_MAX
     assert sum(counted.calls) == 3 * 2000
-    reader, got = Reader(1 << 20), []
-    while len(got) < 2000:
-        writer.flush()
-        try:
-            got += reader.feed(b.recv(1 << 16))
-        except BlockingIOError:
-            pass
+    got = drained(writer, b, 2000, 1 << 20)
     assert got == messages and writer.queued == 0 and len(writer) == 0
     a.close()
     b.close()
@@ -145,13 +145,7 @@ def test_a_writer_counts_messages_not_writes_while_they_wait():
     assert len(writer) == 3
     writer.write([b"four"])
     assert len(writer) == 4
-    reader, got = Reader(1 << 21), []
-    while len(got) < 4:
-        writer.flush()
-        try:
-            got += reader.feed(b.recv(1 << 16))
-        except BlockingIOError:
-            pass
+    got = drained(writer, b, 4, 1 << 21)
     assert [m[0] for m in got] == [b"one", b"two", b"three", b"four"] and len(writer) == 0
     a.close()
     b.close()
