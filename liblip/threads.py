@@ -8,8 +8,12 @@ from collections.abc import Callable
 
 
 def run_threads(work: Callable[[int], object], count: int) -> None:
-    """work(i) for i in range(count), one thread each. Returns when all have ended; then
-    raises the first error one of them raised."""
+    """work(i) for i in range(count), one thread each (one alone runs on the caller's
+    thread). Returns when all have ended; then raises the first error one of them
+    raised."""
+    if count == 1:
+        work(0)
+        return
     errors: list[BaseException] = []
 
     def guarded(i: int) -> None:
