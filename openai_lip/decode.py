@@ -206,12 +206,24 @@ class TextOut:
         self.add(ids)
         text, self.stopped = self._text()
         if not self.stopped:
-            hold = max((k for s in self.stops for k in range(1, len(s))
-                        if text.endswith(s[:k])), default=0)
-            text = text[:len(text) - hold]
+            text = text[:len(text) - self._hold(text)]
             while text.endswith("\ufffd"):
                 text = text[:-1]
         return self._advance(text)
+
+    def _hold(self, text: str) -> int:
+        """How many characters at the end of `text` may begin a stop string: the
+        longest end of it that one begins with (only ends whose last character is the
+        stop string's at that length are compared)."""
+        if not text:
+            return 0
+        last, hold = text[-1], 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if s[k - 1] == last and text.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
 
     def finish(self) -> str:
         """The text not shown yet, once the choice is over."""

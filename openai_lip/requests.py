@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 MAX_N = 16
 MAX_STOP = 4
+MAX_STOP_CHARS = 1000   # a stop string's length: each token's text is checked against it
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 DEFAULT_MAX_TOKENS = 256
@@ -143,8 +144,9 @@ def _stop(body: dict) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
-            isinstance(s, str) and s for s in stop):
-        raise _bad(f"stop must be a non-empty string or a list of at most {MAX_STOP}", "stop")
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise _bad(f"stop must be a non-empty string or a list of at most {MAX_STOP}, each "
+                   f"of at most {MAX_STOP_CHARS} characters", "stop")
     return stop
 
 

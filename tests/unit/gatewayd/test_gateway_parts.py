@@ -198,6 +198,7 @@ def test_completion_request_fields():
     ({"n": 17}, "n"), ({"n": True}, "n"), ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"seed": 1.5}, "seed"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"),
+    ({"stop": ["x" * 1001]}, "stop"),
     ({"logprobs": "yes"}, "logprobs"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -126,3 +126,14 @@ def test_a_window_never_begins_with_a_token_without_text(monkeypatch):
         text = tok.decode([t for t in ids if t != 5], skip_special_tokens=True)
         at = text.find("cat w")
         assert shown == (text if at < 0 else text[:at]), ids
+
+
+def test_the_text_held_back_is_the_longest_end_a_stop_string_begins_with(lip):
+    rng = random.Random(5)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 7)))
+                 for _ in range(rng.randrange(1, 4))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randrange(0, 9)))
+        want = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
+                   default=0)
+        assert TextOut(stops)._hold(text) == want, (stops, text)
