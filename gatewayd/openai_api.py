@@ -18,13 +18,21 @@ import json
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gatewayd import sse
 from gatewayd.errors import ApiError
 from gatewayd.gateway import Gateway, json_body
 
-NO_PING_S = 365 * 24 * 3600    # sse_starlette's keep-alive interval, i.e. never
+# A stream's events, written as OpenAI's API writes them (`data: ...`, then an empty
+# line, LF only) by a plain streaming response: a chunk is one bytes object and one send
+# (sse_starlette's event objects, encoding and send timeout cost as much again a token:
+# docs/kernels.md, "The gateway's CPU a token"). No keep-alive comments: OpenAI's API
+# sends none, and clients written against it (vLLM's benchmark client) lose the whole
+# rest of a stream when a `: ping` comment arrives in the same read as an event.
+SSE_HEADERS = {"Cache-Control": "no-store", "Connection": "keep-alive",
+               "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+_encode = json.JSONEncoder(separators=(",", ":")).encode
 router = APIRouter()
 _keys = itertools.count(1)
 
@@ -52,6 +60,13 @@ class _Replies:
             return None
         step, self.step = self.step, None
         return step.result()
+
+    async def rest(self):
+        """The lines after the first, as they come (a stream: the client's going away
+        reaches it as the response's cancellation, not through the watcher)."""
+        self.watcher.cancel()
+        async for msg in self.lines:
+            yield msg
 
     async def close(self) -> None:
         self.watcher.cancel()
@@ -101,22 +116,19 @@ async def _answer(request: Request, op: str, body) -> Response:
     async def chunks():
         nonlocal last
         try:
-            while (msg := await replies.next()) is not None:
+            async for msg in replies.rest():
                 if msg.get("done"):
                     last = msg
-                    yield sse.event("[DONE]")
+                    yield DONE
                     return
                 if "chunk" in msg:
-                    yield sse.event(json.dumps(msg["chunk"], separators=(",", ":")))
+                    yield b"data: " + _encode(msg["chunk"]).encode() + b"\n\n"
                 elif msg.get("status", 200) >= 400:      # failed after it started
-                    yield sse.event(json.dumps(msg.get("body")))
+                    yield b"data: " + json.dumps(msg.get("body")).encode() + b"\n\n"
         finally:
             await finish()
 
-    # No keep-alive comments: OpenAI's API sends none, and clients written against it
-    # (vLLM's benchmark client) lose the whole rest of a stream when a `: ping` comment
-    # arrives in the same read as an event.
-    return sse.response(chunks(), ping=NO_PING_S)
+    return StreamingResponse(chunks(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 @router.get("/v1/models")

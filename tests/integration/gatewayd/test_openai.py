@@ -167,10 +167,13 @@ def test_a_stream_is_written_as_openai_writes_it(server, predd, model):
     import httpx
     prompt = predd.call("tokenize", text="The river")["tokens"]
     with httpx.Client(base_url=server.url, timeout=300) as http:
-        body = http.post("/v1/completions", json={
+        response = http.post("/v1/completions", json={
             "model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0,
             "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}).content.decode()
+            "stream_options": {"include_usage": True}})
+    body = response.content.decode()
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["cache-control"] == "no-store"
     assert "\r" not in body and body.endswith("\n\n")
     events = body[:-2].split("\n\n")
     assert all(e.startswith("data: ") and "\n" not in e for e in events)
