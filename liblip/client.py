@@ -8,8 +8,8 @@ the request it answers; when one waiter is left, it hands the socket to it. A re
 sent by its own thread when the socket is free, else handed to the reader through a
 queue and an eventfd that the reader polls too. A stream taken with `stream_into` is
 not handed over at all: the reader gives each of its replies to the caller's callback
-where it reads them, and wakes the caller once, at its end. (One thread's round trip is shorter and
-takes less CPU this way than through an I/O thread, and many threads' the same;
+where it reads them, and wakes the caller once, at its end. (One thread's round trip is
+shorter and takes less CPU this way than through an I/O thread, and many threads' the same;
 measured: docs/kernels.md, "liblip's client reads on the calling thread".)
 
 The keeper thread also keeps the session's lease alive (ping) and watches the
@@ -82,6 +82,14 @@ KEEP_S = 0.1        # the keeper thread's round
 RETRY_S = 0.02      # a reader retries sending this often while not connected
 CANCEL_TIMEOUT_S = 5.0   # a stream left early waits this long for its call to end
 _LEAVE = object()    # put in a delivered stream's end queue: on_reply asked to leave
+
+
+def _refusal(header: dict) -> LipError:
+    """The LipError of predd's error reply `header`."""
+    err = header.get("error") or {}
+    exc = LipError(err.get("code", "EIO"), err.get("message", "unknown error"))
+    exc.from_predd = True
+    return exc
 
 
 class _Delivered:
@@ -260,11 +268,8 @@ class Client:
             raise item
         header, frames = item
         if not header.get("ok"):
-            err = header.get("error") or {}
             self._forget(rid)
-            exc = LipError(err.get("code", "EIO"), err.get("message", "unknown error"))
-            exc.from_predd = True
-            raise exc
+            raise _refusal(header)
         return header, frames
 
     def _forget(self, rid: int) -> None:
@@ -303,10 +308,7 @@ class Client:
                     return
         finally:
             if not ended:
-                try:
-                    self.call("cancel", timeout=CANCEL_TIMEOUT_S, target=rid)
-                except LipError:      # it ended meanwhile (ESRCH), or predd is gone
-                    pass
+                self._cancel(rid)
             self._forget(rid)
 
     def stream_into(self, op: str, on_reply: Callable[[dict], Any],
@@ -351,10 +353,7 @@ class Client:
                 if item is _LEAVE:
                     if not cancelled:
                         cancelled = time.monotonic()
-                        try:
-                            self.call("cancel", timeout=CANCEL_TIMEOUT_S, target=rid)
-                        except LipError:     # it ended meanwhile (ESRCH), or predd is gone
-                            pass
+                        self._cancel(rid)
                     continue
                 break
             if inbox.error is not None:
@@ -363,16 +362,20 @@ class Client:
                 raise item
             header, _ = item
             if not header.get("ok"):
-                err = header.get("error") or {}
-                exc = LipError(err.get("code", "EIO"), err.get("message", "unknown error"))
-                exc.from_predd = True
-                raise exc
+                raise _refusal(header)
             return header
         finally:
             with self._waiting_lock:
                 self._delivering -= 1
             if rid is not None:
                 self._forget(rid)
+
+    def _cancel(self, rid: int) -> None:
+        """Cancel the streaming call `rid` in predd (a generate stops after its step)."""
+        try:
+            self.call("cancel", timeout=CANCEL_TIMEOUT_S, target=rid)
+        except LipError:      # it ended meanwhile (ESRCH), or predd is gone
+            pass
 
     def ask(self, op: str, frames: tuple[bytes, ...] = (), timeout: float | None = None,
             **fields) -> Reply:
