@@ -18,20 +18,12 @@ import json
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from gatewayd import sse
 from gatewayd.errors import ApiError
 from gatewayd.gateway import Gateway, json_body
 
-# A stream's events, written as OpenAI's API writes them (`data: ...`, then an empty
-# line, LF only) by a plain streaming response: a chunk is one bytes object and one send
-# (sse_starlette's event objects, encoding and send timeout cost as much again a token:
-# docs/kernels.md, "The gateway's CPU a token"). No keep-alive comments: OpenAI's API
-# sends none, and clients written against it (vLLM's benchmark client) lose the whole
-# rest of a stream when a `: ping` comment arrives in the same read as an event.
-SSE_HEADERS = {"Cache-Control": "no-store", "Connection": "keep-alive",
-               "X-Accel-Buffering": "no"}
-DONE = b"data: [DONE]\n\n"
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 router = APIRouter()
 _keys = itertools.count(1)
@@ -119,16 +111,16 @@ async def _answer(request: Request, op: str, body) -> Response:
             async for msg in replies.rest():
                 if msg.get("done"):
                     last = msg
-                    yield DONE
+                    yield sse.data("[DONE]")
                     return
                 if "chunk" in msg:
-                    yield b"data: " + _encode(msg["chunk"]).encode() + b"\n\n"
+                    yield sse.data(_encode(msg["chunk"]))
                 elif msg.get("status", 200) >= 400:      # failed after it started
-                    yield b"data: " + json.dumps(msg.get("body")).encode() + b"\n\n"
+                    yield sse.data(json.dumps(msg.get("body")))
         finally:
             await finish()
 
-    return StreamingResponse(chunks(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return sse.data_response(chunks())
 
 
 @router.get("/v1/models")

@@ -117,10 +117,9 @@ class TextOut:
     `min_tokens`, as vLLM does, no stop string counts before that many tokens: only one
     that ends after their text.
 
-    The text grows a token at a time: the tokens from
-    `_prefix` on are decoded, and what the ones before `_read` gave is cut off its front
-    (a window of a few tokens, not the whole output: a token costs the same at the
-    2,000th as at the first). A window whose front is not that text (a decoder that
+    The text grows a token at a time: the tokens from `_prefix` on are decoded, and
+    what the ones before `_read` gave is cut off its front (a window of a few tokens,
+    not the whole output: a token costs the same at the 2,000th as at the first). A window whose front is not that text (a decoder that
     joins tokens across it) is decoded whole instead; `full` always is."""
 
     def __init__(self, stops: list[str], min_tokens: int = 0) -> None:
