@@ -339,29 +339,28 @@ def main() -> int:
             run(complete, model, warm, seed=-1)
             run(baseline.complete, model, warm, seed=-1)
 
-        def measured(r: int, name: str, complete_one) -> dict:
+        def measured(r: int, name: str, complete_one, pid: int | None) -> dict:
+            """One round of one side; `pid`: the process whose CPU a token to log."""
             before = predd_stats(daemon.addr) if daemon is not None else None
-            cpu = cpu_seconds(program.proc.pid) if program is not None else 0.0
+            cpu = cpu_seconds(pid) if pid is not None else 0.0
             figures = run(complete_one, model, args, seed=r)
             if daemon is not None:
                 mine = ""
-                if complete_one == complete and figures["total_output_tokens"]:
-                    used = cpu_seconds(program.proc.pid) - cpu
+                if pid is not None and figures["total_output_tokens"]:
+                    used = cpu_seconds(pid) - cpu
                     mine = (f"; the program's CPU "
                             f"{used * 1e6 / figures['total_output_tokens']:.0f} µs a token")
                 log(f"bench: round {r + 1}, {name}: predd "
                     f"{split(before, predd_stats(daemon.addr))}{mine}")
             report(name, args, figures)
             return figures
-        for r in range(args.repeat):
-            if baseline is not None and r % 2:          # each goes first every other round
-                theirs = measured(r, "predd's generate from threads", baseline.complete)
-                figures = measured(r, way, complete)
-            else:
-                figures = measured(r, way, complete)
-                theirs = None if baseline is None else \
-                    measured(r, "predd's generate from threads", baseline.complete)
-            rounds.append((figures, theirs))
+        sides = [(way, complete, program.proc.pid if program is not None else None)]
+        if baseline is not None:
+            sides.append(("predd's generate from threads", baseline.complete, None))
+        for r in range(args.repeat):     # each side goes first every other round
+            got = [measured(r, *side) for side in (sides if r % 2 == 0 else sides[::-1])]
+            got = got if r % 2 == 0 else got[::-1]
+            rounds.append((got[0], got[1] if len(got) > 1 else None))
     finally:
         if baseline is not None:
             baseline.close()
