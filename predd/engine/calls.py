@@ -55,7 +55,7 @@ class Call:
     positions: list[int] | None = None                 # resolved at admission when None
     outputs: list[int] = field(default_factory=list)   # pred: indices whose logits are wanted
     sample: SampleParams | None = None
-    sample_wire: dict | None = None     # the request's own sample map (Speculation.computed_for)
+    sample_wire: dict | None = None     # the request's own sample map (Speculation.taken_by)
     allowed: torch.Tensor | None = None                # the mask
     topk: int = 0
     into: int = -1             # pred: the logits buffer slot for its one row (-1: a frame)

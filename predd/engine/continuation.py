@@ -7,7 +7,7 @@ matches one). After a step answers a pred, or a call takes a computed speculatio
 object's next step is offered with the token answered (a sampled one) or its logits'
 argmax (a raw row, where that object's calls follow it), never past an end-of-sequence
 token. A call that takes a computed speculation, through the pred handler or at the door
-(`Intake._take_computed`), gets the reply built from its outputs, and its token is
+(`Intake._take_speculation`), gets the reply built from its outputs, and its token is
 committed; the reply failing, the call's error is the caller's and its object is as it
 was.
 """

@@ -96,8 +96,8 @@ class Intake:
                     raise ProtocolError("EAGAIN", f"more than {self.config.quota.rate:g} "
                                         "requests per second: slow down")
             if (session is not None and self.speculation.by_oid and not extra
-                    and header.get("op") == "pred" and self._take_computed(identity,
-                                                                           session, header)):
+                    and header.get("op") == "pred" and self._take_speculation(identity,
+                                                                              session, header)):
                 return
             request = p.decode_request(header)
             if session is None:
@@ -146,14 +146,15 @@ class Intake:
         if reply is not None:
             self._reply(identity, req.rid, reply)
 
-    def _take_computed(self, identity: bytes, session: Session, header: dict) -> bool:
-        """The pred map `header` takes its object's computed speculation, answered as the
-        full path would answer it, without a request record or a call made for it
-        (Speculation.computed_for says when); whether it was. Errors are the full path's."""
+    def _take_speculation(self, identity: bytes, session: Session, header: dict) -> bool:
+        """The pred map `header` takes its object's speculation as the full path would
+        take it, without a request record or a call made for it (Speculation.taken_by
+        says when): answered at once where it was computed, else when its step has run.
+        Whether it was taken. Errors are the full path's."""
         cap = self.caps.find(header.get("cap"))
         if cap is None or not cap.writable or self.deferred.holds(cap.oid):
             return False             # the full path says why, or holds it
-        spec = self.speculation.computed_for(session.sid, cap.oid, header)
+        spec = self.speculation.taken_by(session.sid, cap.oid, header)
         if spec is None:
             return False
         self.speculation.measure(cap.oid, header["tokens"])
@@ -164,7 +165,8 @@ class Intake:
         rid = header["rid"]
         self.speculation.take(spec, identity, rid, sampling.make_generator(spec.sample),
                               buffer, into if buffer is not None else -1)
-        self._reply(identity, rid, self.claimed(spec))
+        if spec.parked:
+            self._reply(identity, rid, self.claimed(spec))
         return True
 
     def _objects_of(self, req: p.Request) -> list[int]:

@@ -190,17 +190,16 @@ class Speculation:
                 and call.outputs == [0] and call.sample == spec.sample
                 and call.allowed is None and not call.topk)
 
-    def computed_for(self, sid: int, oid: int, header: dict) -> Call | None:
-        """The computed (`parked`) speculation on `oid` that the raw pred map `header` of
-        session `sid` takes, where the full path (decode_request, the pred handler,
-        `claim`) would accept the map and give it that speculation: no fields but op, rid,
-        cap, tokens, sample and into; rid, into and the one token plain ints, the token
-        the speculation's; the sample map the one its chain began with, key for key, of
-        the same values and types. None: the full path decides. The caller checks the
-        capability and the call limits as the full path does."""
+    def taken_by(self, sid: int, oid: int, header: dict) -> Call | None:
+        """The speculation on `oid`, computed (`parked`) or still queued, that the raw
+        pred map `header` of session `sid` takes, where the full path (decode_request,
+        the pred handler, `claim`) would accept the map and give it that speculation: no
+        fields but op, rid, cap, tokens, sample and into; rid, into and the one token
+        plain ints, the token the speculation's; the sample map the one its chain began
+        with, key for key, of the same values and types. None: the full path decides.
+        The caller checks the capability and the call limits as the full path does."""
         spec = self.by_oid.get(oid)
-        if spec is None or not spec.parked or spec.session != sid \
-                or not header.keys() <= QUICK_FIELDS:
+        if spec is None or spec.session != sid or not header.keys() <= QUICK_FIELDS:
             return None
         tokens, sample = header.get("tokens"), header.get("sample")
         if (type(tokens) is not list or len(tokens) != 1 or type(tokens[0]) is not int

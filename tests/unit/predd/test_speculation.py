@@ -132,7 +132,7 @@ def computed(h: Harness, prompt=(3, 4), sample=GREEDY) -> tuple[str, int]:
 
 def test_the_loops_next_call_takes_a_computed_step_without_a_request_record(monkeypatch):
     """The exact next call of a pred_sample loop is answered from its map
-    (Speculation.computed_for): no request record, no call built, the same answer."""
+    (Speculation.taken_by): no request record, no call built, the same answer."""
     import symphony_protocol as p
     h = Harness()
     kv, token = computed(h)
@@ -151,6 +151,39 @@ def test_the_loops_next_call_takes_a_computed_step_without_a_request_record(monk
     off = Harness(speculate=False)
     assert loop(off, 6, prompt=(3, 4))[1] == got
     h.ok(A, "fsck")
+    h.clean()
+
+
+def test_the_loops_next_call_takes_a_queued_step_at_the_door(monkeypatch):
+    """A call that comes while its speculation is still queued (its reply came from a
+    step, which queued the next one) takes it from its map too, and is answered when
+    that step runs: no request record, the same tokens and entries as with speculation
+    off."""
+    import symphony_protocol as p
+    h = Harness()
+    kv = h.ok(A, "kv_create")["cap"]
+    oid = h.engine.caps.lookup(kv).oid
+    decoded = []
+    real = p.decode_request
+    monkeypatch.setattr(p, "decode_request",
+                        lambda head: decoded.append(head["op"]) or real(head))
+    got, tokens = [], [3, 4]
+    for _ in range(6):
+        rid = h.send(A, "pred", cap=kv, tokens=tokens, sample=GREEDY)
+        if got:     # the last reply came from a step: its speculation is queued
+            assert oid not in h.engine.speculation.by_oid    # taken by this call
+        while not [r for i, r, _ in h.replies if i == A and r["rid"] == rid]:
+            assert h.engine.step()
+        (reply,) = [r for i, r, _ in h.replies if i == A and r["rid"] == rid]
+        got.append(reply["tokens"][0])
+        tokens = [got[-1]]
+        assert not h.engine.speculation.by_oid[oid].parked
+    assert decoded == ["pred"] and spec_stats(h)["hits"] == 5
+    off = Harness(speculate=False)
+    kv_off, want = loop(off, 5, prompt=(3, 4))
+    assert got == want
+    h.ok(A, "fsck")       # discards the last queued one
+    assert h.entries(kv) == off.entries(kv_off)
     h.clean()
 
 
