@@ -158,7 +158,8 @@ buffer() {
 # loop and the `pred_sample` loop at 8 / 32 / 64 programs as processes, best of 2; then
 # the OpenAI program itself at 32 requests in flight (scripts/bench_openai.py, over its
 # JSON lines: the machine has neither FUSE nor the gateway's packages), and the same
-# requests through predd's generate with no program between. LOOP_CPU=1
+# requests through predd's generate with no program between; first the test that a step's
+# tokens picked on the device are the host's (tests/gpu/test_device_picks.py). LOOP_CPU=1
 # rehearses the same stages here, on B6's tiny shape and the CPU.
 loop() {
     local out=${1:-.gpu/out} shape=llama3-8b-8l dtype=bfloat16 py=python3
@@ -171,6 +172,8 @@ loop() {
         setup "$out" gpu_loop.log
     fi
     local model=/tmp/$shape-random.gguf
+    stage "a step's tokens picked on the device" 60 "$py" -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_device_picks.py
     stage "write the $shape shape" 120 "$py" scripts/gguf_random.py "$model" --shape "$shape" \
         ${tokenizer:+--tokenizer "$tokenizer"}
     SYMPHONY_BENCH_PREDD_ARGS="$device --model $model" \

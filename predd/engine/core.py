@@ -142,6 +142,9 @@ class Engine(Intake, Admission, Cancellation, Continuation):
                 calls.commit(call, self.store, item.start + item.count)
             ran.append(item)
         outputs.pick_tokens([i.call for i in ran if i.completes])
+        ran_on = next((out for out in results if isinstance(out, torch.Tensor)), None)
+        if ran_on is not None and not ran_on.is_cpu:   # the step's logits are on a device
+            outputs.to_host([i.call for i in ran])
         finished: set[int] = set()
         failed: set[int] = set()
         self._answered.clear()
@@ -173,7 +176,7 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         if not chunks:
             return []
         try:
-            results = list(self.runner.execute(chunks))
+            results = list(self.runner.execute(chunks, host=False))
             if len(results) != len(chunks):
                 raise RuntimeError(f"runner returned {len(results)} results for "
                                    f"{len(chunks)} chunks")

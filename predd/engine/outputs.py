@@ -17,6 +17,7 @@ from predd.engine import sampling
 from predd.engine.calls import Call
 
 SAMPLE_ROWS = 64   # rows sampled together (`_sampled_rows`)
+HOST_COPY_BYTES = 64 << 20   # a device's rows joined for one copy to the host (`to_host`)
 
 
 def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
@@ -124,15 +125,50 @@ def _sampled_rows(owners: list[Call], blocks: list[torch.Tensor]
 def _greedy_rows(blocks: list[torch.Tensor]) -> tuple[list[int], list[float]]:
     """Each row's argmax and its logprob, over the rows of `blocks` (2-D) in order:
     predd's CPU kernel where it runs (no copy of the rows; measured: docs/kernels.md,
-    "Greedy pick without a log-softmax"), else torch; token -1 for a row the kernel
-    leaves to the caller (a NaN)."""
+    "Greedy pick without a log-softmax"), else torch where the rows are (on a GPU: only
+    the ids and logprobs come to the host, in one copy); token -1 for a row left to the
+    caller (a NaN, nothing finite)."""
     kernels = sampling.cpu_kernels()
     if kernels is not None and blocks[0].is_cpu and blocks[0].dtype == torch.float32:
         return kernels.greedy_pick(blocks)
-    stacked = torch.cat(blocks)                                        # [k, V]
+    stacked = torch.cat(blocks) if len(blocks) > 1 else blocks[0]     # [k, V]
     tokens = torch.argmax(stacked, dim=-1)
     logprobs = torch.log_softmax(stacked, dim=-1).gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), logprobs.tolist()
+    tokens = torch.where(torch.isfinite(logprobs), tokens, -1)
+    both = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()
+    return both[0].long().tolist(), both[1].tolist()
+
+
+def to_host(calls: list[Call]) -> None:
+    """After a step whose logits stayed on the device (`Runner.execute(host=False)`) and
+    its tokens were picked there: every logits block the calls still hold, brought to the
+    host in as few copies as HOST_COPY_BYTES allows (a raw pred's rows, top-k, rows left without a pick, a chunk's rows
+    kept for its call's later step); a pred_sample answered by its picks keeps none. On
+    the CPU nothing moves. Afterwards every call's logits are on the host, as the replies,
+    speculation and the logits buffer read them."""
+    moving: list[tuple[Call, int]] = []
+    for c in calls:
+        if not c.logits or all(t.is_cpu for t in c.logits):
+            continue
+        if c.picks is not None:       # answered by its picks: no row is read again
+            c.logits = []
+            continue
+        moving += [(c, i) for i, t in enumerate(c.logits) if not t.is_cpu]
+    while moving:     # blocks joined on the device up to HOST_COPY_BYTES, one copy each
+        size = take = 0
+        while take < len(moving):
+            c, i = moving[take]
+            size += c.logits[i].numel() * c.logits[i].element_size()
+            if take and size > HOST_COPY_BYTES:
+                break
+            take += 1
+        part, moving = moving[:take], moving[take:]
+        blocks = [c.logits[i] for c, i in part]
+        host = (torch.cat(blocks) if len(blocks) > 1 else blocks[0]).cpu()
+        at = 0
+        for (c, i), block in zip(part, blocks):
+            c.logits[i] = host[at:at + block.shape[0]]
+            at += block.shape[0]
 
 
 def next_token(call: Call) -> tuple[int, float]:

@@ -47,7 +47,7 @@ def apply_mask(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tens
     asked for no rows (`outputs: []`) has none to mask."""
     if allowed is None or logits.shape[0] == 0:
         return logits
-    return logits.masked_fill(~allowed, float("-inf"))
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def make_generator(params: SampleParams | None) -> torch.Generator | None:
@@ -106,7 +106,9 @@ def sample_rows(rows: torch.Tensor | Sequence[torch.Tensor], params: Sequence[Sa
 
 def _sample_by_torch(rows: torch.Tensor, params: Sequence[SampleParams],
                      gens: Sequence[torch.Generator | None]) -> list[tuple[int, float]]:
-    """`sample_rows` in torch ops over the rows [k, V] at once."""
+    """`sample_rows` in torch ops over the rows [k, V] at once, where the rows are (on a
+    GPU the draws, made on the host by the calls' generators, go there; the ids and
+    logprobs come back, not the rows)."""
     logprobs = torch.log_softmax(rows, dim=-1)
     tokens = [-1] * len(params)
     cold = [i for i, p in enumerate(params) if p.temperature < MIN_TEMPERATURE]
@@ -116,7 +118,7 @@ def _sample_by_torch(rows: torch.Tensor, params: Sequence[SampleParams],
             tokens[i] = token
     if hot:
         temps = [params[i].temperature for i in hot]
-        scaled = rows[hot] / torch.tensor(temps, dtype=rows.dtype)[:, None]
+        scaled = rows[hot] / torch.tensor(temps, dtype=rows.dtype, device=rows.device)[:, None]
         for j, i in enumerate(hot):
             if params[i].top_k:
                 kth = torch.topk(scaled[j], min(params[i].top_k, scaled.shape[1])).values[-1]
@@ -128,7 +130,7 @@ def _sample_by_torch(rows: torch.Tensor, params: Sequence[SampleParams],
         cdf = torch.cumsum(probs, dim=-1)
         total = cdf[:, -1]
         draws = torch.stack([torch.rand((), generator=gens[i], dtype=torch.float64)
-                             for i in hot])
+                             for i in hot]).to(cdf.device)
         at = (draws * total.double()).to(cdf.dtype)
         picked = torch.searchsorted(cdf, at[:, None], right=True)[:, 0].tolist()
         fine = (torch.isfinite(total) & (total > 0)).tolist()
@@ -138,8 +140,9 @@ def _sample_by_torch(rows: torch.Tensor, params: Sequence[SampleParams],
             if picked[j] >= cdf.shape[1]:   # the draw rounded up to the total: the last
                 picked[j] = int(torch.nonzero(probs[j]).max())   # token that can be drawn
             tokens[i] = picked[j]
-    return [(t, float(logprobs[i, t]) if t >= 0 else float("nan"))
-            for i, t in enumerate(tokens)]
+    at = torch.tensor([max(t, 0) for t in tokens], dtype=torch.long, device=logprobs.device)
+    picked_logprobs = logprobs.gather(1, at[:, None])[:, 0].tolist()
+    return [(t, lp if t >= 0 else float("nan")) for t, lp in zip(tokens, picked_logprobs)]
 
 
 @functools.cache

@@ -266,12 +266,14 @@ class Runner:
             return "the checkpoint has no Q4_1 or Q8_0 projections", 0
         return None, count
 
-    def execute(self, chunks: list[Chunk]) -> list[torch.Tensor]:
-        """One forward pass; per chunk a [len(outputs), vocab] float32 tensor (CPU).
-        Under tensor parallelism the other ranks are sent the step first."""
+    def execute(self, chunks: list[Chunk], host: bool = True) -> list[torch.Tensor]:
+        """One forward pass; per chunk a [len(outputs), vocab] float32 tensor, on the CPU
+        (`host`), else where the model ran: the engine picks a step's tokens there and
+        brings to the host only the ids and what else it needs (predd/engine/outputs.py,
+        `to_host`). Under tensor parallelism the other ranks are sent the step first."""
         if self.tp:
             self.tp.link.send(tp_mod.STEP, tp_mod.encode_chunks(chunks))
-        logits = self.compute(chunks, logits=True)
+        logits = self.compute(chunks, logits=True, host=host)
         result, at = [], 0
         for chunk in chunks:
             k = len(chunk.outputs)
@@ -279,9 +281,11 @@ class Runner:
             at += k
         return result
 
-    def compute(self, chunks: list[Chunk], logits: bool = False) -> torch.Tensor:
+    def compute(self, chunks: list[Chunk], logits: bool = False,
+                host: bool = True) -> torch.Tensor:
         """The forward pass itself: the wanted rows' logits (none unless `logits`: a
-        rank other than 0 only takes its part in the all-reduces)."""
+        rank other than 0 only takes its part in the all-reduces), on the CPU (`host`)
+        or where the model ran."""
         tables = PageTables.build(self.config.page_size, [c.pages for c in chunks],
                                   [c.kv_len for c in chunks], [len(c.tokens) for c in chunks])
         tokens = np.concatenate([c.tokens for c in chunks]).astype(np.int64)
@@ -289,7 +293,7 @@ class Runner:
         out_rows = np.array([row + start for c, start in zip(chunks, tables.qo_indptr.tolist())
                              for row in c.outputs.tolist()] if logits else [], dtype=np.int64)
         if self.graphs and logits:
-            out = self.graphs.run(tables, tokens, positions, out_rows)
+            out = self.graphs.run(tables, tokens, positions, out_rows, host)
             if out is not None:
                 return out
         dev = self.device
@@ -300,12 +304,12 @@ class Runner:
             if out is not None:
                 return out
         if self.call_rows is None:
-            return self.model(tokens_t, positions_t, self.backend.prepare(tables),
-                              out_rows_t).cpu()
+            out = self.model(tokens_t, positions_t, self.backend.prepare(tables), out_rows_t)
+            return out.cpu() if host else out
         self.call_rows.plan(tables.qo_indptr)   # int8: long calls on the dense weight
         try:
-            return self.model(tokens_t, positions_t, self.backend.prepare(tables),
-                              out_rows_t).cpu()
+            out = self.model(tokens_t, positions_t, self.backend.prepare(tables), out_rows_t)
+            return out.cpu() if host else out
         finally:
             self.call_rows.clear()
 

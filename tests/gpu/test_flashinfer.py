@@ -253,6 +253,14 @@ def test_predd_serves_with_flashinfer(flashinfer, model_path, tmp_path):
             kv = liblip.kv_create()
             tokens[name] = list(liblip.generate(kv, prompt, max_tokens=32, ignore_eos=True))
             liblip.kv_close(kv)
+            # the other answers, picked on the device or brought back from it
+            kv = liblip.kv_create()
+            assert liblip.pred(kv, prompt).argmax() == tokens[name][0]       # a raw row
+            assert liblip.pred_topk(kv, tokens[name][:1], 4).ids[0] == tokens[name][1]
+            drawn = liblip.pred_sample(kv, tokens[name][1:2], {"temperature": 1.0, "seed": 5},
+                                       mask=[11, 12, 13])
+            assert drawn.token in (11, 12, 13) and drawn.logprob <= 0.0
+            liblip.kv_close(kv)
             assert liblip.fsck()["clean"]
         finally:
             assert daemon.stop() == 0

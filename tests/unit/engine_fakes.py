@@ -63,7 +63,7 @@ class FakeRunner:
     def keepalive(self) -> None:
         pass
 
-    def execute(self, chunks):
+    def execute(self, chunks, host=True):
         self.batches.append(len(chunks))
         for c in chunks:
             slots = self._slots(c)

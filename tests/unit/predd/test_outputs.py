@@ -97,17 +97,28 @@ def test_sampled_and_masked_calls_are_picked_as_alone_and_raw_and_topk_left(way)
     assert outputs.next_token(gen) == want[id(gen)][0]
 
 
-def test_a_nan_row_leaves_the_kernel_for_torchs_argmax():
-    if sampling.cpu_kernels() is None:
-        pytest.skip("predd's CPU kernels do not build here")
+def test_a_nan_row_leaves_the_greedy_pick_for_torchs_argmax(way):
     bad = logits(2, 8)
     bad[1, 3] = float("nan")
     nan = call(bad, sample=GREEDY, outputs=[0, 1])
     fine = call(logits(1, 9), sample=GREEDY)
     want = alone(nan)
     outputs.pick_tokens([nan, fine])
-    assert [t for t, _ in fine.picks] == [t for t, _ in alone(fine)]   # by the kernel
+    assert [t for t, _ in fine.picks] == [t for t, _ in alone(fine)]   # by the greedy pick
     assert [t for t, _ in nan.picks] == [t for t, _ in want] == [want[0][0], 3]
+
+
+def test_on_the_cpu_no_row_moves():
+    """`to_host` brings a device's rows back; rows on the host stay as they are, even a
+    pred_sample's already answered by its picks."""
+    answered = call(logits(1, 20), sample=GREEDY)
+    raw = call(logits(1, 21), logits(2, 22))
+    outputs.pick_tokens([answered])
+    kept = [list(answered.logits), list(raw.logits)]
+    outputs.to_host([answered, raw])
+    assert answered.picks is not None
+    assert all(a is b for a, b in zip(answered.logits + raw.logits, kept[0] + kept[1]))
+    assert len(answered.logits) == 1 and len(raw.logits) == 2
 
 
 def test_a_sampled_nan_row_fails_its_call_alone():
@@ -135,3 +146,44 @@ def test_many_sampled_rows_go_a_slice_at_a_time_and_pick_as_alone(monkeypatch):
                                  sampling.make_generator(other.sample))
     outputs.pick_tokens([many, other])
     assert many.picks == want and other.picks == [want_other]
+
+
+copies: list[int] = []     # rows a copy, as `OnDevice.cpu` made them
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor that says it is not on the CPU, whose `cpu()` is a plain copy: what a
+    GPU's rows look like to `to_host`."""
+    @property
+    def is_cpu(self) -> bool:
+        return False
+
+    def cpu(self) -> torch.Tensor:
+        copies.append(self.shape[0])
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def test_rows_left_on_a_device_come_to_the_host_in_few_copies(monkeypatch):
+    """A step's rows on a device: a pred_sample answered by its picks keeps none; every
+    other block comes back, equal, in one copy per HOST_COPY_BYTES; rows already on the
+    host stay."""
+    def there(t: torch.Tensor) -> OnDevice:
+        return t.clone().as_subclass(OnDevice)
+    row = V * 4                                   # bytes a row
+    monkeypatch.setattr(outputs, "HOST_COPY_BYTES", 3 * row)
+    answered = call(there(logits(1, 30)), sample=GREEDY, picks=[(1, -0.5)])
+    raw = call(there(logits(1, 31)))
+    chunked = call(logits(2, 32), there(logits(1, 33)), outputs=[0, 1, 2])   # host, device
+    big = call(there(logits(4, 34)))              # over the limit alone: a copy of its own
+    topk = call(there(logits(1, 35)), topk=3)
+    want = [torch.cat(c.logits).as_subclass(torch.Tensor).clone()
+            for c in (raw, chunked, big, topk)]
+    kept = chunked.logits[0]
+    copies.clear()
+    outputs.to_host([answered, raw, chunked, big, topk])
+    assert answered.logits == [] and answered.picks == [(1, -0.5)]
+    for c, w in zip((raw, chunked, big, topk), want):
+        assert all(type(t) is torch.Tensor for t in c.logits)
+        assert torch.equal(torch.cat(c.logits), w)
+    assert chunked.logits[0] is kept
+    assert copies == [2, 4, 1]      # raw + chunked's device block; big alone; topk
