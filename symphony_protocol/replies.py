@@ -156,6 +156,8 @@ class StatsReply(Reply):
     throttled: int             # EAGAIN replies
     capped_steps: int          # steps the latency bound made smaller
     admission_waits: int       # calls that waited for room on the device
+    batch_picks_failed: int = 0   # a step's batched token picks that raised: its calls
+                                  # picked one by one (0 from an older predd)
     # {buffer, frame}: raw pred rows by the way they went back ({} from an older predd)
     logits_rows: dict = field(default_factory=dict)
     tiers: dict                # {device|host|disk: {pages_total, pages_used}}

@@ -141,9 +141,11 @@ class Engine(Intake, Admission, Cancellation, Continuation):
             if item.completes and not call.speculative:   # its known tokens are all computed
                 calls.commit(call, self.store, item.start + item.count)
             ran.append(item)
-        outputs.pick_tokens([i.call for i in ran if i.completes])
         ran_on = next((out for out in results if isinstance(out, torch.Tensor)), None)
-        if ran_on is not None and not ran_on.is_cpu:   # the step's logits are on a device
+        device = None if ran_on is None or ran_on.is_cpu else ran_on.device
+        self.counters.batch_picks_failed += outputs.pick_tokens(
+            [i.call for i in ran if i.completes], device)
+        if device is not None:        # the step's logits are there: what calls keep, here
             outputs.to_host([i.call for i in ran])
         finished: set[int] = set()
         failed: set[int] = set()

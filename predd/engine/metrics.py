@@ -37,6 +37,7 @@ class Counters:
     errors: int = 0
     throttled: int = 0        # EAGAIN replies (rate, calls in flight, sessions)
     admission_waits: int = 0  # calls that waited for room on the device
+    batch_picks_failed: int = 0   # a step's batched token picks that raised (outputs.py)
     # raw pred rows by the way they went back: the session's logits buffer or a frame
     logits_rows: dict[str, int] = field(default_factory=lambda: {"buffer": 0, "frame": 0})
     # where predd's time goes (seconds): the model's forward passes and the rest; and

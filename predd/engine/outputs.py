@@ -48,29 +48,33 @@ def pred_reply(call: Call, cost: p.Cost) -> p.PredReply:
                         cost=cost)
 
 
-def pick_tokens(calls: list[Call]) -> None:
+def pick_tokens(calls: list[Call], device: torch.device | None = None) -> int:
     """The tokens of every generate (its next) and pred_sample (one at each of its
     outputs) of a step in two batched ops, not 64 small calls: the greedy, unmasked
     ones by predd's argmax kernel (`_greedy_rows`), the rest by `sampling.sample_rows`.
     A call left without (a failure, a NaN row) picks its own in `next_token` or
-    `pred_reply`, which fail it as they would alone."""
+    `pred_reply`, which fail it as they would alone. `device`: where the step's rows are,
+    if not the host. How many of the two batched ops failed (their calls then pick
+    alone: the same tokens, at a call's cost each)."""
     def greedy(c: Call) -> bool:
         return c.allowed is None and (c.sample is None
                                       or c.sample.temperature < sampling.MIN_TEMPERATURE)
     generates = [c for c in calls if c.generating and c.logits]
     samples = [c for c in calls if not c.generating and c.sample is not None and c.logits]
-    _pick([c for c in generates if greedy(c)], [c for c in samples if greedy(c)],
-          lambda _, blocks: _greedy_rows(blocks))
-    _pick([c for c in generates if c.picked is None], [c for c in samples if c.picks is None],
-          _sampled_rows)
+    failed = _pick([c for c in generates if greedy(c)], [c for c in samples if greedy(c)],
+                   lambda _, blocks: _greedy_rows(blocks), device)
+    return failed + _pick([c for c in generates if c.picked is None],
+                          [c for c in samples if c.picks is None], _sampled_rows, device)
 
 
 def _pick(generates: list[Call], samples: list[Call],
-          rows_of: Callable[[list[Call], list[torch.Tensor]], tuple[list[int], list[float]]]
-          ) -> None:
+          rows_of: Callable[[list[Call], list[torch.Tensor]], tuple[list[int], list[float]]],
+          device: torch.device | None = None) -> int:
     """`rows_of`'s tokens for the last row of each of `generates` and every row of
     `samples`, given as the calls' row blocks (2-D views of the step's logits: no tensor
-    a row); a call with a row left without (token -1) keeps its logits."""
+    a row); a call with a row left without (token -1) keeps its logits. Where the step's
+    rows are on a `device`, a call's rows from an earlier step (on the host: `to_host`)
+    join them there. 1 where `rows_of` failed, else 0."""
     owners = list(generates)
     blocks = []
     for c in generates:
@@ -85,11 +89,13 @@ def _pick(generates: list[Call], samples: list[Call],
         owners += [c] * n
         counts.append(n)
     if not blocks:
-        return
+        return 0
+    if device is not None:
+        blocks = [_to_device(b, device) if b.is_cpu else b for b in blocks]
     try:
         tokens, picked = rows_of(owners, blocks)
     except Exception:
-        return
+        return 1
     pairs = list(zip(tokens, picked))
     for call, (token, lp) in zip(generates, pairs):
         if token >= 0:
@@ -100,6 +106,12 @@ def _pick(generates: list[Call], samples: list[Call],
         mine, at = pairs[at:at + n], at + n
         if all(token >= 0 for token, _ in mine):
             call.picks = mine
+    return 0
+
+
+def _to_device(block: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`block` (on the host) copied to `device`."""
+    return block.to(device)
 
 
 def _sampled_rows(owners: list[Call], blocks: list[torch.Tensor]

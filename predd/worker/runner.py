@@ -295,7 +295,7 @@ class Runner:
         if self.graphs and logits:
             out = self.graphs.run(tables, tokens, positions, out_rows, host)
             if out is not None:
-                return out
+                return out if host else self._done(out)
         dev = self.device
         tokens_t, positions_t = torch.from_numpy(tokens).to(dev), torch.from_numpy(positions).to(dev)
         out_rows_t = torch.from_numpy(out_rows).to(dev)
@@ -305,13 +305,21 @@ class Runner:
                 return out
         if self.call_rows is None:
             out = self.model(tokens_t, positions_t, self.backend.prepare(tables), out_rows_t)
-            return out.cpu() if host else out
+            return out.cpu() if host else self._done(out)
         self.call_rows.plan(tables.qo_indptr)   # int8: long calls on the dense weight
         try:
             out = self.model(tokens_t, positions_t, self.backend.prepare(tables), out_rows_t)
-            return out.cpu() if host else out
+            return out.cpu() if host else self._done(out)
         finally:
             self.call_rows.clear()
+
+    def _done(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` once the device has computed it (a CUDA step's kernels run after the
+        launch returns): the step's time is the forward's, and a device-side error is
+        raised here, in the step that made it (core.Engine._execute isolates it)."""
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        return out
 
     def keepalive(self) -> None:
         """Called by the server when idle: under tensor parallelism rank 0 pings the

@@ -261,6 +261,7 @@ def test_predd_serves_with_flashinfer(flashinfer, model_path, tmp_path):
                                        mask=[11, 12, 13])
             assert drawn.token in (11, 12, 13) and drawn.logprob <= 0.0
             liblip.kv_close(kv)
+            assert liblip.stats()["batch_picks_failed"] == 0     # picked in batches there
             assert liblip.fsck()["clean"]
         finally:
             assert daemon.stop() == 0

@@ -27,6 +27,32 @@ from predd.engine.scheduler import SchedulerConfig
 from tests.unit.predd.kvstore_world import LAYERS, FakePages, payload
 
 VOCAB = 64
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor that says it is on a device: what a GPU step's logits are to the engine
+    (`Runner.execute(host=False)`). `cpu()` makes a plain copy (its rows counted in
+    `OnDevice.copies` by shape); `numpy()` raises, as a CUDA tensor's does; and joining it with
+    host tensors raises, as torch does for tensors on two devices."""
+    copies: list[tuple[int, ...]] = []
+
+    @property
+    def is_cpu(self) -> bool:
+        return False
+
+    def cpu(self) -> torch.Tensor:
+        OnDevice.copies.append(tuple(self.shape))
+        return self.as_subclass(torch.Tensor).clone()
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert a device tensor to numpy: copy it to the host first")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.cat, torch.stack) and args and \
+                len({type(t) is cls for t in args[0]}) > 1:
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return super().__torch_function__(func, types, args, kwargs or {})
 # Every fake client is this process over ipc, as kernel credentials name it: the
 # operator (trusted), as the tests that ran before identity came from the kernel.
 ME = Peer(f"localhost:{os.geteuid()}:{os.getegid()}:{os.getpid()}",
@@ -59,6 +85,7 @@ class FakeRunner:
         self.fail = lambda chunk: False       # raise in the pass (after scribbling NaN)
         self.nan = lambda chunk: False        # NaN logits, no exception
         self.batches: list[int] = []          # chunks per execute call
+        self.on_device = False                # execute(host=False): OnDevice logits
 
     def keepalive(self) -> None:
         pass
@@ -75,7 +102,8 @@ class FakeRunner:
         for c in chunks:
             if self.fail(c):
                 raise RuntimeError("injected failure")
-        return [self._logits(c) * (float("nan") if self.nan(c) else 1.0) for c in chunks]
+        out = [self._logits(c) * (float("nan") if self.nan(c) else 1.0) for c in chunks]
+        return out if host or not self.on_device else [t.as_subclass(OnDevice) for t in out]
 
     def _slots(self, c) -> np.ndarray:
         """The chunk's context as slot ids, read from its page table as a backend does."""

@@ -93,7 +93,8 @@ def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> 
         pending_calls=e.scheduler.pending() - len(e.speculation),   # the callers' own
         requests=c.requests, errors=c.errors,
         throttled=c.throttled, capped_steps=e.scheduler.capped_steps,
-        admission_waits=c.admission_waits, logits_rows=dict(c.logits_rows),
+        admission_waits=c.admission_waits, batch_picks_failed=c.batch_picks_failed,
+        logits_rows=dict(c.logits_rows),
         tiers=e.memory.stats(),
         pages_moved_down=e.memory.moves.down, pages_moved_up=e.memory.moves.up,
         bytes_moved=e.memory.moves.bytes,

@@ -12,6 +12,7 @@ import symphony_protocol as p
 from predd.engine import outputs
 from predd.engine import sampling
 from predd.engine.calls import Call
+from tests.unit.engine_fakes import OnDevice
 
 V = 1000
 COST = p.Cost(computed=1, reused=0, pages=1, queue_ms=0.0, step_ms=1.0)
@@ -148,20 +149,6 @@ def test_many_sampled_rows_go_a_slice_at_a_time_and_pick_as_alone(monkeypatch):
     assert many.picks == want and other.picks == [want_other]
 
 
-copies: list[int] = []     # rows a copy, as `OnDevice.cpu` made them
-
-
-class OnDevice(torch.Tensor):
-    """A CPU tensor that says it is not on the CPU, whose `cpu()` is a plain copy: what a
-    GPU's rows look like to `to_host`."""
-    @property
-    def is_cpu(self) -> bool:
-        return False
-
-    def cpu(self) -> torch.Tensor:
-        copies.append(self.shape[0])
-        return self.as_subclass(torch.Tensor).clone()
-
 
 def test_rows_left_on_a_device_come_to_the_host_in_few_copies(monkeypatch):
     """A step's rows on a device: a pred_sample answered by its picks keeps none; every
@@ -176,14 +163,33 @@ def test_rows_left_on_a_device_come_to_the_host_in_few_copies(monkeypatch):
     chunked = call(logits(2, 32), there(logits(1, 33)), outputs=[0, 1, 2])   # host, device
     big = call(there(logits(4, 34)))              # over the limit alone: a copy of its own
     topk = call(there(logits(1, 35)), topk=3)
-    want = [torch.cat(c.logits).as_subclass(torch.Tensor).clone()
+    want = [torch.cat([t.as_subclass(torch.Tensor) for t in c.logits]).clone()
             for c in (raw, chunked, big, topk)]
     kept = chunked.logits[0]
-    copies.clear()
+    OnDevice.copies.clear()
     outputs.to_host([answered, raw, chunked, big, topk])
     assert answered.logits == [] and answered.picks == [(1, -0.5)]
     for c, w in zip((raw, chunked, big, topk), want):
         assert all(type(t) is torch.Tensor for t in c.logits)
         assert torch.equal(torch.cat(c.logits), w)
     assert chunked.logits[0] is kept
-    assert copies == [2, 4, 1]      # raw + chunked's device block; big alone; topk
+    # raw + chunked's device block; big alone; topk
+    assert OnDevice.copies == [(2, V), (4, V), (1, V)]
+
+
+def test_a_calls_rows_from_an_earlier_step_join_the_devices_for_the_batched_pick(monkeypatch):
+    """A pred_sample whose outputs span two chunks holds its first chunk's rows on the
+    host (`to_host`) and its last on the device: they join the device's for one batched
+    pick, with the step's generates, instead of failing it for every call."""
+    monkeypatch.setattr(outputs, "_to_device", lambda block, device: block.as_subclass(OnDevice))
+    def step():
+        spanning = call(logits(2, 40), logits(1, 41).as_subclass(OnDevice), sample=GREEDY,
+                        outputs=[0, 1, 2])
+        gen = call(logits(1, 42).as_subclass(OnDevice), generating=True)
+        return spanning, gen
+    spanning, gen = step()
+    want = alone(call(logits(2, 40), logits(1, 41), sample=GREEDY))
+    assert outputs.pick_tokens([gen, spanning], torch.device("cpu")) == 0
+    assert [t for t, _ in spanning.picks] == [t for t, _ in want] and gen.picked is not None
+    spanning, gen = step()     # not told the step's device: the devices mix, the pick fails
+    assert outputs.pick_tokens([gen, spanning]) == 2 and spanning.picks is None   # both ops
