@@ -15,12 +15,15 @@ import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from predd.memory import huge_pages
+
+if TYPE_CHECKING:
+    from predd.model.gguf_file import GGUFFile
 
 Progress = Callable[[str], None] | None
 
@@ -166,12 +169,12 @@ def _gguf_config(path: str, fields: dict[str, Any], tensor_names: set[str]) -> M
 
 
 @lru_cache(maxsize=1)
-def gguf_reader(path: str) -> Any:
-    """The parsed GGUF file at `path`, one per process, shared by the weights (here) and
-    the vocabulary (predd.model.tokenizer): parsing the 49k-entry vocabulary and merge list
-    takes seconds, so predd's start-up does it once. It memory-maps the file, read-only."""
-    import gguf
-    return gguf.GGUFReader(path)
+def gguf_reader(path: str) -> GGUFFile:
+    """The parsed GGUF file at `path` (predd/model/gguf_file.py), one per process, shared
+    by the weights (here) and the vocabulary (predd.model.tokenizer). It memory-maps the
+    file, read-only."""
+    from predd.model.gguf_file import GGUFFile
+    return GGUFFile(path)
 
 
 def _load_gguf(
@@ -180,9 +183,7 @@ def _load_gguf(
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
-    fields = {
-        k: f.contents() for k, f in reader.fields.items() if k != "tokenizer.ggml.merges"
-    }
+    fields = {k: v for k, v in reader.metadata.items() if k != "tokenizer.ggml.merges"}
     tensors = reader.tensors
     config = _gguf_config(path, fields, {t.name for t in tensors})
     arch = fields["general.architecture"]
@@ -346,7 +347,7 @@ def quantized_blocks(path: str, config: ModelConfig) -> dict[str, QuantBlocks]:
     if not (path.endswith(".gguf") and os.path.isfile(path)):
         return {}
     reader = gguf_reader(path)
-    arch = reader.fields["general.architecture"].contents()
+    arch = reader.metadata["general.architecture"]
     found = {}
     for t in reader.tensors:
         name, kind = _hf_name(t.name), t.tensor_type.name

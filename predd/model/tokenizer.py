@@ -139,10 +139,7 @@ def _gguf_pre_tokenizer(pre: str | None) -> Any:
 def _load_gguf(path: str) -> Tokenizer:
     from predd.model.loader import gguf_reader
 
-    fields = gguf_reader(path).fields
-
-    def field(name: str, default: Any = None) -> Any:
-        return fields[name].contents() if name in fields else default
+    field = gguf_reader(path).metadata.get
 
     kind = field("tokenizer.ggml.model")
     if kind != "gpt2":
