@@ -138,12 +138,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def settle_heap() -> None:
+    """Start-up is done: what it made (the model's and tokenizer's objects, which live as
+    long as predd) out of every later collection, where a full one would stall a step
+    ~100 ms walking them; the collector back on. `main` turns it off while loading: seven
+    full collections walked those objects as they were made (~0.7 s)."""
+    gc.collect()
+    gc.freeze()
+    gc.enable()
+
+
 def main(argv: list[str] | None = None) -> int:
-    # Start-up makes ~670,000 objects (the model's, the tokenizer's) that live as long as
-    # predd: no collection walks them while they are made (seven full ones did, ~0.7 s),
-    # and once made they are frozen out of every later one, which would stall a step
-    # ~100 ms (`serve` below)
-    gc.disable()
+    gc.disable()          # until start-up is done (`settle_heap`)
     args = parse_args(argv)
     log = lambda msg: print(f"predd: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     rundir = args.rundir or default_rundir()
@@ -210,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         tp_mod.end(children, 0.0)
         return 1
     if tp and tp.rank:
+        settle_heap()
         try:
             tp_mod.serve_rank(runner, tp.link, log)
         except tp_mod.RankLost as exc:
@@ -232,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(addr, lambda send, log_: Engine(runner, tokenizer, config, send, log_,
                                                        handlers=HANDLERS),
                     log, per_uid=config.quota.uid_sessions, trusted_uid=config.trusted_uid)
-    gc.collect()
-    gc.freeze()
-    gc.enable()
+    settle_heap()
     try:
         server.serve()
     except tp_mod.RankLost as exc:
