@@ -1,7 +1,10 @@
 """predd's decode step alone: `Runner.execute` in-process for B calls of one new token
 over contexts of L entries each (pages in a seeded random order, as a pool that has
 been in use hands them out), best and median of --reps after 3 warm-up steps. No
-server, no scheduler: what the model and the attention backend cost.
+server, no scheduler: what the model and the attention backend cost. The step's logits
+stay where the model ran, as the engine asks for them (`execute(host=False)`, waited
+for): on a GPU, from commit 96cf9a3 on, without the copy of every row to the host that
+the earlier GPU step timings in docs/benchmarks.md include.
 
     python scripts/bench_step.py --calls 8 --context 440 [--reps 8] [--threads 2]
                                  [--attention auto|torch|cpu|flashinfer]
@@ -81,11 +84,11 @@ def main() -> int:
                             args.prefill, np.array([args.prefill - 1])))
     with torch.inference_mode():
         for _ in range(3):
-            runner.execute(chunks)
+            runner.execute(chunks, host=False)   # as the engine asks: logits left there
         times = []
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            runner.execute(chunks)
+            runner.execute(chunks, host=False)   # as the engine asks: logits left there
             times.append(time.perf_counter() - t0)
     times.sort()
     graphs = f", CUDA graphs ({runner.graphs.replays} replays)" if runner.graphs else ""
