@@ -149,7 +149,14 @@ def settle_heap() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    gc.disable()          # until start-up is done (`settle_heap`)
+    gc.disable()          # until start-up is done (`settle_heap`), or predd ends
+    try:
+        return _main(argv)
+    finally:
+        gc.enable()       # (a caller in the same process: a test)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     log = lambda msg: print(f"predd: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     rundir = args.rundir or default_rundir()

@@ -18,6 +18,7 @@ too; version 1 (32-bit counts) is refused.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
+MAX_DIMS = 4                           # GGML's tensors have at most 4 dimensions
 DEFAULT_ALIGNMENT = 32
 STRING, ARRAY, BOOL = 8, 9, 7          # GGUF value types without a fixed numeric layout
 NUMERIC = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 10: "u8",
@@ -49,10 +51,21 @@ class GGUFTensor:
 
 class GGUFFile:
     """`metadata` (key -> str, int, float, bool, or a list of them) and `tensors` (in
-    the file's order) of the GGUF file at `path`; ValueError for a file that is not one."""
+    the file's order) of the GGUF file at `path`; ValueError, naming the file, for one
+    that is no GGUF file or is cut short or inconsistent (a length or offset past its
+    end, a key twice, more than MAX_DIMS dimensions, a quantised row that is not whole
+    blocks)."""
 
     def __init__(self, path: str) -> None:
+        try:
+            self._parse(path)
+        except (struct.error, OverflowError, IndexError) as exc:
+            raise ValueError(f"{path}: malformed GGUF file ({exc})") from None
+
+    def _parse(self, path: str) -> None:
         with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < 24:
+                raise ValueError(f"{path}: not a GGUF file (shorter than its header)")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         buf = self._map
         if buf[:4] != MAGIC:
@@ -65,24 +78,34 @@ class GGUFFile:
         if version not in VERSIONS:
             raise ValueError(f"{path}: GGUF version {version} is not supported "
                              f"(only {', '.join(map(str, VERSIONS))})")
-        self._order, self._buf = order, buf
+        self._order, self._buf, self._path = order, buf, path
         self.version = version
         n_tensors, n_kv = struct.unpack_from(order + "QQ", buf, 8)
         self._pos = 24
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self._string()
+            if key in self.metadata:
+                raise ValueError(f"{path}: metadata key {key!r} appears twice")
             (kind,) = self._unpack("I")
             self.metadata[key] = self._value(kind)
         infos = []
         for _ in range(n_tensors):
             name = self._string()
             (n_dims,) = self._unpack("I")
+            if n_dims > MAX_DIMS:
+                raise ValueError(f"{path}: tensor {name!r} has {n_dims} dimensions, more "
+                                 f"than {MAX_DIMS}")
             dims = self._unpack("Q" * n_dims)
             kind, offset = self._unpack("IQ")
-            infos.append((name, dims, GGMLQuantizationType(kind), offset))
+            try:
+                kind = GGMLQuantizationType(kind)
+            except ValueError:
+                raise ValueError(f"{path}: tensor {name!r} has type {kind}, not one GGML "
+                                 "knows") from None
+            infos.append((name, dims, kind, offset))
         align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        if type(align) is not int or align <= 0 or align & (align - 1):
             raise ValueError(f"{path}: general.alignment {align!r} is not a power of two")
         start = -(-self._pos // align) * align
         self.tensors = [self._tensor(start, *info) for info in infos]
@@ -98,8 +121,15 @@ class GGUFFile:
     def _string(self) -> str:
         (n,) = self._unpack("Q")
         at = self._pos
+        self._need(n)
         self._pos += n
         return self._buf[at:at + n].decode("utf-8")
+
+    def _need(self, n: int) -> None:
+        """ValueError unless `n` more bytes follow the reading position."""
+        if n > len(self._buf) - self._pos:
+            raise ValueError(f"{self._path}: {n} bytes at offset {self._pos}, past the "
+                             f"file's end ({len(self._buf)} bytes)")
 
     def _value(self, kind: int) -> Any:
         if kind == STRING:
@@ -122,6 +152,7 @@ class GGUFFile:
 
     def _array(self, kind: int, count: int) -> list:
         dtype = np.dtype(self._order + NUMERIC[kind])
+        self._need(dtype.itemsize * count)
         values = np.frombuffer(self._buf, dtype, count, self._pos)
         self._pos += dtype.itemsize * count
         return values.tolist()
@@ -129,6 +160,9 @@ class GGUFFile:
     def _tensor(self, start: int, name: str, dims: tuple[int, ...],
                 kind: GGMLQuantizationType, offset: int) -> GGUFTensor:
         block, size = GGML_QUANT_SIZES[kind]
+        if kind not in TENSOR_ITEMS and (not dims or dims[0] % block):
+            raise ValueError(f"{self._path}: tensor {name!r} of {kind.name}: rows of "
+                             f"{dims[0] if dims else 0} values, not whole blocks of {block}")
         n_elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
         n_bytes = n_elements * size // block
         shape = tuple(reversed(dims))
@@ -137,5 +171,7 @@ class GGUFFile:
         else:                                  # blocks: the last axis in bytes
             dtype, count = np.dtype(np.uint8), n_bytes
             shape = (*shape[:-1], shape[-1] // block * size)
+        if start + offset + dtype.itemsize * count > len(self._buf):
+            raise ValueError(f"{self._path}: tensor {name!r} runs past the file's end")
         data = np.frombuffer(self._buf, dtype, count, start + offset).reshape(shape)
         return GGUFTensor(name, kind, tuple(dims), n_elements, n_bytes, data)

@@ -1,6 +1,7 @@
 """Small helpers shared by the tests."""
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -42,4 +43,6 @@ def refused_before_loading(tmp_path, capsys, *flags: str) -> tuple[int, str]:
     model.write_bytes(b"not a model: predd must stop before reading it")
     status = main(["--model", str(model), *flags, "--rundir", str(tmp_path),
                    "--addr", f"ipc://{tmp_path}/p.sock"])
+    # main() turns garbage collection off while it loads: on again for the caller
+    assert gc.isenabled()
     return status, capsys.readouterr().err.strip().splitlines()[-1]

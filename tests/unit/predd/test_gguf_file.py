@@ -4,6 +4,8 @@ on files written by gguf's `GGUFWriter` in both byte orders and on the model pre
 serves; what is no GGUF file is refused."""
 from __future__ import annotations
 
+import struct
+
 import gguf
 import numpy as np
 import pytest
@@ -83,3 +85,47 @@ def test_what_is_no_gguf_file_is_refused(tmp_path):
     bad.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(16))
     with pytest.raises(ValueError, match="GGUF version 1 is not supported"):
         GGUFFile(str(bad))
+
+
+def gguf_bytes(kvs: list[bytes], tensors: list[bytes], n_kv: int | None = None,
+               n_tensors: int | None = None) -> bytes:
+    """A little-endian version-3 file: its key-values and tensor infos as given."""
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors) if n_tensors is None else n_tensors,
+                                 len(kvs) if n_kv is None else n_kv)
+    return head + b"".join(kvs) + b"".join(tensors)
+
+
+def text(s: str) -> bytes:
+    return struct.pack("<Q", len(s)) + s.encode()
+
+
+def kv_u32(key: str, value: int) -> bytes:
+    return text(key) + struct.pack("<II", 4, value)
+
+
+def tensor(name: str, dims: list[int], kind: int, offset: int = 0) -> bytes:
+    return text(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, kind, offset)
+
+
+Q4_K = int(gguf.GGMLQuantizationType.Q4_K)
+
+
+@pytest.mark.parametrize("data, why", [
+    (b"GGUF" + bytes(8), "shorter than its header"),
+    (gguf_bytes([], [], n_kv=1), "malformed"),                          # a key-value missing
+    (gguf_bytes([struct.pack("<Q", 2**40) + b"k"], []), "past the file's end"),   # a key's length
+    (gguf_bytes([text("k") + struct.pack("<IIQ", 9, 4, 2**62)], []), "past the file's end"),
+    (gguf_bytes([text("k") + struct.pack("<IIQ", 9, 4, 2**64 - 1)], []), "past the file's end"),
+    (gguf_bytes([kv_u32("k", 1), kv_u32("k", 2)], []), "appears twice"),
+    (gguf_bytes([], [text("t") + struct.pack("<I", 2**31)]), "more than 4"),
+    (gguf_bytes([], [tensor("t", [257], Q4_K)]), "not whole blocks"),
+    (gguf_bytes([], [tensor("t", [8], 0, offset=2**40)]), "runs past the file's end"),
+    (gguf_bytes([], [tensor("t", [8], 999)]), "not one GGML knows"),
+    (gguf_bytes([text("general.alignment") + struct.pack("<IB", 7, 1)], []), "power of two"),
+])
+def test_a_malformed_or_hostile_file_is_refused_by_name(tmp_path, data, why):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data)
+    with pytest.raises(ValueError, match=why) as caught:
+        GGUFFile(str(bad))
+    assert str(bad) in str(caught.value)
