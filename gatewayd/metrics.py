@@ -119,7 +119,10 @@ class PreddCollector:
                     "tokens_reused": ("tokens_reused",
                                       "cached entries calls attended to without recomputing"),
                     "predd_requests": ("requests", "requests predd answered"),
-                    "predd_errors": ("errors", "requests predd answered with an error")}
+                    "predd_errors": ("errors", "requests predd answered with an error"),
+                    "batch_picks_failed": ("batch_picks_failed",
+                                           "batched token picks of a step that raised, "
+                                           "their calls then picked one by one")}
         for name, (key, doc) in counters.items():
             yield CounterMetricFamily(f"symphony_{name}", doc, value=s.get(key, 0))
         for name, key, doc in (
