@@ -154,18 +154,17 @@ def _greedy_rows(blocks: list[torch.Tensor]) -> tuple[list[int], list[float]]:
 def to_host(calls: list[Call]) -> None:
     """After a step whose logits stayed on the device (`Runner.execute(host=False)`) and
     its tokens were picked there: every logits block the calls still hold, brought to the
-    host in as few copies as HOST_COPY_BYTES allows (a raw pred's rows, top-k, rows left without a pick, a chunk's rows
-    kept for its call's later step); a pred_sample answered by its picks keeps none. On
-    the CPU nothing moves. Afterwards every call's logits are on the host, as the replies,
-    speculation and the logits buffer read them."""
+    host in as few copies as HOST_COPY_BYTES allows (a raw pred's rows, top-k, rows left
+    without a pick, a chunk's rows kept for its call's later step); a pred_sample answered
+    by its picks keeps none. Afterwards every call's logits are on the host, as the
+    replies, speculation and the logits buffer read them."""
     moving: list[tuple[Call, int]] = []
     for c in calls:
-        if not c.logits or all(t.is_cpu for t in c.logits):
-            continue
-        if c.picks is not None:       # answered by its picks: no row is read again
+        there = [i for i, t in enumerate(c.logits) if not t.is_cpu]
+        if there and c.picks is not None:     # answered by its picks: no row is read again
             c.logits = []
-            continue
-        moving += [(c, i) for i, t in enumerate(c.logits) if not t.is_cpu]
+        else:
+            moving += [(c, i) for i in there]
     while moving:     # blocks joined on the device up to HOST_COPY_BYTES, one copy each
         size = take = 0
         while take < len(moving):

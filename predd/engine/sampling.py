@@ -140,8 +140,9 @@ def _sample_by_torch(rows: torch.Tensor, params: Sequence[SampleParams],
             if picked[j] >= cdf.shape[1]:   # the draw rounded up to the total: the last
                 picked[j] = int(torch.nonzero(probs[j]).max())   # token that can be drawn
             tokens[i] = picked[j]
-    at = torch.tensor([max(t, 0) for t in tokens], dtype=torch.long, device=logprobs.device)
-    picked_logprobs = logprobs.gather(1, at[:, None])[:, 0].tolist()
+    chosen = torch.tensor([max(t, 0) for t in tokens], dtype=torch.long,
+                          device=logprobs.device)
+    picked_logprobs = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
     return [(t, lp if t >= 0 else float("nan")) for t, lp in zip(tokens, picked_logprobs)]
 
 
