@@ -222,11 +222,10 @@ class DecodeGraphs:
         return None
 
     def run(self, tables: PageTables, tokens: np.ndarray, positions: np.ndarray,
-            rows: np.ndarray, host: bool = True) -> torch.Tensor | None:
-        """The logits [len(rows), vocab] (float32; on the CPU where `host`, else a copy
-        on the device: the graph's output is rewritten by its next replay) of a pure
-        decode step by replaying a graph, or None where no graph serves it (then run it
-        eagerly)."""
+            rows: np.ndarray) -> torch.Tensor | None:
+        """The logits [len(rows), vocab] (float32, a copy on the device: the graph's output
+        is rewritten by its next replay) of a pure decode step by replaying a graph, or
+        None where no graph serves it (then run it eagerly)."""
         n = len(tables)
         bucket = self.bucket_for(n)
         if (bucket is None or n == 0 or np.any(tables.q_len != 1)
@@ -239,11 +238,9 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         out = graph.out[:n]
-        if not (len(rows) == n and np.array_equal(rows, np.arange(n))):
-            out = out[torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(out.device)]
-        elif not host:
-            out = out.clone()
-        return out.cpu() if host else out
+        if len(rows) == n and np.array_equal(rows, np.arange(n)):
+            return out.clone()
+        return out[torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(out.device)]
 
 
 def cuda_capture(device: torch.device) -> Capture:

@@ -273,7 +273,8 @@ class Runner:
         `to_host`). Under tensor parallelism the other ranks are sent the step first."""
         if self.tp:
             self.tp.link.send(tp_mod.STEP, tp_mod.encode_chunks(chunks))
-        logits = self.compute(chunks, logits=True, host=host)
+        logits = self.compute(chunks, logits=True)
+        logits = logits.cpu() if host else self._done(logits)
         result, at = [], 0
         for chunk in chunks:
             k = len(chunk.outputs)
@@ -281,11 +282,9 @@ class Runner:
             at += k
         return result
 
-    def compute(self, chunks: list[Chunk], logits: bool = False,
-                host: bool = True) -> torch.Tensor:
+    def compute(self, chunks: list[Chunk], logits: bool = False) -> torch.Tensor:
         """The forward pass itself: the wanted rows' logits (none unless `logits`: a
-        rank other than 0 only takes its part in the all-reduces), on the CPU (`host`)
-        or where the model ran."""
+        rank other than 0 only takes its part in the all-reduces), where the model ran."""
         tables = PageTables.build(self.config.page_size, [c.pages for c in chunks],
                                   [c.kv_len for c in chunks], [len(c.tokens) for c in chunks])
         tokens = np.concatenate([c.tokens for c in chunks]).astype(np.int64)
@@ -293,9 +292,9 @@ class Runner:
         out_rows = np.array([row + start for c, start in zip(chunks, tables.qo_indptr.tolist())
                              for row in c.outputs.tolist()] if logits else [], dtype=np.int64)
         if self.graphs and logits:
-            out = self.graphs.run(tables, tokens, positions, out_rows, host)
+            out = self.graphs.run(tables, tokens, positions, out_rows)
             if out is not None:
-                return out if host else self._done(out)
+                return out
         dev = self.device
         tokens_t, positions_t = torch.from_numpy(tokens).to(dev), torch.from_numpy(positions).to(dev)
         out_rows_t = torch.from_numpy(out_rows).to(dev)
@@ -304,12 +303,10 @@ class Runner:
             if out is not None:
                 return out
         if self.call_rows is None:
-            out = self.model(tokens_t, positions_t, self.backend.prepare(tables), out_rows_t)
-            return out.cpu() if host else self._done(out)
+            return self.model(tokens_t, positions_t, self.backend.prepare(tables), out_rows_t)
         self.call_rows.plan(tables.qo_indptr)   # int8: long calls on the dense weight
         try:
-            out = self.model(tokens_t, positions_t, self.backend.prepare(tables), out_rows_t)
-            return out.cpu() if host else self._done(out)
+            return self.model(tokens_t, positions_t, self.backend.prepare(tables), out_rows_t)
         finally:
             self.call_rows.clear()
 
