@@ -122,7 +122,10 @@ class PreddCollector:
                     "predd_errors": ("errors", "requests predd answered with an error"),
                     "batch_picks_failed": ("batch_picks_failed",
                                            "batched token picks of a step that raised, "
-                                           "their calls then picked one by one")}
+                                           "their calls then picked one by one"),
+                    "answered_in_flight": ("answered_in_flight",
+                                           "requests predd answered while a step's pass "
+                                           "ran on the device")}
         for name, (key, doc) in counters.items():
             yield CounterMetricFamily(f"symphony_{name}", doc, value=s.get(key, 0))
         for name, key, doc in (

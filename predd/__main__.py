@@ -69,6 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "object's next step with it before the program asks; auto "
                          "(default): on a GPU, not on a CPU "
                          "(docs/architecture.md, \"Speculative continuation\")")
+    ap.add_argument("--overlap", default="on", choices=("on", "off"),
+                    help="on (default): while a step's pass runs on a GPU, answer the "
+                         "local stream's pred calls that take their speculation (on a CPU "
+                         "the pass runs on predd's own thread: nothing overlaps) "
+                         "(docs/architecture.md, \"The step on a GPU: FlashInfer and CUDA "
+                         "graphs\")")
     ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")
@@ -245,7 +251,8 @@ def _main(argv: list[str] | None) -> int:
                           speculate=speculate)
     server = Server(addr, lambda send, log_: Engine(runner, tokenizer, config, send, log_,
                                                        handlers=HANDLERS),
-                    log, per_uid=config.quota.uid_sessions, trusted_uid=config.trusted_uid)
+                    log, per_uid=config.quota.uid_sessions, trusted_uid=config.trusted_uid,
+                    overlap=args.overlap == "on")
     settle_heap()
     try:
         server.serve()

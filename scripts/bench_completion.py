@@ -211,6 +211,9 @@ def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
         s = lip.stats()
         lip.client().close()
         return s
+
+    def flown(s: dict) -> int:      # 0 from an older predd
+        return s.get("answered_in_flight", 0)
     for as_ in args.as_:
         for n in args.programs:
             for mode in args.modes:
@@ -229,7 +232,8 @@ def measure_symphony(args, prompts: list[list[int]], addr: str) -> dict:
                         f"mean batch {(after['calls'] - before['calls']) / steps:.1f}, step "
                         f"{(after['step_ms'] - before['step_ms']) / steps:.1f} ms, launch wait "
                         f"{after['launch_wait_ms'] - before['launch_wait_ms']:.0f} ms, "
-                        f"logits rows {changed(before, after, 'logits_rows')}, programs' "
+                        f"logits rows {changed(before, after, 'logits_rows')}, requests "
+                        f"answered in flight {flown(after) - flown(before)}, programs' "
                         f"CPU {cpu * 1e6 / (n * args.new_tokens):.0f} us a token; "
                         f"ms a step: {changed(before, after, 'time_ms', steps)}")
     return results

@@ -180,6 +180,10 @@ loop() {
         stage "$shape, $dtype: generate, pred loop, pred_sample at 8/32/64 programs" 300 \
         "$py" scripts/bench_completion.py --programs 8,32,64 --as processes \
         --modes generate,pred_loop,pred_sample --baselines "" --repeat 2 --dtype "$dtype"
+    SYMPHONY_BENCH_PREDD_ARGS="$device --model $model --overlap off" \
+        stage "$shape, $dtype: pred_sample at 64 programs, nothing answered in flight" 90 \
+        "$py" scripts/bench_completion.py --programs 64 --as processes \
+        --modes generate,pred_sample --baselines "" --repeat 1 --dtype "$dtype"
     SYMPHONY_BENCH_PREDD_ARGS="$device" \
         stage "$shape, $dtype: the OpenAI program, 64 prompts x 64 tokens, 32 in flight" 150 \
         "$py" scripts/bench_openai.py --model "$model" --dtype "$dtype" --num-prompts 64 \

@@ -158,6 +158,8 @@ class StatsReply(Reply):
     admission_waits: int       # calls that waited for room on the device
     batch_picks_failed: int = 0   # a step's batched token picks that raised: its calls
                                   # picked one by one (0 from an older predd)
+    answered_in_flight: int = 0   # requests answered while a step's pass ran on the device
+                                  # (0 from an older predd)
     # {buffer, frame}: raw pred rows by the way they went back ({} from an older predd)
     logits_rows: dict = field(default_factory=dict)
     tiers: dict                # {device|host|disk: {pages_total, pages_used}}

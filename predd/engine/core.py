@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,8 +47,35 @@ from predd.server.capabilities import Capabilities
 from predd.server.request_limits import Limits
 from predd.server.quotas import Quotas
 from predd.server.sessions import Sessions
-from predd.worker.runner import Runner
+from predd.worker.runner import Launch, Runner
 from predd.worker.tp import RankLost
+
+
+@dataclass(eq=False)
+class Flight:
+    """A step between `Engine.launch` and `Engine.land`: its plan, the calls whose
+    chunks were built (`items`, `chunks`), its pass (`launched`; `error` where the
+    launch raised), the calls answered for good (`settled`), and where the step's own
+    CPU time is counted from (`cpu_at`; None while its pass runs)."""
+    plan: Plan
+    items: list[PlanItem] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+    launched: Launch | None = None
+    error: Exception | None = None   # what the launch raised
+    started: float = 0.0
+    settled: set[int] = field(default_factory=set)
+    failed: bool = False
+    cpu_at: float | None = None      # the thread's CPU clock where the step's own work began
+    done_at: float | None = None     # when `ready` first found the pass done
+
+    def ready(self) -> bool:
+        """Whether its pass is done (no pass, or one that raised, is)."""
+        if self.done_at is not None:
+            return True
+        if self.launched is None or self.launched.ready():
+            self.done_at = time.monotonic()
+            return True
+        return False
 
 
 class Engine(Intake, Admission, Cancellation, Continuation):
@@ -83,11 +111,21 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         self.vocab: int = runner.model_config.vocab_size
         self.limits: Limits = config.limits.resolved(runner.model_config.max_position)
         self.started = time.monotonic()
+        self.flying: Flight | None = None    # a step between launch and land
 
     # ------------------------------------------------------------ the step
 
     def step(self) -> bool:
         """Run one batch if any call is ready; whether one ran."""
+        flight = self.launch()
+        if flight is None:
+            return False
+        self.land(flight)
+        return True
+
+    def launch(self) -> Flight | None:
+        """A step's first half: schedule a batch and start its forward pass; None when no
+        call is ready. Until `land`, requests go to `handle_in_flight` alone."""
         started, cpu = time.perf_counter(), time.thread_time()
         self.speculation.before_step()
         plan = self.scheduler.schedule(self._admit)
@@ -97,35 +135,75 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         self.counters.time_s["schedule"] += time.perf_counter() - started
         if not plan.items:
             self.replay_deferred(time.monotonic())
-            return False
-        self.counters.time_s["step_cpu"] -= cpu
-        settled: set[int] = set()
+            return None
+        flight = Flight(plan, cpu_at=cpu)
+        self.flying = flight
         try:
-            self._run(plan, settled)
-        except Exception as exc:   # a bug in the step's bookkeeping: fail what is unsettled
-            self.log(f"step failed: {traceback.format_exc()}")
-            for item in plan.items:
-                if item.call.cid in settled:     # answered: just out of the queue
-                    self.scheduler.remove(item.call)
-                    continue
-                settled.add(item.call.cid)
-                self._fail(item.call, exc)
-        self.replay_deferred(time.monotonic())
-        self.counters.time_s["step_cpu"] += time.thread_time()
-        return True
+            self._launch(flight)
+        except RankLost:
+            raise                      # not this batch's fault: predd cannot go on
+        except Exception as exc:
+            self._failed(flight, exc)
+        self._count_cpu(flight)
+        return flight
 
-    def _run(self, plan: Plan, settled: set[int]) -> None:
-        """Run a plan, commit what completed, reply. A call that fails (building its
-        chunk, in the forward pass, picking its token) fails alone; `settled` collects
-        the calls answered for good."""
-        times = self.counters.time_s
+    def land(self, flight: Flight) -> None:
+        """A step's second half: wait for its pass, commit what completed, reply."""
+        self.flying = None
+        if not flight.failed:
+            try:
+                self._land(flight)
+            except RankLost:
+                raise
+            except Exception as exc:
+                self._failed(flight, exc)
+        self.replay_deferred(time.monotonic())
+        self._count_cpu(flight)
+
+    def _count_cpu(self, flight: Flight) -> None:
+        """`step_cpu`: the thread's CPU since `flight.cpu_at` (a step's own work, never
+        its pass's: the clock is read once before the pass and once after)."""
+        if flight.cpu_at is not None:
+            self.counters.time_s["step_cpu"] += time.thread_time() - flight.cpu_at
+            flight.cpu_at = None
+
+    def _failed(self, flight: Flight, exc: Exception) -> None:
+        """A bug in the step's bookkeeping: fail what is unsettled."""
+        self.log(f"step failed: {traceback.format_exc()}")
+        flight.failed = True
+        for item in flight.plan.items:
+            if item.call.cid in flight.settled:     # answered: just out of the queue
+                self.scheduler.remove(item.call)
+                continue
+            flight.settled.add(item.call.cid)
+            self._fail(item.call, exc)
+
+    def _launch(self, flight: Flight) -> None:
+        """Build the plan's chunks and start their pass. A call whose chunk cannot be
+        built fails alone; a launch that raises is run again by halves when it lands."""
         prepared = time.perf_counter()
-        items, chunks = chunks_for(plan.items, self.store, settled, self._fail)
-        started, cpu = time.monotonic(), time.thread_time()
-        times["prepare"] += time.perf_counter() - prepared
-        results = self._execute(chunks)
-        elapsed = time.monotonic() - started
-        times["step_cpu"] -= time.thread_time() - cpu
+        flight.items, flight.chunks = chunks_for(flight.plan.items, self.store,
+                                                 flight.settled, self._fail)
+        self.counters.time_s["prepare"] += time.perf_counter() - prepared
+        self._count_cpu(flight)
+        flight.started = time.monotonic()
+        if flight.chunks:
+            try:
+                flight.launched = self.runner.launch(flight.chunks)
+            except RankLost:
+                raise                  # not this batch's fault: predd cannot go on
+            except Exception as exc:   # run again by halves when it lands
+                flight.error = exc
+
+    def _land(self, flight: Flight) -> None:
+        """Commit what completed and reply. A call that fails (building its chunk, in
+        the forward pass, picking its token) fails alone; `flight.settled` collects the
+        calls answered for good."""
+        times, settled, items = self.counters.time_s, flight.settled, flight.items
+        results = self._results(flight)
+        flight.cpu_at = time.thread_time()
+        # the pass's time: to when it was seen done, not to the end of the turn that saw it
+        elapsed = (flight.done_at or time.monotonic()) - flight.started
         times["forward"] += elapsed
         finishing = time.perf_counter()
         ran: list[PlanItem] = []
@@ -170,6 +248,21 @@ class Engine(Intake, Admission, Cancellation, Continuation):
             self.speculate(call, reply)
         times["outputs"] += time.perf_counter() - finishing
 
+    def _results(self, flight: Flight) -> list[torch.Tensor | Exception]:
+        """The launched pass's rows, on the device it ran on; where the launch or the
+        pass failed, the chunks run again by halves (`_split`)."""
+        chunks = flight.chunks
+        if not chunks:
+            return []
+        try:
+            if flight.launched is None:
+                raise flight.error or RuntimeError("the step's pass was not launched")
+            return self._counted(self.runner.land(flight.launched, host=False), chunks)
+        except RankLost:
+            raise                  # not this batch's fault: predd cannot go on
+        except Exception as exc:
+            return self._split(chunks, exc)
+
     def _execute(self, chunks: list[Chunk]) -> list[torch.Tensor | Exception]:
         """runner.execute, isolating failures: if the batch raises, its halves run
         again (bisection) until each failing chunk stands alone with its exception. The
@@ -178,20 +271,28 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         if not chunks:
             return []
         try:
-            results = list(self.runner.execute(chunks, host=False))
-            if len(results) != len(chunks):
-                raise RuntimeError(f"runner returned {len(results)} results for "
-                                   f"{len(chunks)} chunks")
-            return results
+            return self._counted(self.runner.execute(chunks, host=False), chunks)
         except RankLost:
             raise                  # not this batch's fault: predd cannot go on
         except Exception as exc:
-            if len(chunks) == 1:
-                return [exc]
-            self.log(f"a batch of {len(chunks)} failed ({type(exc).__name__}: {exc}); "
-                     "retrying it in halves")
-            mid = len(chunks) // 2
-            return self._execute(chunks[:mid]) + self._execute(chunks[mid:])
+            return self._split(chunks, exc)
+
+    @staticmethod
+    def _counted(results, chunks: list[Chunk]) -> list[torch.Tensor]:
+        results = list(results)
+        if len(results) != len(chunks):
+            raise RuntimeError(f"runner returned {len(results)} results for "
+                               f"{len(chunks)} chunks")
+        return results
+
+    def _split(self, chunks: list[Chunk], exc: Exception) -> list[torch.Tensor | Exception]:
+        """A batch that raised `exc`: its halves run again, down to each failing chunk."""
+        if len(chunks) == 1:
+            return [exc]
+        self.log(f"a batch of {len(chunks)} failed ({type(exc).__name__}: {exc}); "
+                 "retrying it in halves")
+        mid = len(chunks) // 2
+        return self._execute(chunks[:mid]) + self._execute(chunks[mid:])
 
     def _reply_done(self, call: Call) -> bool:
         """A call's known tokens are computed: reply, or feed a generate's next token

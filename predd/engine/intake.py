@@ -47,6 +47,8 @@ Send = Callable[[bytes, dict, list[bytes]], None]
 Handler = Callable[[Any, Session, p.Request, list[bytes], float], "p.Reply | None"]
 CHANGES = (p.Pred, p.Generate, p.KvTruncate, p.KvFree)   # wait behind a busy object
 QUEUED = (p.Pred, p.Generate)                            # become calls
+QUICK_BYTES = 1024   # a pred that takes its speculation is far shorter: longer ones wait
+                     # for the step's end undecoded (a pass in flight is not held up)
 
 
 class Intake:
@@ -68,6 +70,7 @@ class Intake:
     quotas: Quotas
     memory: Memory
     runner: Runner
+    flying: Any                 # the step between Engine.launch and Engine.land, if any
 
     @property
     def max_message_bytes(self) -> int:
@@ -86,15 +89,11 @@ class Intake:
         try:
             header, extra = p.decode_frames(frames)
             rid = header.get("rid") if isinstance(header.get("rid"), int) else None
+            if self.flying is not None:    # the server hands them to handle_in_flight then
+                raise RuntimeError("a request handled while a step's pass runs")
             session = self.sessions.of_identity(identity)
             if session is not None:
-                if peer.address != session.peer:
-                    raise ProtocolError("EPERM", "this connection's credentials are not "
-                                        "those of the session it names")
-                session.last_seen = now
-                if not session.allow(now, self.config.quota.rate, self.config.quota.burst):
-                    raise ProtocolError("EAGAIN", f"more than {self.config.quota.rate:g} "
-                                        "requests per second: slow down")
+                self._arrived(session, peer, now)
             if (session is not None and self.speculation.by_oid and not extra
                     and header.get("op") == "pred" and self._take_speculation(identity,
                                                                               session, header)):
@@ -110,6 +109,57 @@ class Intake:
         except Exception as exc:  # a bug must not take the daemon down
             self.log(f"internal error on request {rid}: {type(exc).__name__}: {exc}")
             self._reply(identity, rid, ErrorReply(code="EIO", message=f"internal error: {exc}"))
+
+    def handle_in_flight(self, identity: bytes, frames: list[bytes], now: float,
+                         peer: Peer) -> bool:
+        """While a step's pass runs (Engine.launch .. Engine.land): answer the message as
+        `handle` would where it is a pred of an open session that takes its object's
+        speculation at the door (`_take_speculation`: a change of labels, or a computed
+        speculation answered and committed, on an object the pass does not touch), and
+        say so. Anything else is left as it was, for after the step (False): no state
+        changes, nothing counted."""
+        session = self.sessions.of_identity(identity)
+        if (session is None or not self.speculation.by_oid or len(frames) != 1
+                or len(frames[0]) > QUICK_BYTES or peer.address != session.peer):
+            return False
+        try:
+            header, _ = p.decode_frames(frames)
+            cap = self.caps.find(header.get("cap")) if header.get("op") == "pred" else None
+            if (cap is None or not cap.writable or self.deferred.holds(cap.oid)
+                    or self.speculation.taken_by(session.sid, cap.oid, header) is None):
+                return False
+        except ProtocolError:          # the full path answers it
+            return False
+        except Exception as exc:       # a bug: the full path, after the step, answers it
+            self.log(f"internal error looking at a request in flight: "
+                     f"{type(exc).__name__}: {exc}")
+            return False
+        self.counters.requests += 1
+        self.counters.answered_in_flight += 1
+        try:
+            self._arrived(session, peer, now)
+            if not self._take_speculation(identity, session, header):
+                raise RuntimeError("a speculation that taken_by gave was not taken")
+        except ProtocolError as exc:
+            if exc.code == "EAGAIN":
+                self.counters.throttled += 1
+            self._reply(identity, header["rid"], ErrorReply.of(exc))
+        except Exception as exc:  # a bug must not take the daemon down
+            self.log(f"internal error on request {header['rid']}: {type(exc).__name__}: {exc}")
+            self._reply(identity, header["rid"],
+                        ErrorReply(code="EIO", message=f"internal error: {exc}"))
+        return True
+
+    def _arrived(self, session: Session, peer: Peer, now: float) -> None:
+        """A message of `session` from `peer`: its credentials checked, its lease renewed,
+        its rate counted (EPERM, EAGAIN)."""
+        if peer.address != session.peer:
+            raise ProtocolError("EPERM", "this connection's credentials are not "
+                                "those of the session it names")
+        session.last_seen = now
+        if not session.allow(now, self.config.quota.rate, self.config.quota.burst):
+            raise ProtocolError("EAGAIN", f"more than {self.config.quota.rate:g} "
+                                "requests per second: slow down")
 
     def _reply(self, identity: bytes, rid: int | None, reply: p.Reply) -> None:
         if not reply.ok:

@@ -38,6 +38,7 @@ class Counters:
     throttled: int = 0        # EAGAIN replies (rate, calls in flight, sessions)
     admission_waits: int = 0  # calls that waited for room on the device
     batch_picks_failed: int = 0   # a step's batched token picks that raised (outputs.py)
+    answered_in_flight: int = 0   # requests answered while a step's pass ran (Intake)
     # raw pred rows by the way they went back: the session's logits buffer or a frame
     logits_rows: dict[str, int] = field(default_factory=lambda: {"buffer": 0, "frame": 0})
     # where predd's time goes (seconds): the model's forward passes and the rest; and

@@ -32,7 +32,7 @@ import zmq
 
 from symphony_protocol import pack
 from symphony_protocol.stream import stream_path
-from predd.engine.core import Engine
+from predd.engine.core import Engine, Flight
 from predd.server.identity import peer_of, transport_of
 from predd.server.streams import Streams
 
@@ -41,14 +41,17 @@ ROOM_POLL_S = 0.01   # how often calls waiting for memory are offered it again
 LEASE_CHECK_S = 0.5
 DRAIN_MAX = 256      # messages handled per turn before the scheduler gets a look in
 DRAIN_S = 0.005
+FLY_BUDGET = 16      # messages handled a turn while a step's pass runs: its end is seen soon
 HWM = 1024           # messages queued per peer, each direction
 
 
 class Server:
     def __init__(self, addr: str, engine_factory, log=None, per_uid: int = 0,
-                 trusted_uid: int = -1) -> None:
+                 trusted_uid: int = -1, overlap: bool = True) -> None:
         """`per_uid`: local stream connections a uid may hold (0: no limit) but
-        `trusted_uid`'s."""
+        `trusted_uid`'s. `overlap`: answer what may be answered while a step's pass runs
+        on the device (`_fly`)."""
+        self.overlap = overlap
         self.addr = addr
         self.log = log or (lambda msg: print(f"predd: {msg}", file=sys.stderr, flush=True))
         self.ctx = zmq.Context.instance()
@@ -132,8 +135,7 @@ class Server:
                 next_lease_check = now + LEASE_CHECK_S
             wait = sched.wait_time(now)
             if wait == 0.0:
-                with self._corked():
-                    stepped = engine.step()
+                stepped = self._step()
                 if stepped:
                     continue
                 wait = ROOM_POLL_S   # every queued call waits for room on the device
@@ -142,6 +144,51 @@ class Server:
             if wait is not None:
                 sched.note_wait(min(time.monotonic() - now, wait))
         self.close()
+
+    def _step(self) -> bool:
+        """One step of the engine, if any call is ready (whether one ran): launched, flown
+        (`_fly`), landed (its replies corked); then the sessions of connections that
+        closed meanwhile end."""
+        with self._corked():
+            flight = self.engine.launch()
+        if flight is None:
+            return False
+        ended = self._fly(flight) if self.overlap and self.streams is not None else []
+        try:
+            with self._corked():
+                self.engine.land(flight)
+        finally:
+            for identity in ended:
+                self._ended(identity)
+        return True
+
+    def _fly(self, flight: Flight) -> list[bytes]:
+        """While the step's pass runs on the device (until `flight.ready()`; on a CPU it
+        is done when launched): the local streams' preds that take their object's
+        speculation are answered now (Intake.handle_in_flight), the parts of the next
+        step that need no step of their own. Every other message waits, in its
+        connection's order, for the turns after the step; so does the end of a session
+        whose connection closed (the identities returned). ZeroMQ is not read."""
+        ended: list[bytes] = []
+        counters, streams = self.engine.counters, self.streams
+        times = counters.time_s
+        while not flight.ready():
+            started, cpu, handled = time.monotonic(), time.thread_time(), counters.requests
+            try:
+                with streams.corked():
+                    streams.turn(self._handle, ended.append, FLY_BUDGET,
+                                 take=self._take_in_flight)
+            except Exception as exc:   # a bug must not take the daemon down
+                self.log(f"internal error on the local stream: {type(exc).__name__}: {exc}")
+                break
+            finally:
+                if counters.requests != handled:    # a turn that answered something
+                    times["requests"] += time.monotonic() - started
+                    times["requests_cpu"] += time.thread_time() - cpu
+        return ended
+
+    def _take_in_flight(self, identity: bytes, frames: list[bytes], peer) -> bool:
+        return self.engine.handle_in_flight(identity, frames, time.monotonic(), peer)
 
     def _drain(self) -> None:
         """Handle waiting messages: the streams' (at most DRAIN_MAX), then ZeroMQ's.

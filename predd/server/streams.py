@@ -32,7 +32,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from symphony_protocol import ProtocolError, pack
 from symphony_protocol.stream import Reader, Writer, frame
@@ -58,6 +58,8 @@ class Connection:
     writer: Writer
     dropped: int = 0         # replies dropped at the HWM
     held: int = 0            # bytes of the replies held while corked
+    # whole messages read but not handed on: a `take` turn left them, in order
+    waiting: list[list[bytes]] = field(default_factory=list)
 
 
 class Streams:
@@ -94,9 +96,13 @@ class Streams:
         return self.epoll.fileno()
 
     def turn(self, handle: Callable[[bytes, list[bytes], Peer], None],
-             ended: Callable[[bytes], None], budget: int) -> bool:
+             ended: Callable[[bytes], None], budget: int,
+             take: Callable[[bytes, list[bytes], Peer], bool] | None = None) -> bool:
         """Accept, read and write what is ready now, and hand on at most `budget`
-        messages; whether work is left (messages waiting, or bytes not yet read)."""
+        messages; whether work is left (messages waiting, or bytes not yet read).
+        With `take`, each message goes to it instead of `handle`; the first it does not
+        take waits, with the rest of its connection's, for a turn without `take` (its
+        connection is not served again until then)."""
         if self.paused_until and time.monotonic() >= self.paused_until:
             self.paused_until = 0.0
             self.epoll.register(self.listener.fileno(), IN)
@@ -115,7 +121,9 @@ class Streams:
         for conn in list(self.backlog):
             if budget <= 0:
                 return True
-            budget -= self._serve(conn, min(budget, MESSAGES_PER_TURN), handle, ended)
+            if take is not None and conn.waiting:
+                continue
+            budget -= self._serve(conn, min(budget, MESSAGES_PER_TURN), handle, ended, take)
         return more or bool(self.backlog)
 
     def _accept(self) -> None:
@@ -176,22 +184,34 @@ class Streams:
         self.backlog[conn] = None
         return False
 
-    def _serve(self, conn: Connection, most: int, handle, ended) -> int:
-        """Hand on up to `most` of the connection's whole messages; how many. It leaves
-        the backlog when it has no whole one left, else goes to its end."""
+    def _serve(self, conn: Connection, most: int, handle, ended, take=None) -> int:
+        """Hand on up to `most` of the connection's whole messages (those a `take` turn
+        left first); how many it handed on or offered. It leaves the backlog when it has
+        no whole one left, else goes to its end."""
+        messages, conn.waiting = conn.waiting, []
         try:
-            messages = conn.reader.feed(b"", most)
+            if len(messages) < most:
+                messages += conn.reader.feed(b"", most - len(messages))
         except ProtocolError as exc:
+            for message in messages if take is None else ():   # whole ones, read before
+                handle(conn.identity, message, conn.peer)
             self.log(f"stream of {conn.peer.address} closed: {exc.code}: {exc}")
             self._close(conn, ended)
-            return 0
+            return len(messages) if take is None else 0
+        if len(messages) > most:
+            messages, conn.waiting = messages[:most], messages[most:]
         self.backlog.pop(conn, None)
         if len(messages) == most:
             self.backlog[conn] = None
-        for message in messages:
-            handle(conn.identity, message, conn.peer)
+        for i, message in enumerate(messages):
+            if take is None:
+                handle(conn.identity, message, conn.peer)
+            elif not take(conn.identity, message, conn.peer):
+                conn.waiting = messages[i:] + conn.waiting
+                self.backlog[conn] = None
+                return i + 1           # the message offered counts against the budget
             if conn.sock.fileno() == -1:
-                break
+                return i + 1
         return len(messages)
 
     def send(self, identity: bytes, parts: list) -> bool:

@@ -50,6 +50,23 @@ class RunnerConfig:
     cascade: bool = True            # forks' shared pages attended once, in blocks (CPU)
 
 
+@dataclass
+class Launch:
+    """A forward pass started (`Runner.launch`): its logits where the model ran, the rows
+    of each chunk, and on a GPU the event recorded after its kernels."""
+    logits: torch.Tensor
+    rows: list[int]
+    done: torch.cuda.Event | None = None
+
+    def ready(self) -> bool:
+        """Whether the pass is done (never blocks). A device-side error says done: it is
+        raised again where the pass lands (`Runner.land`), which fails its calls."""
+        try:
+            return self.done is None or self.done.query()
+        except Exception:
+            return True
+
+
 LINEAR_CHOICES = ("auto", "plain", "packed", "quantized", "int8")
 
 
@@ -271,13 +288,27 @@ class Runner:
         (`host`), else where the model ran: the engine picks a step's tokens there and
         brings to the host only the ids and what else it needs (predd/engine/outputs.py,
         `to_host`). Under tensor parallelism the other ranks are sent the step first."""
+        return self.land(self.launch(chunks), host)
+
+    def launch(self, chunks: list[Chunk]) -> Launch:
+        """`execute`'s first half: the pass started. On a GPU the kernels are queued and
+        run after this returns (`Launch.ready` says when they are done); on a CPU the
+        pass is done when it returns."""
         if self.tp:
             self.tp.link.send(tp_mod.STEP, tp_mod.encode_chunks(chunks))
         logits = self.compute(chunks, logits=True)
-        logits = logits.cpu() if host else self._done(logits)
+        done = None
+        if logits.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return Launch(logits, [len(c.outputs) for c in chunks], done)
+
+    def land(self, launch: Launch, host: bool = True) -> list[torch.Tensor]:
+        """`execute`'s second half: each chunk's rows once the pass is done, as `execute`
+        gives them. A device-side error is raised here."""
+        logits = launch.logits.cpu() if host else self._done(launch.logits)
         result, at = [], 0
-        for chunk in chunks:
-            k = len(chunk.outputs)
+        for k in launch.rows:
             result.append(logits[at:at + k])
             at += k
         return result

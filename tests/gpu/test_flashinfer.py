@@ -261,6 +261,15 @@ def test_predd_serves_with_flashinfer(flashinfer, model_path, tmp_path):
                                        mask=[11, 12, 13])
             assert drawn.token in (11, 12, 13) and drawn.logprob <= 0.0
             liblip.kv_close(kv)
+            # a greedy pred_sample loop, its calls taken while a pass flies (--overlap on)
+            kv, token, loop = liblip.kv_create(), None, []
+            for step in range(16):
+                token = liblip.pred_sample(kv, prompt if step == 0 else [token],
+                                           {"temperature": 0.0}).token
+                loop.append(token)
+            liblip.kv_close(kv)
+            assert loop == tokens[name][:16]
+            print(f"{name}: {liblip.stats()['answered_in_flight']} requests answered in flight")
             assert liblip.stats()["batch_picks_failed"] == 0     # picked in batches there
             assert liblip.fsck()["clean"]
         finally:

@@ -86,6 +86,7 @@ class FakeRunner:
         self.nan = lambda chunk: False        # NaN logits, no exception
         self.batches: list[int] = []          # chunks per execute call
         self.on_device = False                # execute(host=False): OnDevice logits
+        self.flying = 0                       # a launch is ready after this many asks
 
     def keepalive(self) -> None:
         pass
@@ -104,6 +105,14 @@ class FakeRunner:
                 raise RuntimeError("injected failure")
         out = [self._logits(c) * (float("nan") if self.nan(c) else 1.0) for c in chunks]
         return out if host or not self.on_device else [t.as_subclass(OnDevice) for t in out]
+
+    def launch(self, chunks):
+        """The pass run at once, its launch not `ready` until asked `flying` times: a
+        device's pass in flight, as the server sees it."""
+        return FakeLaunch(self.execute(chunks, host=False), self.flying)
+
+    def land(self, launch, host=True):
+        return launch.results
 
     def _slots(self, c) -> np.ndarray:
         """The chunk's context as slot ids, read from its page table as a backend does."""
@@ -125,6 +134,15 @@ class FakeRunner:
                 row[(mix * 5 + 1) % VOCAB] = 2.0
             rows.append(row)
         return torch.stack(rows) if rows else torch.empty(0, VOCAB)
+
+
+class FakeLaunch:
+    def __init__(self, results: list, flying: int) -> None:
+        self.results, self.left = results, flying
+
+    def ready(self) -> bool:
+        self.left -= 1
+        return self.left < 0
 
 
 class FakeTokenizer:

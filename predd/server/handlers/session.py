@@ -94,6 +94,7 @@ def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> 
         requests=c.requests, errors=c.errors,
         throttled=c.throttled, capped_steps=e.scheduler.capped_steps,
         admission_waits=c.admission_waits, batch_picks_failed=c.batch_picks_failed,
+        answered_in_flight=c.answered_in_flight,
         logits_rows=dict(c.logits_rows),
         tiers=e.memory.stats(),
         pages_moved_down=e.memory.moves.down, pages_moved_up=e.memory.moves.up,

@@ -290,6 +290,7 @@ def test_metrics_parse_and_count(http, predd):
     assert m[("symphony_tokens_reused_total", ())] == stats["tokens_reused"]
     assert m[("symphony_steps_total", ())] == stats["steps"]
     assert m[("symphony_batch_picks_failed_total", ())] == stats["batch_picks_failed"] == 0
+    assert m[("symphony_answered_in_flight_total", ())] == stats["answered_in_flight"] == 0
     assert m[("symphony_step_seconds_count", ())] == stats["steps"]
     assert m[("symphony_step_seconds_bucket", (("le", "+Inf"),))] == stats["steps"]
     steps = stats["step_hist"]

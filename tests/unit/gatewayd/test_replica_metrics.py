@@ -16,7 +16,8 @@ def stats(pages_used: int) -> dict:
     return {"pages_total": 512, "pages_used": pages_used, "steps": 10, "calls": 40,
             "mean_batch": 4.0, "queue_wait_hist": dict(HIST, cumulative=[2, 5]),
             "tiers": {"device": {"pages_total": 512, "pages_used": pages_used}},
-            "logits_rows": {"buffer": pages_used, "frame": 1}, "batch_picks_failed": 1}
+            "logits_rows": {"buffer": pages_used, "frame": 1}, "batch_picks_failed": 1,
+            "answered_in_flight": 3}
 
 
 class FakeReplica(Replica):
@@ -64,6 +65,7 @@ def test_replica_metrics(tmp_path):
     assert m[("symphony_logits_rows_total", (("via", "buffer"),))] == 7.0
     assert m[("symphony_logits_rows_total", (("via", "frame"),))] == 2.0
     assert m[("symphony_batch_picks_failed_total", ())] == 2.0
+    assert m[("symphony_answered_in_flight_total", ())] == 6.0
     assert m[("symphony_kv_migrations_total", ())] == 0.0     # tmp_path has no such xattr
     r1.up = False                         # a local replica known down is not asked
     r1.answer = stats(100)

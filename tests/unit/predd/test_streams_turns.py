@@ -151,3 +151,61 @@ def test_corked_replies_go_out_a_connection_at_a_time(streams):
     assert [m for m in streams.logs if "replies dropped" in m]
     a.close()
     b.close()
+
+
+def test_a_take_turn_leaves_a_refused_message_and_the_rest_of_its_connection_in_order(streams):
+    """`take` turns (a step's pass in flight): what `take` refuses waits, with every later
+    message of its connection, for a turn without `take`, which hands them on first and
+    in order; other connections go on being served meanwhile."""
+    x, y = connect(streams, 2)
+    x.sendall(ping(1) + ping(2) + ping(3))
+    y.sendall(ping(4) + ping(5))
+    taken: list[int] = []
+    offered: list[int] = []
+
+    def take(identity, frames, peer) -> bool:
+        rid = msgpack.unpackb(frames[0])["rid"]
+        offered.append(rid)
+        if rid == 2:
+            return False
+        taken.append(rid)
+        return True
+
+    handled: list[int] = []
+
+    def handle(identity, frames, peer) -> None:
+        handled.append(msgpack.unpackb(frames[0])["rid"])
+    ended = lambda identity: None                                   # noqa: E731
+    streams.turn(handle, ended, 0)                  # accepts the two
+    for _ in range(3):
+        assert streams.turn(handle, ended, 256, take=take)   # x's wait: work left
+    assert sorted(taken) == [1, 4, 5] and offered.count(2) == 1 and handled == []
+    y.sendall(ping(6))
+    streams.turn(handle, ended, 256, take=take)
+    assert taken[-1] == 6 and handled == []
+    streams.turn(handle, ended, 256)
+    assert handled == [2, 3]
+    x.sendall(ping(7))
+    streams.turn(handle, ended, 256, take=take)
+    assert taken[-1] == 7
+    x.close()
+    y.close()
+
+
+def test_a_message_a_take_turn_offers_counts_against_its_budget(streams):
+    socks = connect(streams, 3)
+    for i, sock in enumerate(socks):
+        sock.sendall(ping(i))
+    offered: list[int] = []
+
+    def refuse(identity, frames, peer) -> bool:
+        offered.append(msgpack.unpackb(frames[0])["rid"])
+        return False
+    ended = lambda identity: None                                   # noqa: E731
+    streams.turn(refuse, ended, 0)                  # accepts the three
+    streams.turn(refuse, ended, 2, take=refuse)
+    assert len(offered) == 2
+    streams.turn(refuse, ended, 2, take=refuse)
+    assert sorted(offered) == [0, 1, 2]             # the third, then nothing again
+    for sock in socks:
+        sock.close()

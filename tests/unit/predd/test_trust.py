@@ -48,6 +48,12 @@ class FakeRunner:
     def execute(self, chunks, host=True):
         return [torch.zeros(len(c.outputs), VOCAB) for c in chunks]
 
+    def launch(self, chunks):
+        return SimpleNamespace(results=self.execute(chunks), ready=lambda: True)
+
+    def land(self, launch, host=True):
+        return launch.results
+
 
 TOKENIZER = SimpleNamespace(eos_ids=(0,), bos_id=1, decode=lambda ids, **kw: "")
 
