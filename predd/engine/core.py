@@ -104,6 +104,11 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         self.scheduler = Scheduler(config.scheduler, on_leave=self._left)
         self.speculation = Speculation(config.speculate, self.scheduler, self.store)
         self._answered: list[tuple[Call, p.PredReply]] = []   # a step's pred replies
+        # Replies of a device step whose next call a speculation waits for, held until the
+        # next pass is launched (`release_held`) where the server says so (`hold_replies`)
+        self.hold_replies = False
+        self._holding = False
+        self.held: list[tuple[bytes, int, p.PredReply]] = []
         self.memory = Memory(m, self.store, self.tiers, self.scheduler.admitted,
                              lambda oid: self.quotas.charges[oid].uid)
         self.deferred = Deferred()
@@ -228,25 +233,47 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         finished: set[int] = set()
         failed: set[int] = set()
         self._answered.clear()
-        for item in ran:
-            if item.completes:
-                try:
-                    if self._reply_done(item.call):
-                        finished.add(item.call.cid)
-                except Exception as exc:
-                    failed.add(item.call.cid)
-                    self._fail(item.call, exc)
-        settled |= finished | failed
-        ran = [i for i in ran if i.call.cid not in failed]
-        self.counters.count_step([i.count for i in ran], elapsed)
-        for item in ran:
-            session = self.sessions.of_sid(item.call.session)
-            if session is not None:
-                session.tokens_computed += item.count
-        self.scheduler.update(Plan(ran), finished, time.monotonic(), elapsed)
-        for call, reply in self._answered:   # out of the queue: their next steps
-            self.speculate(call, reply)
+        self._holding = self.hold_replies and device is not None and self.speculation.on
+        try:
+            for item in ran:
+                if item.completes:
+                    try:
+                        if self._reply_done(item.call):
+                            finished.add(item.call.cid)
+                    except Exception as exc:
+                        failed.add(item.call.cid)
+                        self._fail(item.call, exc)
+            settled |= finished | failed
+            ran = [i for i in ran if i.call.cid not in failed]
+            self.counters.count_step([i.count for i in ran], elapsed)
+            for item in ran:
+                session = self.sessions.of_sid(item.call.session)
+                if session is not None:
+                    session.tokens_computed += item.count
+            self.scheduler.update(Plan(ran), finished, time.monotonic(), elapsed)
+            for call, reply in self._answered:   # out of the queue: their next steps
+                self.speculate(call, reply)
+        finally:
+            if self._holding:                    # every reply built goes, now or later
+                self._holding = False
+                self._hold(self._answered)
         times["outputs"] += time.perf_counter() - finishing
+
+    def _hold(self, answered: list[tuple[Call, p.PredReply]]) -> None:
+        """A device step's pred replies: sent now, or held until the next pass is launched
+        where a speculation waits for the call's next call (it is then taken while that
+        pass runs, not before it is launched)."""
+        for call, reply in answered:
+            if call.oid in self.speculation.by_oid:
+                self.held.append((call.identity, call.rid, reply))
+            else:
+                self._reply(call.identity, call.rid, reply)
+
+    def release_held(self) -> None:
+        """Send the replies held since the last step (`_hold`)."""
+        held, self.held = self.held, []
+        for identity, rid, reply in held:
+            self._reply(identity, rid, reply)
 
     def _results(self, flight: Flight) -> list[torch.Tensor | Exception]:
         """The launched pass's rows, on the device it ran on; where the launch or the
@@ -307,7 +334,8 @@ class Engine(Intake, Admission, Cancellation, Continuation):
             return False
         if not call.generating:
             reply = self._pred_reply(call, pages)
-            self._reply(call.identity, call.rid, reply)
+            if not self._holding:          # else sent or held once its next step is known
+                self._reply(call.identity, call.rid, reply)
             if self.speculation.on:
                 self._answered.append((call, reply))
             return True

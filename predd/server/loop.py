@@ -62,6 +62,7 @@ class Server:
         self.sock.setsockopt(zmq.RCVHWM, HWM)
         self.transport = transport_of(addr)
         self.engine: Engine = engine_factory(self.send, self.log)
+        self.engine.hold_replies = overlap
         # Before bind: connections copy the socket's options when they are made.
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.engine.max_message_bytes)
         self._bind(addr)
@@ -140,6 +141,7 @@ class Server:
                     continue
                 wait = ROOM_POLL_S   # every queued call waits for room on the device
             timeout = IDLE_POLL_S if wait is None else min(wait, IDLE_POLL_S)
+            engine.release_held()
             self.poller.poll(0 if self.stream_work else timeout * 1e3)
             if wait is not None:
                 sched.note_wait(min(time.monotonic() - now, wait))
@@ -151,6 +153,7 @@ class Server:
         closed meanwhile end."""
         with self._corked():
             flight = self.engine.launch()
+            self.engine.release_held()   # the last step's answers: their next steps flying
         if flight is None:
             return False
         ended = self._fly(flight) if self.overlap and self.streams is not None else []

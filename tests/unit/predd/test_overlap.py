@@ -31,13 +31,15 @@ def message(h: Harness, op: str, **fields) -> tuple[int, list[bytes]]:
 
 
 def flown_loops(h: Harness, programs: list[bytes], n: int, sample: dict,
-                flying: int) -> dict[bytes, list[int]]:
+                flying: int, hold: bool = False) -> dict[bytes, list[int]]:
     """pred_sample loops of n + 1 tokens, one a program, driven as predd's server drives
     them: each step launched, and while its pass flies each program's calls that came
-    since the last step are offered to `handle_in_flight`; what is not taken is handled
-    after the step lands, before the next launch. A program sends its next call as soon
-    as it has its answer."""
+    since the launch are offered to `handle_in_flight`; what is not taken is handled
+    after the step lands, before the next launch, as are the calls answering what was
+    sent as a pass landed. A program sends its next call as soon as it has its answer. `hold`: the steps' logits say they are on a device and the
+    server holds their answers until the next launch (`Engine.release_held`)."""
     h.runner.flying = flying
+    h.runner.on_device = h.engine.hold_replies = hold
     caps = {who: h.ok(who, "kv_create")["cap"] for who in programs}
     came: dict[bytes, list[list[bytes]]] = {who: [] for who in programs}   # to offer
     left: dict[bytes, list[list[bytes]]] = {}                              # after the step
@@ -70,6 +72,8 @@ def flown_loops(h: Harness, programs: list[bytes], n: int, sample: dict,
                 h.engine.handle(who, call, time.monotonic(), ME)
             left[who] = []
         flight = h.engine.launch()
+        h.engine.release_held()
+        answered()
         if flight is None:
             if not any(came.values()):
                 break
@@ -83,25 +87,34 @@ def flown_loops(h: Harness, programs: list[bytes], n: int, sample: dict,
             answered()
         left, came = came, {who: [] for who in programs}
         h.engine.land(flight)
-        answered()
+        answered()                 # answers sent as the pass landed: back before the next
+        for who in programs:
+            left[who] += came[who]
+            came[who] = []
     assert all(rid is None for rid in waiting.values())
     return tokens
 
 
 def test_loops_take_their_speculation_in_flight_and_get_the_tokens_of_a_plain_run():
     for sample in (GREEDY, SEEDED):
-        flown, plain, off = Harness(), Harness(), Harness(speculate=False)
-        got = flown_loops(flown, [A, B], 10, sample, flying=2)
+        held, flown, plain, off = Harness(), Harness(), Harness(), Harness(speculate=False)
+        got = flown_loops(held, [A, B], 10, sample, flying=2, hold=True)
+        assert flown_loops(flown, [A, B], 10, sample, flying=2) == got
         assert flown_loops(plain, [A, B], 10, sample, flying=0) == got
-        assert flown_loops(off, [A, B], 10, sample, flying=2) == got
-        in_flight = flown.ok(A, "stats")["answered_in_flight"]
-        assert in_flight >= 18 and flown.engine.counters.answered_in_flight == in_flight
+        assert flown_loops(off, [A, B], 10, sample, flying=2, hold=True) == got
+        # held until the next launch, every answer's next call comes while a pass flies
+        # and takes its speculation, but after an end-of-sequence token (none offered)
+        ends = sum(tokens[:-1].count(0) for tokens in got.values())
+        assert held.ok(A, "stats")["answered_in_flight"] == 20 - ends
+        # sent as the pass lands, they are back before the next launch: taken then
+        assert flown.ok(A, "stats")["answered_in_flight"] == 0
         assert plain.ok(A, "stats")["answered_in_flight"] == 0
         assert off.ok(A, "stats")["answered_in_flight"] == 0    # nothing to take
-        for h in (flown, plain, off):
+        assert held.engine.held == [] and off.engine.held == []
+        for h in (held, flown, plain, off):
             assert h.ok(A, "fsck")["clean"]
-        assert flown.free_pages() == plain.free_pages() == off.free_pages()
-        for h in (flown, plain, off):
+        assert held.free_pages() == flown.free_pages() == plain.free_pages() == off.free_pages()
+        for h in (held, flown, plain, off):
             h.clean()
 
 
@@ -298,5 +311,34 @@ def test_the_server_answers_a_loops_call_in_flight_and_keeps_each_connections_or
         assert len(srv.engine.sessions) == 0 and srv.engine.fsck() == []
         assert srv.engine.pool.free_pages == srv.engine.pool.num_pages
         assert not [line for line in logs if "error" in line.lower() or "failed" in line]
+    finally:
+        srv.close()
+
+
+def test_the_server_holds_a_device_steps_answer_until_the_next_pass_is_launched(tmp_path):
+    """An answer whose next call a speculation waits for goes out once the pass that
+    computes that speculation is launched, so the call comes while it flies; an answer
+    with no speculation after it (an end of sequence, a mask) goes at once."""
+    runner = FakeRunner()
+    runner.on_device = True
+    config = EngineConfig(scheduler=SchedulerConfig(token_budget=16, max_batch=8))
+    srv = Server(f"ipc://{tmp_path}/predd.sock",
+                 lambda send, log: Engine(runner, FakeTokenizer(), config, send, log,
+                                          handlers=HANDLERS), log=lambda line: None)
+    try:
+        c = Client(srv)
+        kv = served(srv, c, c.send({"op": "kv_create"})[0])["cap"]
+        (rid,) = c.send({"op": "pred", "cap": kv, "tokens": [3, 4], "sample": GREEDY})
+        srv._drain()
+        assert srv._step() and c.reply(rid) is None and len(srv.engine.held) == 1
+        assert len(srv.engine.speculation) == 1
+        batches = len(runner.batches)
+        assert srv._step()                   # the speculation's pass, then the answer
+        assert len(runner.batches) == batches + 1 and c.reply(rid)["ok"]
+        (masked,) = c.send({"op": "pred", "cap": kv, "tokens": [5], "sample": GREEDY,
+                            "mask": [1, 2]})
+        srv._drain()
+        assert srv._step() and c.reply(masked)["ok"]   # a mask: nothing after it, sent
+        assert srv.engine.held == [] and srv.engine.fsck() == []
     finally:
         srv.close()
