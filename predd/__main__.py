@@ -240,6 +240,9 @@ def _main(argv: list[str] | None) -> int:
     tokenizer = load_tokenizer(model_path)
     speculate, why = speculation.enabled(args.speculate, args.device)
     log(f"speculative continuation {why}")
+    cpu_note = "" if args.device.startswith("cuda") else "; on a CPU no pass runs meanwhile"
+    log(f"loops' calls answered while a step's pass runs: {args.overlap} "
+        f"(--overlap {args.overlap}{cpu_note})")
     config = EngineConfig(args.lease,
                           SchedulerConfig(args.max_step_tokens, args.max_batch,
                                           latency_factor=args.latency_factor),
