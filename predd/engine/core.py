@@ -105,8 +105,9 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         self.speculation = Speculation(config.speculate, self.scheduler, self.store)
         self._answered: list[tuple[Call, p.PredReply]] = []   # a step's pred replies
         # Replies of a device step whose next call a speculation waits for, held until the
-        # next pass is launched (`release_held`) where the server says so (`hold_replies`)
-        self.hold_replies = False
+        # next pass is launched (`release_held`), for the clients the server says
+        # (`hold_for`: those whose next call it reads while a pass runs; None: none)
+        self.hold_for: Callable[[bytes], bool] | None = None
         self._holding = False
         self.held: list[tuple[bytes, int, p.PredReply]] = []
         self.memory = Memory(m, self.store, self.tiers, self.scheduler.admitted,
@@ -233,7 +234,8 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         finished: set[int] = set()
         failed: set[int] = set()
         self._answered.clear()
-        self._holding = self.hold_replies and device is not None and self.speculation.on
+        self._holding = (self.hold_for is not None and device is not None
+                         and self.speculation.on)
         try:
             for item in ran:
                 if item.completes:
@@ -264,16 +266,23 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         where a speculation waits for the call's next call (it is then taken while that
         pass runs, not before it is launched)."""
         for call, reply in answered:
-            if call.oid in self.speculation.by_oid:
+            if call.oid in self.speculation.by_oid and self.hold_for(call.identity):
                 self.held.append((call.identity, call.rid, reply))
             else:
-                self._reply(call.identity, call.rid, reply)
+                self._send_reply(call.identity, call.rid, reply)
 
     def release_held(self) -> None:
         """Send the replies held since the last step (`_hold`)."""
         held, self.held = self.held, []
         for identity, rid, reply in held:
+            self._send_reply(identity, rid, reply)
+
+    def _send_reply(self, identity: bytes, rid: int, reply: p.PredReply) -> None:
+        """One built reply sent; a failure is logged and the rest still go."""
+        try:
             self._reply(identity, rid, reply)
+        except Exception as exc:
+            self.log(f"reply {rid} not sent: {type(exc).__name__}: {exc}")
 
     def _results(self, flight: Flight) -> list[torch.Tensor | Exception]:
         """The launched pass's rows, on the device it ran on; where the launch or the

@@ -62,7 +62,6 @@ class Server:
         self.sock.setsockopt(zmq.RCVHWM, HWM)
         self.transport = transport_of(addr)
         self.engine: Engine = engine_factory(self.send, self.log)
-        self.engine.hold_replies = overlap
         # Before bind: connections copy the socket's options when they are made.
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.engine.max_message_bytes)
         self._bind(addr)
@@ -73,6 +72,10 @@ class Server:
                                        HWM, self.log, per_uid, trusted_uid)
             except OSError as exc:   # e.g. a path too long for a Unix socket's name
                 self.log(f"no local stream ({exc}); local clients use ZeroMQ")
+        # a device step's answers held until the next launch: local streams' alone, whose
+        # next calls `_fly` reads while that pass runs
+        self.engine.hold_for = (self.streams.owns if overlap and self.streams is not None
+                                else None)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         if self.streams is not None:
@@ -152,8 +155,10 @@ class Server:
         (`_fly`), landed (its replies corked); then the sessions of connections that
         closed meanwhile end."""
         with self._corked():
-            flight = self.engine.launch()
-            self.engine.release_held()   # the last step's answers: their next steps flying
+            try:
+                flight = self.engine.launch()
+            finally:
+                self.engine.release_held()   # the last step's answers: their next steps flying
         if flight is None:
             return False
         ended = self._fly(flight) if self.overlap and self.streams is not None else []
@@ -245,6 +250,8 @@ class Server:
 
     def close(self) -> None:
         self.log("stopping")
+        with self._corked():
+            self.engine.release_held()
         if self.streams is not None:
             self.streams.close()
         self.sock.close(0)

@@ -95,6 +95,10 @@ class Streams:
     def fileno(self) -> int:
         return self.epoll.fileno()
 
+    def owns(self, identity: bytes) -> bool:
+        """Whether `identity` is one of this listener's open connections."""
+        return identity in self.by_identity
+
     def turn(self, handle: Callable[[bytes, list[bytes], Peer], None],
              ended: Callable[[bytes], None], budget: int,
              take: Callable[[bytes, list[bytes], Peer], bool] | None = None) -> bool:

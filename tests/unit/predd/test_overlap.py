@@ -39,7 +39,8 @@ def flown_loops(h: Harness, programs: list[bytes], n: int, sample: dict,
     sent as a pass landed. A program sends its next call as soon as it has its answer. `hold`: the steps' logits say they are on a device and the
     server holds their answers until the next launch (`Engine.release_held`)."""
     h.runner.flying = flying
-    h.runner.on_device = h.engine.hold_replies = hold
+    h.runner.on_device = hold
+    h.engine.hold_for = (lambda identity: True) if hold else None
     caps = {who: h.ok(who, "kv_create")["cap"] for who in programs}
     came: dict[bytes, list[list[bytes]]] = {who: [] for who in programs}   # to offer
     left: dict[bytes, list[list[bytes]]] = {}                              # after the step
@@ -317,14 +318,16 @@ def test_the_server_answers_a_loops_call_in_flight_and_keeps_each_connections_or
 
 def test_the_server_holds_a_device_steps_answer_until_the_next_pass_is_launched(tmp_path):
     """An answer whose next call a speculation waits for goes out once the pass that
-    computes that speculation is launched, so the call comes while it flies; an answer
-    with no speculation after it (an end of sequence, a mask) goes at once."""
+    computes that speculation is launched, so the call comes while it flies and is
+    taken there; an answer with no speculation after it (a mask) goes at once. Only a
+    local stream's answers are held: a server on tcp holds none."""
     runner = FakeRunner()
     runner.on_device = True
     config = EngineConfig(scheduler=SchedulerConfig(token_budget=16, max_batch=8))
-    srv = Server(f"ipc://{tmp_path}/predd.sock",
-                 lambda send, log: Engine(runner, FakeTokenizer(), config, send, log,
-                                          handlers=HANDLERS), log=lambda line: None)
+
+    def engine(send, log):
+        return Engine(runner, FakeTokenizer(), config, send, log, handlers=HANDLERS)
+    srv = Server(f"ipc://{tmp_path}/predd.sock", engine, log=lambda line: None)
     try:
         c = Client(srv)
         kv = served(srv, c, c.send({"op": "kv_create"})[0])["cap"]
@@ -332,9 +335,24 @@ def test_the_server_holds_a_device_steps_answer_until_the_next_pass_is_launched(
         srv._drain()
         assert srv._step() and c.reply(rid) is None and len(srv.engine.held) == 1
         assert len(srv.engine.speculation) == 1
-        batches = len(runner.batches)
-        assert srv._step()                   # the speculation's pass, then the answer
-        assert len(runner.batches) == batches + 1 and c.reply(rid)["ok"]
+        # the next step: launched, then the answer goes; the program's next call comes
+        # while that pass flies and takes its speculation there
+        runner.flying, fly, seen = 3, srv._fly, []
+
+        def flying(flight):
+            reply = c.reply(rid)
+            seen.append(reply)
+            c.send({"op": "pred", "cap": kv, "tokens": [reply["tokens"][0]],
+                    "sample": GREEDY})
+            return fly(flight)
+        srv._fly = flying
+        assert srv._step() and seen[0]["ok"]
+        srv._fly = fly
+        assert srv.engine.counters.answered_in_flight == 1
+        off = Harness(speculate=False)
+        _, want = _plain_loop(off, (3, 4), 1)
+        assert [seen[0]["tokens"][0], c.reply(rid + 1)] == [want[0], None]   # held again
+        assert srv._step() and c.reply(rid + 1)["tokens"] == [want[1]]
         (masked,) = c.send({"op": "pred", "cap": kv, "tokens": [5], "sample": GREEDY,
                             "mask": [1, 2]})
         srv._drain()
@@ -342,3 +360,8 @@ def test_the_server_holds_a_device_steps_answer_until_the_next_pass_is_launched(
         assert srv.engine.held == [] and srv.engine.fsck() == []
     finally:
         srv.close()
+    tcp = Server("tcp://127.0.0.1:0", engine, log=lambda line: None)
+    try:
+        assert tcp.streams is None and tcp.engine.hold_for is None
+    finally:
+        tcp.close()

@@ -26,6 +26,9 @@ class FakeEngine:
         self.seen.append((identity, frames, peer))
         self.counters.requests += 1
 
+    def release_held(self) -> None:
+        pass
+
 
 @pytest.fixture
 def server(tmp_path):

@@ -82,6 +82,9 @@ def test_a_bad_header_behind_a_backlog_closes_only_its_connection(streams):
 class NoEngine:
     max_message_bytes = 1 << 20
 
+    def release_held(self) -> None:
+        pass
+
 
 def test_an_ipc_path_too_long_for_a_socket_name_leaves_zmq_alone(tmp_path):
     deep = tmp_path / ("d" * (104 - len(str(tmp_path)) - len("//predd.sock")))
