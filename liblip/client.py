@@ -2,7 +2,8 @@
 
 One ZeroMQ DEALER socket, used by whichever thread holds its lock. A call that is the
 only one waiting reads the socket itself: a program calling pred() in a loop from one
-thread sends and receives on that thread, with no hand-off to another. While several
+thread sends and receives on that thread, with no hand-off to another (on the local
+stream the short way, `_alone`, until anything else happens). While several
 calls wait, the keeper thread reads for all of them and puts each reply in the queue of
 the request it answers; when one waiter is left, it hands the socket to it. A request is
 sent by its own thread when the socket is free, else handed to the reader through a
@@ -279,11 +280,71 @@ class Client:
     def request(self, op: str, frames: tuple[bytes, ...] = (), timeout: float | None = None,
                 **fields) -> tuple[dict, list]:
         """One request, its reply header and binary frames. Raises LipError."""
-        rid, inbox = self._send(op, fields, frames)
+        if (self._stream is not None and not self._waiting and not self._delivering
+                and not frames and timeout is None and not self._closed
+                and self._sock_lock.acquire(blocking=False)):
+            rid, inbox, got = self._alone(op, fields)     # releases the socket
+        else:
+            rid, inbox = self._send(op, fields, frames)
+            got = None
         try:
-            return self._get(rid, inbox, timeout)
+            if got is None:
+                got = self._get(rid, inbox, timeout)
+            elif not got[0].get("ok"):
+                raise _refusal(got[0])
+            return got
         finally:
             self._forget(rid)
+
+    def _alone(self, op: str, fields: dict) -> tuple[int, queue.SimpleQueue, tuple | None]:
+        """The call of a thread that holds the socket with no other call waiting, on the
+        local stream: its request written and its reply read here, with none of the
+        general path's hand-offs (`_send`, `_get`, `_pump`): its rid, its inbox and the
+        reply (header, frames). Anything else — the reply not here within half a ping
+        interval, another thread's request (the eventfd), a write the socket did not
+        take, the stream closed — gives the socket up and returns no reply: the
+        general path (`_get`, with the inbox) goes on from there. The caller holds the
+        socket lock; it is released here."""
+        try:
+            rid = next(self._rids)
+            message = [encode_request(op, rid, fields)]
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            with self._waiting_lock:
+                self._waiting[rid] = inbox
+        except BaseException:
+            self._sock_lock.release()
+            raise
+        got = None
+        try:
+            now = time.monotonic()
+            if (self._stream is None or self._outbox or self._handed
+                    or len(self._stream_writer) or not self._stream_write(message)):
+                self._outbox.append((rid, message))   # behind what waits: `_pump` sends it
+                return rid, inbox, None
+            self._last_sent = now
+            stream, reader = self._stream, self._stream_reader
+            fd, wait_ms = stream.fileno(), self._ping_every / 2 * 1e3
+            while got is None:
+                events = self._poller.poll(wait_ms)
+                if len(events) != 1 or events[0] != (fd, select.POLLIN) or len(self._stream_writer):
+                    break
+                if reader.receive(stream, RECV_BYTES) <= 0:
+                    break                     # closed (seen again by `_pump`), or nothing
+                self._last_heard = time.monotonic()
+                try:
+                    messages = reader.feed(b"")
+                except ProtocolError:         # not predd's framing: nothing more can be read
+                    self._close_stream(self._last_heard)
+                    break
+                for frames in messages:
+                    header = _header(frames)
+                    if header is not None and header.get("rid") == rid:
+                        got = header, frames[1:]
+                    else:
+                        self._deliver(frames)
+            return rid, inbox, got
+        finally:
+            self._release(rid)
 
     def call(self, op: str, timeout: float | None = None, **fields) -> dict:
         return self.request(op, timeout=timeout, **fields)[0]
@@ -631,11 +692,10 @@ class Client:
             self._deliver(frames)
 
     def _deliver(self, frames: list[bytes]) -> None:
-        try:
-            header = msgpack.unpackb(frames[0], raw=False)
-            rid = header.get("rid")
-        except Exception:
+        header = _header(frames)
+        if header is None:
             return
+        rid = header.get("rid")
         if rid is None and isinstance(header.get("error"), dict) and self._stream is not None:
             err = header["error"]           # predd refuses this stream (before closing it)
             self._stream_error = LipError(err.get("code", "EIO"), err.get("message", ""))
@@ -651,6 +711,15 @@ class Client:
             self._waiting.clear()
         for inbox in inboxes:
             inbox.put(error)
+
+
+def _header(frames: list[bytes]) -> dict | None:
+    """A reply's header map; None where it is not one."""
+    try:
+        header = msgpack.unpackb(frames[0], raw=False)
+    except Exception:
+        return None
+    return header if isinstance(header, dict) else None
 
 
 def _received(sock: zmq.Socket, receive: Callable[[int], T]) -> list[T]:
