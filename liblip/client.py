@@ -304,7 +304,7 @@ class Client:
         interval, another thread's request (the eventfd), a write the socket did not
         take, the stream closed — gives the socket up and returns no reply: the
         general path (`_get`, with the inbox) goes on from there. The caller holds the
-        socket lock; it is released here."""
+        socket lock; it is released here, and the rid forgotten if this raises."""
         try:
             rid = next(self._rids)
             message = [encode_request(op, rid, fields)]
@@ -323,10 +323,14 @@ class Client:
                 return rid, inbox, None
             self._last_sent = now
             stream, reader = self._stream, self._stream_reader
-            fd, wait_ms = stream.fileno(), self._ping_every / 2 * 1e3
-            while got is None:
-                events = self._poller.poll(wait_ms)
-                if len(events) != 1 or events[0] != (fd, select.POLLIN) or len(self._stream_writer):
+            fd, deadline = stream.fileno(), now + self._ping_every / 2   # then pings are due
+            while got is None and not len(self._stream_writer):
+                left = deadline - time.monotonic()
+                # the eventfd, or POLLHUP: the general path. (A hand-off that a `_pump`
+                # took before its sender wrote the eventfd leaves a count that sends the
+                # next call alone there once: a cost, never a loss.)
+                events = self._poller.poll(left * 1e3) if left > 0 else ()
+                if len(events) != 1 or events[0] != (fd, select.POLLIN):
                     break
                 if reader.receive(stream, RECV_BYTES) <= 0:
                     break                     # closed (seen again by `_pump`), or nothing
@@ -338,11 +342,14 @@ class Client:
                     break
                 for frames in messages:
                     header = _header(frames)
-                    if header is not None and header.get("rid") == rid:
-                        got = header, frames[1:]
+                    if got is None and header is not None and header.get("rid") == rid:
+                        got = header, frames[1:]      # the first, as `_get` takes it
                     else:
                         self._deliver(frames)
             return rid, inbox, got
+        except BaseException:
+            self._forget(rid)
+            raise
         finally:
             self._release(rid)
 

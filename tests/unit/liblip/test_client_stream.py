@@ -6,7 +6,6 @@ that closes each hand the call to the general path, which answers it (or fails i
 EIO), and the client goes on."""
 from __future__ import annotations
 
-import os
 import select
 import socket
 import threading
@@ -22,7 +21,9 @@ from symphony_protocol.stream import Reader, frame, stream_path
 
 class StreamStub:
     """Answers `hello`; `pred` echoes its tokens as a frame (after `delay_s` when the
-    request says so); `fail` is refused ENOENT; `close` closes the connection."""
+    request says so); `fail` is refused ENOENT; `close` closes the connection; `twice`
+    answers twice in one write (n 1, then 2); `trickle` sends replies to no one's rid
+    every 20 ms for `delay_s`, then its own."""
 
     def __init__(self, tmp_path) -> None:
         self.addr = f"ipc://{tmp_path}/stub.sock"
@@ -43,7 +44,10 @@ class StreamStub:
             now = time.monotonic()
             for due, conn, message in [x for x in late if x[0] <= now]:
                 late.remove((due, conn, message))
-                conn.sendmsg(frame(message))
+                try:
+                    conn.sendmsg(frame(message))
+                except OSError:              # the client went
+                    pass
             for sock in ready:
                 if sock is self.listener:
                     conn, _ = self.listener.accept()
@@ -73,7 +77,15 @@ class StreamStub:
                         reply = {"ok": False, "rid": rid,
                                  "error": {"code": "ENOENT", "message": "no"}}
                     answer = [msgpack.packb(reply), *out]
-                    if req.get("delay_s"):
+                    if op == "twice":
+                        conn.sendmsg([*frame([msgpack.packb(dict(reply, n=1))]),
+                                      *frame([msgpack.packb(dict(reply, n=2))])])
+                    elif op == "trickle":
+                        for k in range(int(req["delay_s"] / 0.02)):
+                            late.append((now + 0.02 * k, conn,
+                                         [msgpack.packb({"ok": True, "rid": 10**9 + k})]))
+                        late.append((now + req["delay_s"], conn, answer))
+                    elif req.get("delay_s"):
                         late.append((now + req["delay_s"], conn, answer))
                     else:
                         conn.sendmsg(frame(answer))
@@ -113,6 +125,7 @@ def general(monkeypatch):
 
 def test_a_lone_caller_goes_the_short_way_and_a_refusal_raises_its_errno(stub, general):
     client = Client(stub.addr)
+    general.clear()
     try:
         assert client._stream is not None
         assert [pred(client, [i, i + 1]) for i in range(50)] == \
@@ -127,26 +140,69 @@ def test_a_lone_caller_goes_the_short_way_and_a_refusal_raises_its_errno(stub, g
 
 
 def test_a_slow_reply_is_waited_for_on_the_general_path(stub, general):
-    client = Client(stub.addr, lease_s=0.3)         # half a ping interval: 50 ms
+    client = Client(stub.addr, lease_s=3.0)         # half a ping interval: 0.5 s
+    general.clear()
     try:
-        assert pred(client, [1, 2], delay_s=0.2) == [1, 2]
+        assert pred(client, [1, 2], delay_s=2.0) == [1, 2]
         assert len(general) == 1
-        assert pred(client, [3]) == [3] and len(general) == 1
     finally:
         client.close()
 
 
-def test_another_threads_call_is_sent_while_a_lone_caller_waits(stub):
+def test_replies_to_others_do_not_keep_a_call_from_its_pings(stub):
+    """Replies that are not the call's keep coming; the call still goes to the general
+    path after half a ping interval, which pings on time."""
+    client = Client(stub.addr, lease_s=0.6)         # a ping every 0.2 s
+    try:
+        pings = stub.ops.count("ping")
+        client.request("trickle", delay_s=1.5)
+        assert stub.ops.count("ping") - pings >= 4
+    finally:
+        client.close()
+
+
+def test_the_first_reply_wins_and_an_interrupt_leaves_nothing_waiting(stub, monkeypatch):
     client = Client(stub.addr)
+    try:
+        assert client.request("twice")[0]["n"] == 1
+        poller = client._poller
+
+        class Interrupted:              # Ctrl-C while the call waits in poll
+            def poll(self, *args):
+                raise KeyboardInterrupt
+
+            def __getattr__(self, name):
+                return getattr(poller, name)
+        monkeypatch.setattr(client, "_poller", Interrupted())
+        with pytest.raises(KeyboardInterrupt):
+            pred(client, [1])
+        monkeypatch.setattr(client, "_poller", poller)
+        assert client._waiting == {} and not client._sock_lock.locked()
+        assert pred(client, [2]) in ([1], [2])      # the interrupted call's reply may come
+    finally:
+        client.close()
+
+
+def test_another_threads_call_is_sent_while_a_lone_caller_waits(stub, monkeypatch):
+    client = Client(stub.addr)
+    alone = threading.Event()
+    short = Client._alone
+
+    def entered(self, op, fields):
+        alone.set()
+        return short(self, op, fields)
+    monkeypatch.setattr(Client, "_alone", entered)
     try:
         done: dict[str, tuple[float, list[int]]] = {}
 
         def slow() -> None:
-            got = pred(client, [9, 9], delay_s=0.3)
+            got = pred(client, [9, 9], delay_s=0.4)
             done["slow"] = time.monotonic(), got
+        alone.clear()
         thread = threading.Thread(target=slow)
         thread.start()
-        time.sleep(0.05)                              # the first call waits, the short way
+        assert alone.wait(5)                          # the first call waits, the short way
+        time.sleep(0.02)
         got = pred(client, [4])
         done["quick"] = time.monotonic(), got
         thread.join(5)
@@ -177,4 +233,3 @@ def test_the_short_way_is_not_taken_with_a_timeout_or_frames(stub, general):
         assert len(general) == 2
     finally:
         client.close()
-    assert os.path.exists(stream_path(stub.addr))
