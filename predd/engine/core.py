@@ -108,7 +108,6 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         # next pass is launched (`release_held`), for the clients the server says
         # (`hold_for`: those whose next call it reads while a pass runs; None: none)
         self.hold_for: Callable[[bytes], bool] | None = None
-        self._holding = False
         self.held: list[tuple[bytes, int, p.PredReply]] = []
         self.memory = Memory(m, self.store, self.tiers, self.scheduler.admitted,
                              lambda oid: self.quotas.charges[oid].uid)
@@ -234,13 +233,12 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         finished: set[int] = set()
         failed: set[int] = set()
         self._answered.clear()
-        self._holding = (self.hold_for is not None and device is not None
-                         and self.speculation.on)
+        holding = self.hold_for is not None and device is not None and self.speculation.on
         try:
             for item in ran:
                 if item.completes:
                     try:
-                        if self._reply_done(item.call):
+                        if self._reply_done(item.call, holding):
                             finished.add(item.call.cid)
                     except Exception as exc:
                         failed.add(item.call.cid)
@@ -256,8 +254,7 @@ class Engine(Intake, Admission, Cancellation, Continuation):
             for call, reply in self._answered:   # out of the queue: their next steps
                 self.speculate(call, reply)
         finally:
-            if self._holding:                    # every reply built goes, now or later
-                self._holding = False
+            if holding:                          # every reply built goes, now or later
                 self._hold(self._answered)
         times["outputs"] += time.perf_counter() - finishing
 
@@ -330,10 +327,11 @@ class Engine(Intake, Admission, Cancellation, Continuation):
         mid = len(chunks) // 2
         return self._execute(chunks[:mid]) + self._execute(chunks[mid:])
 
-    def _reply_done(self, call: Call) -> bool:
+    def _reply_done(self, call: Call, holding: bool = False) -> bool:
         """A call's known tokens are computed: reply, or feed a generate's next token
         back (streaming it). Whether the call is done; a generate's done reply is its one
-        terminal message, carrying its last token, finish_reason and cost."""
+        terminal message, carrying its last token, finish_reason and cost. `holding`: a
+        pred's reply is not sent here but by `_hold`, once its next step is known."""
         obj = self.store.get(call.oid)
         pages = len(obj.pages)         # the cost's (made only for a reply that carries it)
         if call.speculative:           # kept, uncommitted, for the call that takes it
@@ -343,7 +341,7 @@ class Engine(Intake, Admission, Cancellation, Continuation):
             return False
         if not call.generating:
             reply = self._pred_reply(call, pages)
-            if not self._holding:          # else sent or held once its next step is known
+            if not holding:                # else sent or held once its next step is known
                 self._reply(call.identity, call.rid, reply)
             if self.speculation.on:
                 self._answered.append((call, reply))
