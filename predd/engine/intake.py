@@ -94,21 +94,17 @@ class Intake:
             session = self.sessions.of_identity(identity)
             if session is not None:
                 self._arrived(session, peer, now)
-            if (session is not None and self.speculation.by_oid and not extra
-                    and header.get("op") == "pred" and self._take_speculation(identity,
-                                                                              session, header)):
+            spec = (self._speculation_of(session, header)
+                    if session is not None and not extra else None)
+            if spec is not None:
+                self._take_speculation(identity, session, header, spec)
                 return
             request = p.decode_request(header)
             if session is None:
                 session = self._open_session(identity, peer, request, now)
             self._dispatch(identity, session, request, extra, now)
-        except ProtocolError as exc:
-            if exc.code == "EAGAIN":
-                self.counters.throttled += 1
-            self._reply(identity, rid, ErrorReply.of(exc))
-        except Exception as exc:  # a bug must not take the daemon down
-            self.log(f"internal error on request {rid}: {type(exc).__name__}: {exc}")
-            self._reply(identity, rid, ErrorReply(code="EIO", message=f"internal error: {exc}"))
+        except Exception as exc:
+            self._refuse(identity, rid, exc)
 
     def handle_in_flight(self, identity: bytes, frames: list[bytes], now: float,
                          peer: Peer) -> bool:
@@ -119,36 +115,39 @@ class Intake:
         say so. Anything else is left as it was, for after the step (False): no state
         changes, nothing counted."""
         session = self.sessions.of_identity(identity)
-        if (session is None or not self.speculation.by_oid or len(frames) != 1
-                or len(frames[0]) > QUICK_BYTES or peer.address != session.peer):
+        if (session is None or len(frames) != 1 or len(frames[0]) > QUICK_BYTES
+                or peer.address != session.peer):
             return False
         try:
             header, _ = p.decode_frames(frames)
-            cap = self.caps.find(header.get("cap")) if header.get("op") == "pred" else None
-            if (cap is None or not cap.writable or self.deferred.holds(cap.oid)
-                    or self.speculation.taken_by(session.sid, cap.oid, header) is None):
-                return False
+            spec = self._speculation_of(session, header)
         except ProtocolError:          # the full path answers it
             return False
         except Exception as exc:       # a bug: the full path, after the step, answers it
             self.log(f"internal error looking at a request in flight: "
                      f"{type(exc).__name__}: {exc}")
             return False
+        if spec is None:
+            return False
         self.counters.requests += 1
         self.counters.answered_in_flight += 1
         try:
             self._arrived(session, peer, now)
-            if not self._take_speculation(identity, session, header):
-                raise RuntimeError("a speculation that taken_by gave was not taken")
-        except ProtocolError as exc:
+            self._take_speculation(identity, session, header, spec)
+        except Exception as exc:
+            self._refuse(identity, header["rid"], exc)
+        return True
+
+    def _refuse(self, identity: bytes, rid: int | None, exc: Exception) -> None:
+        """A request's error reply: its own errno (EAGAIN counted), or EIO for a bug
+        (logged: it must not take the daemon down)."""
+        if isinstance(exc, ProtocolError):
             if exc.code == "EAGAIN":
                 self.counters.throttled += 1
-            self._reply(identity, header["rid"], ErrorReply.of(exc))
-        except Exception as exc:  # a bug must not take the daemon down
-            self.log(f"internal error on request {header['rid']}: {type(exc).__name__}: {exc}")
-            self._reply(identity, header["rid"],
-                        ErrorReply(code="EIO", message=f"internal error: {exc}"))
-        return True
+            self._reply(identity, rid, ErrorReply.of(exc))
+            return
+        self.log(f"internal error on request {rid}: {type(exc).__name__}: {exc}")
+        self._reply(identity, rid, ErrorReply(code="EIO", message=f"internal error: {exc}"))
 
     def _arrived(self, session: Session, peer: Peer, now: float) -> None:
         """A message of `session` from `peer`: its credentials checked, its lease renewed,
@@ -196,18 +195,23 @@ class Intake:
         if reply is not None:
             self._reply(identity, req.rid, reply)
 
-    def _take_speculation(self, identity: bytes, session: Session, header: dict) -> bool:
-        """The pred map `header` takes its object's speculation as the full path would
-        take it, without a request record or a call made for it (Speculation.taken_by
-        says when): answered at once where it was computed, else when its step has run.
-        Whether it was taken. Errors are the full path's."""
+    def _speculation_of(self, session: Session, header: dict) -> Call | None:
+        """The speculation the raw map `header` takes at the door as the full path would
+        give it to it (Speculation.taken_by says when); None: the full path decides (it
+        says why, or holds the request). Changes nothing."""
+        if not self.speculation.by_oid or header.get("op") != "pred":
+            return None
         cap = self.caps.find(header.get("cap"))
         if cap is None or not cap.writable or self.deferred.holds(cap.oid):
-            return False             # the full path says why, or holds it
-        spec = self.speculation.taken_by(session.sid, cap.oid, header)
-        if spec is None:
-            return False
-        self.speculation.measure(cap.oid, header["tokens"])
+            return None
+        return self.speculation.taken_by(session.sid, cap.oid, header)
+
+    def _take_speculation(self, identity: bytes, session: Session, header: dict,
+                          spec: Call) -> None:
+        """The pred map `header` takes `spec` (`_speculation_of`), without a request
+        record or a call made for it: answered at once where it was computed, else when
+        its step has run. Errors are the full path's."""
+        self.speculation.measure(spec.oid, header["tokens"])
         self._check_calls(session)
         into, buffer = header.get("into", -1), session.logits
         if into != -1 and buffer is not None:
@@ -217,7 +221,6 @@ class Intake:
                               buffer, into if buffer is not None else -1)
         if spec.parked:
             self._reply(identity, rid, self.claimed(spec))
-        return True
 
     def _objects_of(self, req: p.Request) -> list[int]:
         tokens = [req.cap] if hasattr(req, "cap") else list(getattr(req, "caps", []))
