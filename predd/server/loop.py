@@ -51,7 +51,6 @@ class Server:
         """`per_uid`: local stream connections a uid may hold (0: no limit) but
         `trusted_uid`'s. `overlap`: answer what may be answered while a step's pass runs
         on the device (`_fly`)."""
-        self.overlap = overlap
         self.addr = addr
         self.log = log or (lambda msg: print(f"predd: {msg}", file=sys.stderr, flush=True))
         self.ctx = zmq.Context.instance()
@@ -72,10 +71,10 @@ class Server:
                                        HWM, self.log, per_uid, trusted_uid)
             except OSError as exc:   # e.g. a path too long for a Unix socket's name
                 self.log(f"no local stream ({exc}); local clients use ZeroMQ")
-        # a device step's answers held until the next launch: local streams' alone, whose
-        # next calls `_fly` reads while that pass runs
-        self.engine.hold_for = (self.streams.owns if overlap and self.streams is not None
-                                else None)
+        # what `_fly` reads while a pass runs: the local streams; a device step's answers
+        # to them are held until the next launch
+        self.flies = overlap and self.streams is not None
+        self.engine.hold_for = self.streams.owns if self.flies else None
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         if self.streams is not None:
@@ -161,7 +160,7 @@ class Server:
                 self.engine.release_held()   # the last step's answers: their next steps flying
         if flight is None:
             return False
-        ended = self._fly(flight) if self.overlap and self.streams is not None else []
+        ended = self._fly(flight) if self.flies else []
         try:
             with self._corked():
                 self.engine.land(flight)
