@@ -428,7 +428,10 @@ class Kernels:
         # the bfloat16 kernels read the blocks in tiles of rows (predd/kernels/csrc/quant_blocks.h;
         # Q4_1 in lanes, predd/kernels/csrc/quant_lanes.c, where they come so), the float32 ones by
         # rows: converted here where they come another way
-        if dtype != torch.bfloat16:
+        # and the int8 ones in groups of rows (predd/kernels/csrc/quant_int8.c)
+        if int8:
+            blocks = blocks.in_groups()
+        elif dtype != torch.bfloat16:
             blocks = blocks.in_rows()
         elif not blocks.lanes:
             blocks = blocks.in_tiles()

@@ -215,6 +215,8 @@ def _load_gguf(
 
 
 WEIGHT_TILE_ROWS = 16     # weight rows a tile of QuantBlocks.in_tiles (predd/kernels/csrc/quant_blocks.h)
+# weight rows a group of QuantBlocks.in_groups (predd/kernels/csrc/quant_int8.c)
+GROUP_ROWS = 8
 # QuantBlocks.in_lanes: the bit at which weight 8g + 2s + t of a block (s < 4, t < 2) sits
 # in its tile row's uint32 of group g (predd/kernels/csrc/quant_lanes.c)
 LANE_SHIFTS = np.array([[4 * s + 16 * t for t in range(2)] for s in range(4)], np.uint32)
@@ -233,19 +235,24 @@ class QuantBlocks:
     d and m [tiles, K/32, 16]), the last tile padded with zero rows; `n` the rows
     without the padding (the row layout's are q's first axis). `in_lanes()` is Q4_1
     tiles with each block's q rearranged for predd/kernels/csrc/quant_lanes.c (`lanes`: q
-    [tiles, K/32, 4, 16] uint32, LANE_SHIFTS)."""
+    [tiles, K/32, 4, 16] uint32, LANE_SHIFTS). `in_groups()` is the same blocks as the int8
+    kernels read them (`grouped`, predd/kernels/csrc/quant_int8.c): rows in groups of
+    GROUP_ROWS, a group's block the rows' blocks interleaved four bytes at a time (q [groups,
+    K/32, 128] bytes for Q4_1, [groups, K/32, 256] int8 for Q8_0; d and m [groups, K/32,
+    GROUP_ROWS]), the last group padded with zero rows."""
     kind: str
     q: np.ndarray
     d: np.ndarray
     m: np.ndarray | None
     n: int = 0
+    grouped: bool = False
 
     @property
     def tiled(self) -> bool:
-        return self.d.ndim == 3
+        return self.d.ndim == 3 and not self.grouped
 
     def rows(self) -> int:
-        return self.n if self.tiled else self.q.shape[0]
+        return self.n if self.tiled or self.grouped else self.q.shape[0]
 
     def columns(self) -> int:
         """K, the weight's input width (q's second axis is its blocks either way)."""
@@ -271,16 +278,16 @@ class QuantBlocks:
                                  f"{np.dtype(dtype).name}")
             return c
         return QuantBlocks(self.kind, self.q, cast(self.d),
-                           None if self.m is None else cast(self.m), self.n)
+                           None if self.m is None else cast(self.m), self.n, self.grouped)
 
     def on_huge_pages(self) -> QuantBlocks:
         """The same blocks, copied into predd's huge-page arena (predd/memory/huge_pages.py)."""
         place = huge_pages.ARENA.place
         return QuantBlocks(self.kind, place(self.q), place(self.d),
-                           None if self.m is None else place(self.m), self.n)
+                           None if self.m is None else place(self.m), self.n, self.grouped)
 
     def in_tiles(self) -> QuantBlocks:
-        if self.lanes:
+        if self.lanes or self.grouped:
             return self.in_rows().in_tiles()
         if self.tiled:
             return self
@@ -307,7 +314,35 @@ class QuantBlocks:
         return QuantBlocks(self.kind, np.ascontiguousarray(np.swapaxes(words, 2, 3)),
                            tiles.d, tiles.m, tiles.n)
 
+    def in_groups(self) -> QuantBlocks:
+        if self.grouped:
+            return self
+        rows = self.in_rows()
+        n, pad = rows.rows(), -rows.rows() % GROUP_ROWS
+        blocks = rows.q.shape[1]
+
+        def padded(a: np.ndarray) -> np.ndarray:
+            return np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+
+        def scales(a: np.ndarray) -> np.ndarray:  # [n, blocks] -> [groups, blocks, 8]
+            a = padded(a).reshape(-1, GROUP_ROWS, blocks)
+            return np.ascontiguousarray(np.swapaxes(a, 1, 2))
+        # [n, blocks, bytes] -> [groups, row, blocks, h, 4] -> [groups, blocks, h, row, 4]
+        q = padded(rows.q).reshape(-1, GROUP_ROWS, blocks, rows.q.shape[2] // 4, 4)
+        q = np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)).reshape(q.shape[0], blocks, -1)
+        return QuantBlocks(self.kind, q, scales(rows.d),
+                           None if rows.m is None else scales(rows.m), n, grouped=True)
+
     def in_rows(self) -> QuantBlocks:
+        if self.grouped:
+            groups, blocks = self.q.shape[:2]
+            q = self.q.reshape(groups, blocks, -1, GROUP_ROWS, 4).transpose(0, 3, 1, 2, 4)
+
+            def rows(a: np.ndarray) -> np.ndarray:  # [groups, blocks, 8, ...] -> [n, ...]
+                return np.ascontiguousarray(a.reshape(groups * GROUP_ROWS, *a.shape[2:])[:self.n])
+            return QuantBlocks(self.kind, rows(q.reshape(groups, GROUP_ROWS, blocks, -1)),
+                               rows(np.swapaxes(self.d, 1, 2)),
+                               None if self.m is None else rows(np.swapaxes(self.m, 1, 2)))
         if self.lanes:
             words = np.swapaxes(self.q, 2, 3)[..., None, None]  # [tiles, blocks, rows, g]
             nibbles = ((words >> LANE_SHIFTS) & 0x0F).astype(np.uint8)
@@ -327,7 +362,7 @@ class QuantBlocks:
     def dequantised(self) -> np.ndarray:
         """The [rows, K] float32 weight, as gguf's dequantisation computes it (the
         reference the kernels of predd/kernels/csrc/quant_linear.c reproduce to the bit)."""
-        if self.tiled:
+        if self.tiled or self.grouped:
             return self.in_rows().dequantised()
         d = self.d.astype(np.float32)
         if self.kind == "Q4_1":

@@ -151,9 +151,10 @@ class QuantLinear(nn.Module):
         if dtype == torch.bfloat16 and kernels.bf16_blocks:
             lanes = kernels.bf16_lanes and blocks.kind == "Q4_1"
             self.blocks = (blocks.in_lanes() if lanes else blocks.in_tiles()).on_huge_pages()
-        else:           # int8's scales as half floats (predd/kernels/csrc/quant_int8.c)
-            self.blocks = blocks.in_rows().with_scales(
-                np.float16 if int8 else np.float32).on_huge_pages()
+        elif int8:      # in groups of rows, half-float scales (predd/kernels/csrc/quant_int8.c)
+            self.blocks = blocks.in_groups().with_scales(np.float16).on_huge_pages()
+        else:
+            self.blocks = blocks.in_rows().with_scales(np.float32).on_huge_pages()
         self.out_features = blocks.rows()
         bias = getattr(inner, "bias", None)
         self.bias = None if bias is None else bias.detach().float().contiguous()

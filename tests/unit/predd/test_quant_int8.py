@@ -93,12 +93,13 @@ def test_int8_is_refused_for_bfloat16_rows_and_a_wrong_width():
                                  cpu_kernels.kernels(), torch.bfloat16, int8=True)
 
 
-# The int8 kernels' bits for fixed rows and blocks, as they were when they read float32
-# scales (commit 23e8929): the same in every build (vnni, avx2, portable) and machine.
-PINNED_DIGEST = "dad76f774ddfad20359c4919a1fdf6eeaa3e3ce87e61d27916b7a195831f68a7"
+# The int8 kernels' bits for fixed rows and blocks, each block's sum scaled into one sum a
+# result (weight rows in groups of 8): the same in every build (vnni, avx2, portable) and
+# machine.
+PINNED_DIGEST = "97aeaa8ade0d6a399d30e70d99f9e4028e0144d00a25e54cb89016307625aa36"
 
 
-def test_int8_kernels_give_the_bits_they_gave_with_float32_scales():
+def test_int8_kernels_give_the_same_bits_in_every_build():
     x = torch.from_numpy(np.random.default_rng(0).standard_normal((11, 576)).astype(np.float32))
     out = b"".join(_int8(random_blocks(kind, 70, 576)[0])(x).numpy().tobytes()
                    for kind in ("Q4_1", "Q8_0"))
@@ -110,8 +111,9 @@ def test_int8_layers_hold_the_scales_as_half_floats():
     layer = quant_linear.QuantLinear(nn.Linear(64, 6), blocks, cpu_kernels.kernels(), int8=True)
     # held as the GGUF stores them (20 bytes a Q4_1 block), widened exactly
     assert layer.blocks.d.dtype == layer.blocks.m.dtype == np.float16
-    assert np.array_equal(layer.blocks.d.astype(np.float32), blocks.d)
-    assert np.array_equal(layer.blocks.m.astype(np.float32), blocks.m)
+    held = layer.blocks.in_rows()
+    assert np.array_equal(held.d.astype(np.float32), blocks.d)
+    assert np.array_equal(held.m.astype(np.float32), blocks.m)
     assert layer.blocks.with_scales(np.float32).d.dtype == np.float32
     # a scale no half float holds is refused, not rounded
     odd = QuantBlocks("Q4_1", blocks.q, blocks.d + np.float32(1e-7), blocks.m)
@@ -207,7 +209,7 @@ def test_a_broken_or_foreign_record_is_measured_again(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_a_rows_bits_are_its_own_at_every_row_count(kind):
-    """Q8_0 weight rows go one at a time for a few rows of x and two at a time beyond:
+    """Rows of x go over a group of weight rows four at a time, the last pass shorter:
     each row's result is the same bits in calls of 1 to 12 rows."""
     blocks, _ = random_blocks(kind, 45, 576, seed=11)
     x = torch.randn(12, 576, generator=torch.Generator().manual_seed(11))
@@ -216,3 +218,34 @@ def test_a_rows_bits_are_its_own_at_every_row_count(kind):
     for rows in range(1, 12):
         assert torch.equal(run(x[:rows]), whole[:rows]), rows
         assert torch.equal(run(x[rows:]), whole[rows:]), rows
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 8, 13])
+def test_blocks_in_groups_of_eight_rows_are_the_same_blocks(kind, rows):
+    """QuantBlocks.in_groups: block b of row 8g + j at group g, four bytes of row j after
+    four of row j - 1; the last group padded with zero rows; back by rows exactly."""
+    blocks, weight = random_blocks(kind, rows, 64, seed=rows)
+    grouped = blocks.in_groups()
+    width = 16 if kind == "Q4_1" else 32
+    groups = -(-rows // 8)
+    assert grouped.grouped and not grouped.tiled and grouped.rows() == rows
+    assert grouped.q.shape == (groups, 2, 8 * width) and grouped.d.shape == (groups, 2, 8)
+    assert grouped.columns() == 64
+    for n in range(rows):
+        g, j = divmod(n, 8)
+        for b in range(2):
+            for h in range(width // 4):
+                assert grouped.q[g, b, h * 32 + j * 4:h * 32 + j * 4 + 4].tolist() == \
+                    blocks.q[n, b, 4 * h:4 * h + 4].tolist()
+            assert grouped.d[g, b, j] == blocks.d[n, b]
+    lanes = grouped.q[-1].reshape(2, width // 4, 8, 4)
+    last = rows - 8 * (groups - 1)          # the last group's rows; the rest are zeros
+    assert not lanes[:, :, last:].any() and not grouped.d[-1, :, last:].any()
+    back = grouped.in_rows()
+    assert np.array_equal(back.q, blocks.q) and np.array_equal(back.d, blocks.d)
+    assert (back.m is None) == (blocks.m is None)
+    assert np.array_equal(grouped.dequantised(), weight)
+    assert np.array_equal(grouped.in_tiles().in_rows().q, blocks.q)
+    half = grouped.with_scales(np.float16).on_huge_pages()
+    assert half.grouped and half.rows() == rows
