@@ -112,6 +112,15 @@ static inline void prefetch_group(const int kind, const uint8_t *q, const uint16
 #define DOT_ADD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #endif
 
+/* x's four int8 from q[4h], broadcast to the 8 lanes (read as bytes: no int32 pointer
+ * onto int8 memory) */
+static inline __m256i four_of(const int8_t *q, int h)
+{
+    int32_t v;
+    memcpy(&v, q + 4 * h, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
 /* y[r, n .. n + width - 1] = x_r . w (+ bias) for the R rows of xq (xs alike) and weight
  * group `g` (width of its 8 rows stored); R and KIND constants where this is inlined. */
 static inline __attribute__((always_inline)) void rows_times_group(
@@ -147,8 +156,8 @@ static inline __attribute__((always_inline)) void rows_times_group(
                 const __m256i lo = _mm256_and_si256(both, nibble),
                               hi = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
                 for (int r = 0; r < R; r++) {
-                    const int32_t *xv = (const int32_t *)xq[r * blocks + b].q;
-                    const __m256i xl = _mm256_set1_epi32(xv[h]), xh = _mm256_set1_epi32(xv[h + 4]);
+                    const int8_t *xv = xq[r * blocks + b].q;
+                    const __m256i xl = four_of(xv, h), xh = four_of(xv, h + 4);
 #if defined(DOT_ADD)
                     sums[r] = DOT_ADD(DOT_ADD(sums[r], lo, xl), hi, xh);
 #else
@@ -169,8 +178,7 @@ static inline __attribute__((always_inline)) void rows_times_group(
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(qg + b * 256 + h * 32));
                 const __m256i aw = _mm256_abs_epi8(w);
                 for (int r = 0; r < R; r++) {
-                    const int32_t *xv = (const int32_t *)xq[r * blocks + b].q;
-                    const __m256i xs8 = _mm256_sign_epi8(_mm256_set1_epi32(xv[h]), w);
+                    const __m256i xs8 = _mm256_sign_epi8(four_of(xq[r * blocks + b].q, h), w);
 #if defined(DOT_ADD)
                     sums[r] = DOT_ADD(sums[r], aw, xs8);
 #else
@@ -192,12 +200,16 @@ static inline __attribute__((always_inline)) void rows_times_group(
         }
     }
     for (int r = 0; r < R; r++) {
+        if (width == GROUP) {
+            if (bias)
+                acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias + n));
+            _mm256_storeu_ps(y + r * N + n, acc[r]);
+            continue;
+        }
         float out[GROUP];
-        if (bias && width == GROUP)
-            acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias + n));
         _mm256_storeu_ps(out, acc[r]);
         for (int j = 0; j < width; j++)
-            y[r * N + n + j] = out[j] + (bias && width < GROUP ? bias[n + j] : 0.0f);
+            y[r * N + n + j] = bias ? out[j] + bias[n + j] : out[j];
     }
 }
 
@@ -256,7 +268,7 @@ static void rows_times_group(const int R, const int kind, const struct xblock *x
             if (kind == 4)
                 acc = fmaf(widen_half(m[at]), xs[r * blocks + b], acc);
         }
-        y[r * N + n + j] = acc + (bias ? bias[n + j] : 0.0f);
+        y[r * N + n + j] = bias ? acc + bias[n + j] : acc;
     }
 }
 

@@ -95,7 +95,7 @@ def test_int8_is_refused_for_bfloat16_rows_and_a_wrong_width():
 
 # The int8 kernels' bits for fixed rows and blocks, each block's sum scaled into one sum a
 # result (weight rows in groups of 8): the same in every build (vnni, avx2, portable) and
-# machine.
+# machine (tests/integration/predd/test_kernels_march.py compares the builds, with a bias).
 PINNED_DIGEST = "97aeaa8ade0d6a399d30e70d99f9e4028e0144d00a25e54cb89016307625aa36"
 
 
@@ -249,3 +249,20 @@ def test_blocks_in_groups_of_eight_rows_are_the_same_blocks(kind, rows):
     assert np.array_equal(grouped.in_tiles().in_rows().q, blocks.q)
     half = grouped.with_scales(np.float16).on_huge_pages()
     assert half.grouped and half.rows() == rows
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_block_sums_are_exact(sign):
+    """Every Q4_1 weight 15 and every Q8_0 weight -128 times x all 127 (or -127) after
+    quantisation: the largest sums the int16 and int32 steps meet (a block's eight
+    Q4_1 pair sums reach 30,480; a Q8_0 pair 32,512) come out as the exact arithmetic's."""
+    rows, width = 13, 96
+    x = torch.full((5, width), sign)
+    q4 = QuantBlocks("Q4_1", np.full((rows, 3, 16), 0xFF, np.uint8),
+                     np.full((rows, 3), 0.5, np.float32), np.full((rows, 3), -1.0, np.float32))
+    q8 = QuantBlocks("Q8_0", np.full((rows, 3, 32), -128, np.int8),
+                     np.full((rows, 3), 0.25, np.float32), None)
+    for blocks in (q4, q8):
+        got = _int8(blocks)(x).numpy()
+        want = int8_reference(x.numpy(), blocks)
+        assert np.array_equal(got, want.astype(np.float32)), blocks.kind
