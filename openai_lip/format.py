@@ -68,19 +68,21 @@ class Formatter:
         choice["finish_reason"] = ch.finish_reason if finish else None
         return {**self.head(c, cid, True), "choices": [choice]}
 
-    def whole(self, c: Completion, cid: str, prompt: list[int], choices: list[Choice],
+    def whole(self, c: Completion, cid: str, runs: list[tuple[list[int], list[Choice]]],
               usage: dict) -> dict:
+        """The whole answer: each prompt's ids with its choices, in index order."""
         out = []
-        echo = lip.decode(prompt) if c.echo else ""
-        for ch in choices:
-            text = ch.out.full()
-            if c.chat:
-                out.append({"index": ch.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": self.logprobs(c, ch.entries),
-                            "finish_reason": ch.finish_reason})
-            else:
-                out.append({"index": ch.index, "text": echo + text,
-                            "logprobs": self.logprobs(c, ch.entries, len(echo)),
-                            "finish_reason": ch.finish_reason})
+        for prompt, choices in runs:
+            echo = lip.decode(prompt) if c.echo else ""
+            out += [self._choice(c, ch, echo) for ch in choices]
         return {**self.head(c, cid, False), "choices": out, "usage": usage,
                 "system_fingerprint": None}
+
+    def _choice(self, c: Completion, ch: Choice, echo: str) -> dict:
+        text = ch.out.full()
+        if c.chat:
+            return {"index": ch.index, "message": {"role": "assistant", "content": text},
+                    "logprobs": self.logprobs(c, ch.entries), "finish_reason": ch.finish_reason}
+        return {"index": ch.index, "text": echo + text,
+                "logprobs": self.logprobs(c, ch.entries, len(echo)),
+                "finish_reason": ch.finish_reason}

@@ -1,7 +1,9 @@
 """OpenAI request bodies, checked: `/v1/chat/completions` and `/v1/completions` into one
 `Completion` record, or a `RequestError` with the HTTP status and the offending `param`.
 
-Supported: model, messages | prompt, max_tokens (max_completion_tokens), temperature,
+Supported: model, messages | prompt (text, token ids, or a list of either: a batch of
+prompts, each answered with n choices, choice i * n + j the jth of prompt i, as vLLM and
+llama.cpp's server do), max_tokens (max_completion_tokens), temperature,
 top_p, seed, stop, n, logprobs/top_logprobs, response_format (text, json_object,
 json_schema), stream + stream_options.include_usage, echo (completions), user; and, as
 vLLM and SGLang accept them (their benchmark clients send `ignore_eos`), ignore_eos (go
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_N = 16
+MAX_CHOICES = 64        # n times the prompts of one request (each choice is a cache and a thread)
 MAX_STOP = 4
 MAX_STOP_CHARS = 1000   # a stop string's length: each token's text is checked against it
 MAX_TOP_LOGPROBS = 20
@@ -35,7 +38,7 @@ class Completion:
     chat: bool
     model: str
     messages: list[dict] = field(default_factory=list)   # chat
-    prompt: str | list[int] = ""                         # completions: text or ids
+    prompts: list[str | list[int]] = field(default_factory=list)   # completions: text or ids
     n: int = 1
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -124,17 +127,22 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _prompt(body: dict) -> str | list[int]:
+def _ids(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+
+
+def _prompts(body: dict) -> list[str | list[int]]:
+    """The request's prompts: a string, a list of token ids, or a non-empty list of
+    either (a batch)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+    if isinstance(prompt, str) or _ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(_ids(p) for p in prompt)):
         return list(prompt)
-    raise _bad("prompt must be a string or a list of token ids (one prompt per request)",
-               "prompt")
+    raise _bad("prompt must be a string, a list of token ids, or a non-empty list of "
+               "strings or of token id lists", "prompt")
 
 
 def _stop(body: dict) -> list[str]:
@@ -191,12 +199,14 @@ def parse(body, chat: bool, served: str) -> Completion:
             raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
         c.max_tokens = _int(body, "max_completion_tokens", 1, 1 << 20, None)
     else:
-        c.prompt = _prompt(body)
+        c.prompts = _prompts(body)
         n_lp = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, None)
         c.logprobs, c.top_logprobs = n_lp is not None, n_lp or 0
         c.echo = _bool(body, "echo")
     c.max_tokens = _int(body, "max_tokens", 1, 1 << 20, c.max_tokens)
     c.n = _int(body, "n", 1, MAX_N, 1)
+    if c.n * max(len(c.prompts), 1) > MAX_CHOICES:
+        raise _bad(f"n times the prompts may be at most {MAX_CHOICES}", "prompt")
     c.temperature = _float(body, "temperature", 0.0, 2.0, 1.0)
     c.top_p = _float(body, "top_p", 0.0, 1.0, 1.0)
     if c.top_p == 0.0:

@@ -15,6 +15,8 @@ How it uses the system calls:
   (prefix_cache.py: MOUNT/openai/SCOPE-HASH.kv), forked and truncated; the answer's
   own file is saved after the answer has gone out;
   `usage.prompt_tokens_details.cached_tokens` is what was reused;
+* a batch of prompts (completions) runs each prompt as one would, side by side, choice
+  i * n + j the jth of prompt i; only the first one's answer goes to the prefix cache;
 * n > 1 prefills the rest of the prompt once and forks it n times (n branches, one
   thread each); n = 1 without top_logprobs or response_format leaves it to the first
   call of its decoding (`generate`, or with min_tokens its first `pred_sample`), so the
@@ -39,6 +41,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import liblip as lip
 from liblip.threads import run_threads
@@ -107,6 +110,15 @@ class Replies:
             with self.cond:
                 self.writing = False
                 self.cond.notify_all()
+
+
+@dataclass
+class Run:
+    """One prompt of a request and its n choices; what its cache lookup and prefill gave."""
+    prompt: list[int]
+    choices: list[Choice]
+    cached: int = 0                 # tokens reused from a prefix cache file
+    prefill_cost: dict = field(default_factory=dict)
 
 
 class Server:
@@ -197,49 +209,78 @@ class Server:
 
     # ------------------------------------------------------------ one request
 
-    def _prompt(self, c: Completion) -> list[int]:
+    def _prompt(self, c: Completion, prompt: str | list[int] = "") -> list[int]:
+        """The ids of the chat's conversation, or of one of the completion's prompts; a
+        400 for a prompt that is empty, too long for the context, or not of this
+        vocabulary."""
         if c.chat:
-            return lip.chat_template(c.messages)
-        if isinstance(c.prompt, list):
-            if max(c.prompt) >= self.info["vocab_size"]:
+            ids = lip.chat_template(c.messages)
+        elif isinstance(prompt, list):
+            if max(prompt) >= self.info["vocab_size"]:
                 raise RequestError(400, "prompt has a token id outside the vocabulary", "prompt")
-            return c.prompt
-        tokens = lip.tokenize(c.prompt)
-        if not tokens:
-            raise RequestError(400, "prompt is empty", "prompt")
-        return tokens
+            ids = prompt
+        else:
+            ids = lip.tokenize(prompt)
+            if not ids:
+                raise RequestError(400, "prompt is empty", "prompt")
+        room = self.info["max_position"] - len(ids)
+        if room < 1 or (c.max_tokens or 0) > room:
+            raise RequestError(400, f"the prompt ({len(ids)} tokens) and max_tokens exceed "
+                               f"the model's context ({self.info['max_position']})",
+                               "max_tokens", "context_length_exceeded")
+        return ids
 
     def complete(self, req: Request, c: Completion, scope: str) -> None:
         started = time.monotonic()
-        prompt = self._prompt(c)
-        room = self.info["max_position"] - len(prompt)
-        if room < 1 or (c.max_tokens or 0) > room:
-            raise RequestError(400, f"the prompt ({len(prompt)} tokens) and max_tokens exceed "
-                               f"the model's context ({self.info['max_position']})",
-                               "max_tokens", "context_length_exceeded")
-        max_tokens = c.max_tokens or min(DEFAULT_MAX_TOKENS, room)
-        matchers = [self.grammar.matcher(c.schema) for _ in range(c.n)] if c.schema else None
+        # every prompt checked before anything is sent or computed
+        prompts = [self._prompt(c)] if c.chat else [self._prompt(c, p) for p in c.prompts]
         cid = ("chatcmpl-" if c.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        choices = [Choice(i, c.stop, c.min_tokens) for i in range(c.n)]
+        runs = [Run(prompt, [Choice(i * c.n + j, c.stop, c.min_tokens) for j in range(c.n)])
+                for i, prompt in enumerate(prompts)]
         if c.stream:
             self.replies.send({"id": req.rid, "status": 200, "stream": True})
-            opening = {"role": "assistant", "content": ""} if c.chat else \
-                lip.decode(prompt) if c.echo else ""
-            for ch in choices:
-                self._chunk(req, c, cid, ch, opening, [])
+            for run in runs:
+                opening = {"role": "assistant", "content": ""} if c.chat else \
+                    lip.decode(run.prompt) if c.echo else ""
+                for ch in run.choices:
+                    self._chunk(req, c, cid, ch, opening, [])
+        run_threads(lambda i: self._decode(req, c, runs[i], cid, scope), len(runs))
+        req.check()
 
-        base, cached = self.cache.lookup(scope, prompt[:-1])
+        # the reply goes before the prefix cache's file is saved (openai_lip/prefix_cache.py):
+        # the first prompt's first choice, as for one prompt (a batch of prompts would
+        # otherwise push every other conversation's file out of the cache at once)
+        first = runs[0]
+        promise = self.cache.promise(scope, first.prompt + first.choices[0].ids[:-1])
+        try:
+            self._answer(req, c, cid, runs, started)
+        finally:
+            try:
+                self.cache.keep(promise, scope, first.choices[0].kv)
+            except Exception as exc:   # noqa: BLE001 - answered already: a cache that
+                print(f"openai_lip: prefix cache: {exc!r}",   # cannot grow fails nothing
+                      file=sys.stderr, flush=True)
+
+    def _decode(self, req: Request, c: Completion, run: Run, cid: str, scope: str) -> None:
+        """One prompt's n choices: its longest cached prefix, the rest prefilled (or left
+        to the first call of a lone choice's decoding), forked for n > 1, one thread a
+        choice."""
+        prompt, choices = run.prompt, run.choices
+        max_tokens = c.max_tokens or min(DEFAULT_MAX_TOKENS,
+                                         self.info["max_position"] - len(prompt))
+        matchers = [self.grammar.matcher(c.schema) for _ in range(c.n)] if c.schema else None
+        base, run.cached = self.cache.lookup(scope, prompt[:-1])
         req.track(base)
-        rest, prefill_cost = prompt[cached:-1], {}
+        rest = prompt[run.cached:-1]
         if c.n == 1 and not (matchers or c.top_logprobs):   # one generate does it all
             pending, rest = rest, []
             if pending:
-                prefill_cost = {"computed": len(pending), "reused": cached}
+                run.prefill_cost = {"computed": len(pending), "reused": run.cached}
         else:
             pending = []
         while rest:
             try:
-                prefill_cost = lip.prefill(base, rest)
+                run.prefill_cost = lip.prefill(base, rest)
                 break
             except lip.LipError as exc:
                 base = req.no_room(exc, base)
@@ -266,30 +307,22 @@ class Server:
                                 c.ignore_eos, c.min_tokens, pending)
 
         run_threads(branch, c.n)
-        req.check()
 
-        # the reply goes before the prefix cache's file is saved (openai_lip/prefix_cache.py)
-        promise = self.cache.promise(scope, prompt + choices[0].ids[:-1])
-        try:
-            self._answer(req, c, cid, prompt, choices, cached, prefill_cost, started)
-        finally:
-            try:
-                self.cache.keep(promise, scope, choices[0].kv)
-            except Exception as exc:   # noqa: BLE001 - answered already: a cache that
-                print(f"openai_lip: prefix cache: {exc!r}",   # cannot grow fails nothing
-                      file=sys.stderr, flush=True)
-
-    def _answer(self, req: Request, c: Completion, cid: str, prompt: list[int],
-                choices: list[Choice], cached: int, prefill_cost: dict,
+    def _answer(self, req: Request, c: Completion, cid: str, runs: list[Run],
                 started: float) -> None:
+        choices = [ch for run in runs for ch in run.choices]
+        prompt_tokens = sum(len(run.prompt) for run in runs)
         completion = sum(len(ch.ids) for ch in choices)
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": completion,
-                 "total_tokens": len(prompt) + completion,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
-        cost = {"queue_ms": prefill_cost.get("queue_ms", 0.0) + max(ch.queue_ms for ch in choices),
-                "step_ms": prefill_cost.get("step_ms", 0.0) + max(ch.step_ms for ch in choices),
-                "prefill_computed": prefill_cost.get("computed", 0),
-                "prefill_reused": prefill_cost.get("reused", 0),
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": prompt_tokens + completion,
+                 "prompt_tokens_details": {"cached_tokens": sum(run.cached for run in runs)}}
+        # the prompts ran side by side: the slowest one's times
+        cost = {"queue_ms": max(run.prefill_cost.get("queue_ms", 0.0)
+                                + max(ch.queue_ms for ch in run.choices) for run in runs),
+                "step_ms": max(run.prefill_cost.get("step_ms", 0.0)
+                               + max(ch.step_ms for ch in run.choices) for run in runs),
+                "prefill_computed": sum(run.prefill_cost.get("computed", 0) for run in runs),
+                "prefill_reused": sum(run.prefill_cost.get("reused", 0) for run in runs),
                 "seconds": round(time.monotonic() - started, 3)}
         if c.stream:
             for ch in choices:
@@ -298,8 +331,8 @@ class Server:
                 self.replies.send({"id": req.rid, "chunk": {**self.format.head(c, cid, True),
                                                              "choices": [], "usage": usage}})
         else:
-            self.replies.send({"id": req.rid, "status": 200,
-                               "body": self.format.whole(c, cid, prompt, choices, usage)})
+            self.replies.send({"id": req.rid, "status": 200, "body": self.format.whole(
+                c, cid, [(run.prompt, run.choices) for run in runs], usage)})
         self.replies.send({"id": req.rid, "done": True, "usage": usage, "cost": cost})
 
     def _chunk(self, req: Request, c: Completion, cid: str, ch: Choice, text, entries,

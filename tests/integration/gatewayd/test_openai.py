@@ -273,6 +273,42 @@ def test_completion_with_logprobs(client, predd, model):
         assert top[token] == pytest.approx(logprob) and logprob == pytest.approx(max(top.values()))
 
 
+def test_a_batch_of_prompts_gets_n_choices_each_in_prompt_order(client, predd, model):
+    """prompt as a list: choice i * n + j is the jth of prompt i, as vLLM answers it;
+    usage counts every prompt; text and token-id batches alike; streamed the same."""
+    texts = ["The capital of France is", "Two plus two makes", "A river flows"]
+    ids = [predd.call("tokenize", text=t)["tokens"] for t in texts]
+    greedies = [greedy(predd, tokens, 5) for tokens in ids]
+    want = [text for _, text in greedies]
+    for prompt in (texts, ids):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=5,
+                                      temperature=0, n=2, echo=True)
+        assert [c.index for c in r.choices] == list(range(6))
+        assert [c.text for c in r.choices] == [texts[i] + want[i] for i in range(3)
+                                                for _ in range(2)]
+        assert r.usage.prompt_tokens == sum(len(t) for t in ids)
+        assert r.usage.completion_tokens == 2 * sum(len(out) for out, _ in greedies)
+    stream = client.completions.create(model=model, prompt=texts, max_tokens=5,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    got, finished, usage = ["", "", ""], [None] * 3, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            got[c.index] += c.text
+            finished[c.index] = c.finish_reason or finished[c.index]
+    assert got == want and finished == ["length"] * 3
+    assert usage.prompt_tokens == sum(len(t) for t in ids)
+
+
+@pytest.mark.parametrize("prompt", [[], ["a", [1, 2]], [[1, 2], []], [True], ["x"] * 65])
+def test_a_batch_that_is_not_one_is_400(client, model, prompt):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    assert err.value.status_code == 400 and err.value.body["param"] == "prompt"
+
+
 def test_chat_top_logprobs(client, model):
     r = client.chat.completions.create(model=model, max_tokens=3, temperature=0,
                                        messages=[{"role": "user", "content": "Hi"}],
