@@ -48,7 +48,7 @@ class Formatter:
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{self.token(a): alp for a, alp in alts}
+                "top_logprobs": [None if alts is None else {self.token(a): alp for a, alp in alts}
                                  for _, _, alts in entries], "text_offset": offsets}
 
     def chunk(self, c: Completion, cid: str, ch: Choice, text, entries: list,
@@ -68,21 +68,23 @@ class Formatter:
         choice["finish_reason"] = ch.finish_reason if finish else None
         return {**self.head(c, cid, True), "choices": [choice]}
 
-    def whole(self, c: Completion, cid: str, runs: list[tuple[list[int], list[Choice]]],
+    def whole(self, c: Completion, cid: str, runs: list[tuple[list[int], list[Choice], list]],
               usage: dict) -> dict:
-        """The whole answer: each prompt's ids with its choices, in index order."""
+        """The whole answer: each prompt's ids with its choices (and, echoed with
+        logprobs, the prompt's own logprob entries, which its choices' begin with), in
+        index order."""
         out = []
-        for prompt, choices in runs:
+        for prompt, choices, scored in runs:
             echo = lip.decode(prompt) if c.echo else ""
-            out += [self._choice(c, ch, echo) for ch in choices]
+            out += [self._choice(c, ch, echo, scored) for ch in choices]
         return {**self.head(c, cid, False), "choices": out, "usage": usage,
                 "system_fingerprint": None}
 
-    def _choice(self, c: Completion, ch: Choice, echo: str) -> dict:
+    def _choice(self, c: Completion, ch: Choice, echo: str, scored: list) -> dict:
         text = ch.out.full()
         if c.chat:
             return {"index": ch.index, "message": {"role": "assistant", "content": text},
                     "logprobs": self.logprobs(c, ch.entries), "finish_reason": ch.finish_reason}
         return {"index": ch.index, "text": echo + text,
-                "logprobs": self.logprobs(c, ch.entries, len(echo)),
+                "logprobs": self.logprobs(c, scored + ch.entries, 0 if scored else len(echo)),
                 "finish_reason": ch.finish_reason}

@@ -5,7 +5,8 @@ Supported: model, messages | prompt (text, token ids, or a list of either: a bat
 prompts, each answered with n choices, choice i * n + j the jth of prompt i, as vLLM and
 llama.cpp's server do), max_tokens (max_completion_tokens), temperature,
 top_p, seed, stop, n, logprobs/top_logprobs, response_format (text, json_object,
-json_schema), stream + stream_options.include_usage, echo (completions), user; and, as
+json_schema), stream + stream_options.include_usage, echo (completions; with logprobs the
+prompt's tokens are scored too), user; and, as
 vLLM and SGLang accept them (their benchmark clients send `ignore_eos`), ignore_eos (go
 on past the model's end-of-sequence token, to max_tokens or a stop string) and
 min_tokens (no end-of-sequence token, and no stop string, before that many).

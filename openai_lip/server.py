@@ -15,6 +15,8 @@ How it uses the system calls:
   (prefix_cache.py: MOUNT/openai/SCOPE-HASH.kv), forked and truncated; the answer's
   own file is saved after the answer has gone out;
   `usage.prompt_tokens_details.cached_tokens` is what was reused;
+* echo with logprobs scores the prompt itself: its tokens computed on a fresh cache, an
+  output at each, SCORE_ROWS a call;
 * a batch of prompts (completions) runs each prompt as one would, side by side, choice
   i * n + j the jth of prompt i; only the first one's answer goes to the prefix cache;
 * n > 1 prefills the rest of the prompt once and forks it n times (n branches, one
@@ -44,6 +46,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import liblip as lip
+import numpy as np
 from liblip.threads import run_threads
 from openai_lip.decode import (Cancelled, Choice, Grammar, Request, decode_generate,
                                decode_pred)
@@ -112,13 +115,18 @@ class Replies:
                 self.cond.notify_all()
 
 
+SCORE_ROWS = 16          # prompt positions a call when the prompt's logprobs are asked for
+
+
 @dataclass
 class Run:
-    """One prompt of a request and its n choices; what its cache lookup and prefill gave."""
+    """One prompt of a request and its n choices; what its cache lookup and prefill gave,
+    and (echo with logprobs) the prompt's own logprob entries."""
     prompt: list[int]
     choices: list[Choice]
     cached: int = 0                 # tokens reused from a prefix cache file
     prefill_cost: dict = field(default_factory=dict)
+    scored: list = field(default_factory=list)
 
 
 class Server:
@@ -239,7 +247,7 @@ class Server:
                 for i, prompt in enumerate(prompts)]
         if c.stream:
             self.replies.send({"id": req.rid, "status": 200, "stream": True})
-            for run in runs:
+            for run in [] if scored(c) else runs:     # (else once the prompt is scored)
                 opening = {"role": "assistant", "content": ""} if c.chat else \
                     lip.decode(run.prompt) if c.echo else ""
                 for ch in run.choices:
@@ -269,10 +277,17 @@ class Server:
         max_tokens = c.max_tokens or min(DEFAULT_MAX_TOKENS,
                                          self.info["max_position"] - len(prompt))
         matchers = [self.grammar.matcher(c.schema) for _ in range(c.n)] if c.schema else None
-        base, run.cached = self.cache.lookup(scope, prompt[:-1])
-        req.track(base)
-        rest = prompt[run.cached:-1]
-        if c.n == 1 and not (matchers or c.top_logprobs):   # one generate does it all
+        if scored(c):           # every prompt position's output: none from a cache file
+            base = req.track(self.cache.fresh())
+            base = self._score(req, c, run, base)
+            if c.stream:
+                for ch in choices:
+                    self._chunk(req, c, cid, ch, lip.decode(prompt), run.scored)
+        else:
+            base, run.cached = self.cache.lookup(scope, prompt[:-1])
+            req.track(base)
+        rest = prompt[lip.kv_stat(base)["tokens"] if scored(c) else run.cached:-1]
+        if c.n == 1 and not (matchers or c.top_logprobs or scored(c)):   # one generate
             pending, rest = rest, []
             if pending:
                 run.prefill_cost = {"computed": len(pending), "reused": run.cached}
@@ -308,6 +323,39 @@ class Server:
 
         run_threads(branch, c.n)
 
+    def _score(self, req: Request, c: Completion, run: Run, base: lip.KV) -> lip.KV:
+        """The prompt's own logprobs (`echo` with `logprobs`), as vLLM gives them: its
+        tokens but the last computed into `base`, SCORE_ROWS a call, with the
+        distribution after each; entry i the logprob of token i after tokens < i (and
+        the `logprobs` most likely, the token's own among them), none for the first.
+        The cache to go on with (another where there was no room: room.py)."""
+        prompt, entries = run.prompt, [(run.prompt[0], None, None)]
+        while len(entries) < len(prompt):
+            have = lip.kv_stat(base)["tokens"]
+            chunk = prompt[have:min(have + SCORE_ROWS, len(prompt) - 1)]
+            if not chunk:                          # (cannot be: entries = tokens + 1)
+                raise RuntimeError("the prompt's cache holds more than was scored")
+            try:
+                rows = lip.pred_outputs(base, chunk, list(range(len(chunk))))
+            except lip.LipError as exc:
+                base = req.no_room(exc, base)
+                continue
+            req.check()
+            logits = np.stack([row.logits for row in rows]).astype(np.float64)
+            logits -= logits.max(axis=1, keepdims=True)
+            logprobs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+            for i, row in enumerate(logprobs):
+                at = have + i + 1                  # the prompt token this row predicts
+                if at < len(entries):              # (scored before a rebuild)
+                    continue
+                token = prompt[at]
+                best = np.argsort(-row, kind="stable")[:c.top_logprobs].tolist()
+                alts = [(t, float(row[t])) for t in best + ([token] if token not in best
+                                                            else [])]
+                entries.append((token, float(row[token]), alts))
+        run.scored = entries
+        return base
+
     def _answer(self, req: Request, c: Completion, cid: str, runs: list[Run],
                 started: float) -> None:
         choices = [ch for run in runs for ch in run.choices]
@@ -332,7 +380,7 @@ class Server:
                                                              "choices": [], "usage": usage}})
         else:
             self.replies.send({"id": req.rid, "status": 200, "body": self.format.whole(
-                c, cid, [(run.prompt, run.choices) for run in runs], usage)})
+                c, cid, [(run.prompt, run.choices, run.scored) for run in runs], usage)})
         self.replies.send({"id": req.rid, "done": True, "usage": usage, "cost": cost})
 
     def _chunk(self, req: Request, c: Completion, cid: str, ch: Choice, text, entries,
@@ -340,6 +388,11 @@ class Server:
         chunk = self.format.chunk(c, cid, ch, text, entries, finish)
         if chunk is not None:
             self.replies.send({"id": req.rid, "chunk": chunk})
+
+
+def scored(c: Completion) -> bool:
+    """Whether the prompt's own logprobs are asked for: `echo` with `logprobs`."""
+    return c.echo and c.logprobs
 
 
 def main(argv: list[str] | None = None) -> None:

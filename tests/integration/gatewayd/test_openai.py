@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import openai
 import pytest
 
@@ -307,6 +308,49 @@ def test_a_batch_that_is_not_one_is_400(client, model, prompt):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt=prompt, max_tokens=2)
     assert err.value.status_code == 400 and err.value.body["param"] == "prompt"
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(client, predd, model):
+    """echo + logprobs, as vLLM answers it (evaluation harnesses read a prompt's
+    likelihood so): an entry for every prompt token, none for the first, then the
+    completion's; each the token's logprob after the tokens before it in predd's own
+    logits; text_offset from the start of the echoed text."""
+    text = "The capital of France is Paris, and the capital of Italy is Rome. " * 3
+    prompt = predd.call("tokenize", text=text)["tokens"]
+    assert len(prompt) > 2 * 16                  # more than one call of prompt rows
+    r = client.completions.create(model=model, prompt=text, max_tokens=3, temperature=0,
+                                  echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    n = len(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == n + 3 and r.choices[0].text.startswith(text)
+    assert lp.tokens[:n] == [predd.call("detokenize", tokens=[t])["text"] for t in prompt]
+    assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(text)
+    kv = predd.call("kv_create")
+    try:
+        header, frames = predd.request("pred", cap=kv["cap"], tokens=prompt[:-1],
+                                       outputs=list(range(n - 1)))
+    finally:
+        predd.call("kv_free", cap=kv["cap"])
+    rows = np.frombuffer(frames[0], np.float32).reshape(header["logits"]["shape"])
+    rows = rows.astype(np.float64)
+    logprobs = rows - rows.max(1, keepdims=True)
+    logprobs -= np.log(np.exp(logprobs).sum(1, keepdims=True))
+    want = [float(logprobs[i - 1, prompt[i]]) for i in range(1, n)]
+    assert lp.token_logprobs[1:n] == pytest.approx(want, abs=2e-3)
+    for i in range(1, n):
+        top = lp.top_logprobs[i]
+        assert lp.tokens[i] in top and len(top) in (2, 3)   # the two best, and the token
+        assert max(top.values()) == pytest.approx(float(logprobs[i - 1].max()), abs=2e-3)
+    # streamed: the same entries, the prompt's in the first chunk with the echoed text
+    chunks = list(client.completions.create(model=model, prompt=text, max_tokens=3,
+                                            temperature=0, echo=True, logprobs=2,
+                                            stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == text and first.logprobs.token_logprobs[0] is None
+    streamed = [v for c in chunks for ch in c.choices if ch.logprobs
+                for v in ch.logprobs.token_logprobs]
+    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-9)
 
 
 def test_chat_top_logprobs(client, model):
