@@ -55,7 +55,8 @@ def prompt_text(scope: str, op: str, body) -> str:
         text = "".join(parts)
     elif op == "completion":
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        # a batch by its first prompt, the one whose answer the program keeps
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
     else:

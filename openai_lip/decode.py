@@ -16,11 +16,12 @@ the text (stop strings cut out) and the finish reason.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 import liblip as lip
+from liblip.threads import run_threads
 from openai_lip.requests import RequestError
 from openai_lip.vocab import PreddTokenizer, default_model, gguf_vocab, tokenizer_vocab
 
@@ -41,7 +42,8 @@ class Request:
     def __init__(self, rid, room=None) -> None:
         self.rid = rid
         self.room = room                    # openai_lip.room.Room, or None
-        self.cancelled = threading.Event()
+        self.cancelled = threading.Event()  # the client cancelled it
+        self.halted = threading.Event()     # cancelled, or one of its threads failed
         self.kvs: list[lip.KV] = []
         self.lock = threading.Lock()
 
@@ -50,7 +52,15 @@ class Request:
         same; openai_lip/room.py); raises `exc` when that is all."""
         if self.room is None:
             raise exc
-        return self.room.no_room(exc, kv, self._give_back, self._rebuild, self.cancelled)
+        return self.room.no_room(exc, kv, self._give_back, self._rebuild, self.halted)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        self.halted.set()
+
+    def give_back(self, kv: lip.KV) -> None:
+        """Close `kv`, a cache of this request's, now (not when the request ends)."""
+        self._give_back(kv)
 
     def _give_back(self, kv: lip.KV) -> None:
         with self.lock:
@@ -83,12 +93,12 @@ class Request:
     def track(self, kv: lip.KV) -> lip.KV:
         with self.lock:
             self.kvs.append(kv)
-        if self.cancelled.is_set():
+        if self.halted.is_set():
             self.free()
         return kv
 
     def check(self) -> None:
-        if self.cancelled.is_set():
+        if self.halted.is_set():
             raise Cancelled()
 
     def free(self) -> None:
@@ -311,6 +321,42 @@ class Choice:
         self.step_ms += cost.get("step_ms", 0.0)
 
 
+def run_parts(req: Request, work: Callable[[int], object], count: int) -> None:
+    """work(i) for i < count, one thread each (`run_threads`): a batch's prompts, a
+    prompt's choices. Each part holds memory of its own, so each counts in the request's
+    room while it runs (`Room.hold`; the request's own count is the last part's). The
+    first part to fail halts the others at their next call, and its error is the one
+    raised."""
+    if count == 1:
+        work(0)
+        return
+    if req.room is not None:
+        req.room.hold(count - 1)
+    lock, left, first = threading.Lock(), [count], []
+
+    def part(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:
+            with lock:
+                if not first and not isinstance(exc, Cancelled):
+                    first.append(exc)
+            req.halted.set()
+            raise
+        finally:
+            with lock:
+                left[0] -= 1
+                last = not left[0]
+            if req.room is not None and not last:
+                req.room.end()
+    try:
+        run_threads(part, count)
+    except BaseException:
+        if first:
+            raise first[0] from None
+        raise
+
+
 def without_eos() -> bytes:
     """A pred mask (bits, least significant first) allowing every token but EOS."""
     allowed = np.ones(lip.info_cached()["vocab_size"], dtype=bool)
@@ -355,7 +401,7 @@ def decode_generate(req: Request, kv: lip.KV, last: int, ch: Choice, max_tokens:
         def on_tokens(ids: list[int], logprobs: list[float]) -> bool:
             """A chunk's tokens, on the thread that reads predd's replies."""
             nonlocal produced
-            if req.cancelled.is_set():
+            if req.halted.is_set():
                 return False
             for k, token in enumerate(ids):
                 produced += 1

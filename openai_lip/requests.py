@@ -207,7 +207,8 @@ def parse(body, chat: bool, served: str) -> Completion:
     c.max_tokens = _int(body, "max_tokens", 1, 1 << 20, c.max_tokens)
     c.n = _int(body, "n", 1, MAX_N, 1)
     if c.n * max(len(c.prompts), 1) > MAX_CHOICES:
-        raise _bad(f"n times the prompts may be at most {MAX_CHOICES}", "prompt")
+        raise _bad(f"n times the prompts may be at most {MAX_CHOICES}",
+                   "n" if c.n > 1 else "prompt")
     c.temperature = _float(body, "temperature", 0.0, 2.0, 1.0)
     c.top_p = _float(body, "top_p", 0.0, 1.0, 1.0)
     if c.top_p == 0.0:

@@ -87,8 +87,17 @@ class Room:
             self.running += 1
         return ready
 
+    def hold(self, n: int) -> None:
+        """A started request goes on in n more threads that each hold memory (a batch's
+        prompts, a prompt's choices): each counts as a request running, and `end`s when
+        it is done, so a thread refused room sees its siblings as others making progress
+        (or waiting), and queued requests start as they end."""
+        with self.cond:
+            self.running += n
+
     def end(self) -> None:
-        """A started request ended: its pages are back; queued ones may start."""
+        """A started request (or a thread it `hold`s) ended: its pages are back; queued
+        ones may start."""
         with self.cond:
             self.running -= 1
             self.ended += 1

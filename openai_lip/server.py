@@ -47,9 +47,8 @@ from dataclasses import dataclass, field
 
 import liblip as lip
 import numpy as np
-from liblip.threads import run_threads
 from openai_lip.decode import (Cancelled, Choice, Grammar, Request, decode_generate,
-                               decode_pred)
+                               decode_pred, run_parts)
 from openai_lip.format import Formatter
 from openai_lip.prefix_cache import PrefixCache
 from openai_lip.requests import DEFAULT_MAX_TOKENS, Completion, RequestError, parse
@@ -127,6 +126,7 @@ class Run:
     cached: int = 0                 # tokens reused from a prefix cache file
     prefill_cost: dict = field(default_factory=dict)
     scored: list = field(default_factory=list)
+    matchers: list | None = None    # response_format: each choice's, compiled up front
 
 
 class Server:
@@ -154,7 +154,7 @@ class Server:
             with self.lock:
                 req = self.requests.get(rid)
             if req is not None:
-                req.cancelled.set()
+                req.cancel()
                 req.free()
                 if self.room.withdraw(req):          # it had not started
                     with self.lock:
@@ -245,6 +245,9 @@ class Server:
         cid = ("chatcmpl-" if c.chat else "cmpl-") + uuid.uuid4().hex[:24]
         runs = [Run(prompt, [Choice(i * c.n + j, c.stop, c.min_tokens) for j in range(c.n)])
                 for i, prompt in enumerate(prompts)]
+        if c.schema:            # (a schema it cannot compile is a 400, before any header)
+            for run in runs:
+                run.matchers = [self.grammar.matcher(c.schema) for _ in range(c.n)]
         if c.stream:
             self.replies.send({"id": req.rid, "status": 200, "stream": True})
             for run in [] if scored(c) else runs:     # (else once the prompt is scored)
@@ -252,7 +255,8 @@ class Server:
                     lip.decode(run.prompt) if c.echo else ""
                 for ch in run.choices:
                     self._chunk(req, c, cid, ch, opening, [])
-        run_threads(lambda i: self._decode(req, c, runs[i], cid, scope), len(runs))
+        run_parts(req, lambda i: self._decode(req, c, runs[i], cid, scope, keep=not i),
+                  len(runs))
         req.check()
 
         # the reply goes before the prefix cache's file is saved (openai_lip/prefix_cache.py):
@@ -269,14 +273,17 @@ class Server:
                 print(f"openai_lip: prefix cache: {exc!r}",   # cannot grow fails nothing
                       file=sys.stderr, flush=True)
 
-    def _decode(self, req: Request, c: Completion, run: Run, cid: str, scope: str) -> None:
+    def _decode(self, req: Request, c: Completion, run: Run, cid: str, scope: str,
+                keep: bool) -> None:
         """One prompt's n choices: its longest cached prefix, the rest prefilled (or left
         to the first call of a lone choice's decoding), forked for n > 1, one thread a
-        choice."""
+        choice. Its caches go back when its choices are done (another prompt's may wait
+        for their room), but the first choice's where it is to be kept (`keep`: for the
+        prefix cache file)."""
         prompt, choices = run.prompt, run.choices
         max_tokens = c.max_tokens or min(DEFAULT_MAX_TOKENS,
                                          self.info["max_position"] - len(prompt))
-        matchers = [self.grammar.matcher(c.schema) for _ in range(c.n)] if c.schema else None
+        matchers = run.matchers
         if scored(c):           # every prompt position's output: none from a cache file
             base = req.track(self.cache.fresh())
             base = self._score(req, c, run, base)
@@ -320,8 +327,13 @@ class Server:
             else:
                 decode_generate(req, kvs[i], prompt[-1], ch, max_tokens, sample, c.stop, emit,
                                 c.ignore_eos, c.min_tokens, pending)
+            if c.stream:        # its last chunk as it ends, not when the slowest one does
+                self._chunk(req, c, cid, ch, ch.out.finish(), [], finish=True)
 
-        run_threads(branch, c.n)
+        run_parts(req, branch, c.n)
+        for kv in [base, *(ch.kv for ch in choices[1 if keep else 0:])]:
+            if kv is not None and not (keep and kv is choices[0].kv):
+                req.give_back(kv)
 
     def _score(self, req: Request, c: Completion, run: Run, base: lip.KV) -> lip.KV:
         """The prompt's own logprobs (`echo` with `logprobs`), as vLLM gives them: its
@@ -372,9 +384,7 @@ class Server:
                 "prefill_computed": sum(run.prefill_cost.get("computed", 0) for run in runs),
                 "prefill_reused": sum(run.prefill_cost.get("reused", 0) for run in runs),
                 "seconds": round(time.monotonic() - started, 3)}
-        if c.stream:
-            for ch in choices:
-                self._chunk(req, c, cid, ch, ch.out.finish(), [], finish=True)
+        if c.stream:            # (each choice's last chunk went as it ended)
             if c.include_usage:
                 self.replies.send({"id": req.rid, "chunk": {**self.format.head(c, cid, True),
                                                              "choices": [], "usage": usage}})

@@ -289,25 +289,37 @@ def test_a_batch_of_prompts_gets_n_choices_each_in_prompt_order(client, predd, m
                                                 for _ in range(2)]
         assert r.usage.prompt_tokens == sum(len(t) for t in ids)
         assert r.usage.completion_tokens == 2 * sum(len(out) for out, _ in greedies)
-    stream = client.completions.create(model=model, prompt=texts, max_tokens=5,
+    stream = client.completions.create(model=model, prompt=texts, max_tokens=5, n=2,
                                        temperature=0, stream=True,
                                        stream_options={"include_usage": True})
-    got, finished, usage = ["", "", ""], [None] * 3, None
+    got, finished, usage = [""] * 6, [None] * 6, None
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
             got[c.index] += c.text
             finished[c.index] = c.finish_reason or finished[c.index]
-    assert got == want and finished == ["length"] * 3
+    assert got == [w for w in want for _ in range(2)] and finished == ["length"] * 6
     assert usage.prompt_tokens == sum(len(t) for t in ids)
 
 
-@pytest.mark.parametrize("prompt", [[], ["a", [1, 2]], [[1, 2], []], [True], ["x"] * 65])
-def test_a_batch_that_is_not_one_is_400(client, model, prompt):
+@pytest.mark.parametrize("prompt,n,param", [
+    ([], 1, "prompt"), (["a", [1, 2]], 1, "prompt"), ([[1, 2], []], 1, "prompt"),
+    ([True], 1, "prompt"), (["x"] * 65, 1, "prompt"), (["x"] * 33, 2, "n"),
+    (["x", ""], 1, "prompt")])
+def test_a_batch_that_is_not_one_is_400(client, model, prompt, n, param):
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=model, prompt=prompt, max_tokens=2)
-    assert err.value.status_code == 400 and err.value.body["param"] == "prompt"
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, n=n, stream=True)
+    assert err.value.status_code == 400 and err.value.body["param"] == param
+
+
+def test_a_schema_that_does_not_compile_is_400_before_a_stream_starts(client, model):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=model, max_tokens=4, stream=True, messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "frob"}}})
+    assert err.value.status_code == 400 and err.value.body["param"] == "response_format"
 
 
 def test_echo_with_logprobs_scores_the_prompt_too(client, predd, model):

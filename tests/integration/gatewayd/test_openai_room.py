@@ -68,3 +68,25 @@ def test_a_request_that_cannot_fit_alone_is_a_429(server):
     r = complete(server.url, model, prompt, 400, stream=False)
     assert r.status_code == 429
     assert r.json()["error"]["code"] == "EDQUOT"
+
+
+def test_a_batch_that_does_not_fit_at_once_finishes_and_one_that_cannot_is_a_429(server):
+    """The eight prompts above as one batch: its prompts, each a holder of memory in
+    the program's room, wait for each other as separate requests do; a batch with a
+    prompt that cannot fit alone fails with it (the other prompt halted, its cache
+    freed)."""
+    with checked_client(server) as predd:
+        model = predd.call("info")["model"]
+        prompts = [predd.call("tokenize", text=f"Story {i}: the river and the lantern "
+                              f"{'went on and on ' * 12}")["tokens"] for i in range(8)]
+        huge = predd.call("tokenize", text="lantern " * 300)["tokens"]
+    r = complete(server.url, model, prompts, 48, stream=False)
+    assert r.status_code == 200, r.text[-500:]
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == list(range(8))
+    assert [c["finish_reason"] for c in body["choices"]] == ["length"] * 8
+    assert body["usage"]["completion_tokens"] == 8 * 48
+    r = complete(server.url, model, [prompts[0], huge], 400, stream=False)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "EDQUOT"
+    r = complete(server.url, model, prompts[:2], 48, stream=False)     # it goes on
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2 * 48

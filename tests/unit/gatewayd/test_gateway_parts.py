@@ -184,8 +184,17 @@ def test_chat_request_fields():
 def test_completion_request_fields():
     c = parse({"model": "m", "prompt": ["Once"], "logprobs": 3, "echo": True}, chat=False,
               served="m")
-    assert (c.prompt, c.logprobs, c.top_logprobs, c.echo) == ("Once", True, 3, True)
-    assert parse({"model": "m", "prompt": [1, 2, 3]}, chat=False, served="m").prompt == [1, 2, 3]
+    assert (c.prompts, c.logprobs, c.top_logprobs, c.echo) == (["Once"], True, 3, True)
+    assert parse({"model": "m", "prompt": [1, 2, 3]}, chat=False,
+                 served="m").prompts == [[1, 2, 3]]
+    assert parse({"model": "m", "prompt": ["a"] * 4, "n": 16}, chat=False,
+                 served="m").prompts == ["a"] * 4
+    for body, param in (({"prompt": ["a"] * 5, "n": 16}, "n"), ({"prompt": ["a"] * 65}, "prompt")):
+        with pytest.raises(RequestError) as err:       # n times the prompts: 64 at most
+            parse({"model": "m", **body}, chat=False, served="m")
+        assert err.value.param == param
+    assert parse({"model": "m", "prompt": [[1], [2, 3]]}, chat=False,
+                 served="m").prompts == [[1], [2, 3]]
     assert parse({"model": "m", "prompt": "x"}, chat=False, served="m").logprobs is False
 
 

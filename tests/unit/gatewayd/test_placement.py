@@ -86,6 +86,9 @@ def test_prompt_text_scopes_and_shapes():
     assert prompt_text("a", "completion", {"prompt": "once"}) == "a\0once"
     assert prompt_text("a", "completion", {"prompt": ["once"]}) == "a\0once"
     assert prompt_text("a", "completion", {"prompt": [1, 2]}) == "a\0[1, 2]"
+    # a batch by its first prompt, whose answer the OpenAI program keeps
+    assert prompt_text("a", "completion", {"prompt": ["once", "twice"]}) == "a\0once"
+    assert prompt_text("a", "completion", {"prompt": [[1, 2], [3]]}) == "a\0[1, 2]"
     assert prompt_text("a", "chat", {"messages": "x"}) == ""
     assert prompt_text("a", "chat", {"messages": [3]}) == ""
     assert prompt_text("a", "models", None) == ""
