@@ -23,6 +23,7 @@ import numpy as np
 import liblip as lip
 from liblip.threads import run_threads
 from openai_lip.requests import RequestError
+from openai_lip.room import ROOM_ERRORS
 from openai_lip.vocab import PreddTokenizer, default_model, gguf_vocab, tokenizer_vocab
 
 
@@ -44,12 +45,26 @@ class Request:
         self.room = room                    # openai_lip.room.Room, or None
         self.cancelled = threading.Event()  # the client cancelled it
         self.halted = threading.Event()     # cancelled, or one of its threads failed
+        self.failure: BaseException | None = None   # ... that thread's error
         self.kvs: list[lip.KV] = []
+        # a finished choice's cache kept for the prefix cache file: the first thing given
+        # back when another call of the request finds no room
+        self.spare: lip.KV | None = None
         self.lock = threading.Lock()
 
     def no_room(self, exc: lip.LipError, kv: lip.KV) -> lip.KV:
         """The cache to try again on after `exc` refused a call on `kv` (its tokens the
-        same; openai_lip/room.py); raises `exc` when that is all."""
+        same; openai_lip/room.py); raises `exc` when that is all, Cancelled when another
+        thread of the request failed."""
+        if self.halted.is_set() and not self.cancelled.is_set():
+            raise Cancelled()
+        spare = None
+        if exc.code in ROOM_ERRORS:
+            with self.lock:
+                spare, self.spare = self.spare, None
+        if spare is not None:
+            self._give_back(spare)
+            return kv
         if self.room is None:
             raise exc
         return self.room.no_room(exc, kv, self._give_back, self._rebuild, self.halted)
@@ -57,6 +72,17 @@ class Request:
     def cancel(self) -> None:
         self.cancelled.set()
         self.halted.set()
+        if self.room is not None:
+            self.room.wake()        # a thread of it parked or waiting for room stops
+
+    def fail(self, exc: BaseException) -> None:
+        """One of the request's threads failed with `exc`: the others halt at their next
+        call; the first such error is the request's (`failure`), not the ones halting
+        causes."""
+        with self.lock:
+            if not self.halted.is_set():
+                self.failure = exc
+                self.halted.set()
 
     def give_back(self, kv: lip.KV) -> None:
         """Close `kv`, a cache of this request's, now (not when the request ends)."""
@@ -332,16 +358,14 @@ def run_parts(req: Request, work: Callable[[int], object], count: int) -> None:
         return
     if req.room is not None:
         req.room.hold(count - 1)
-    lock, left, first = threading.Lock(), [count], []
+    lock, left = threading.Lock(), [count]
 
     def part(i: int) -> None:
         try:
             work(i)
         except BaseException as exc:
-            with lock:
-                if not first and not isinstance(exc, Cancelled):
-                    first.append(exc)
-            req.halted.set()
+            if not isinstance(exc, Cancelled):
+                req.fail(exc)
             raise
         finally:
             with lock:
@@ -352,8 +376,8 @@ def run_parts(req: Request, work: Callable[[int], object], count: int) -> None:
     try:
         run_threads(part, count)
     except BaseException:
-        if first:
-            raise first[0] from None
+        if req.failure is not None and not req.cancelled.is_set():
+            raise req.failure from None
         raise
 
 

@@ -48,8 +48,15 @@ class Formatter:
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [None if alts is None else {self.token(a): alp for a, alp in alts}
-                                 for _, _, alts in entries], "text_offset": offsets}
+                "top_logprobs": [None if alts is None else self._top(t, lp, alts)
+                                 for t, lp, alts in entries], "text_offset": offsets}
+
+    def _top(self, token: int, logprob: float, alts: list) -> dict:
+        """A completions entry's alternatives, the token's own among them (as vLLM
+        lists it, whether or not it is one of the most likely)."""
+        top = {self.token(a): alp for a, alp in alts}
+        top.setdefault(self.token(token), logprob)
+        return top
 
     def chunk(self, c: Completion, cid: str, ch: Choice, text, entries: list,
               finish: bool = False) -> dict | None:

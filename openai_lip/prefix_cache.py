@@ -191,6 +191,12 @@ class PrefixCache:
                 self.coming.pop(promise, None)
                 self.changed.notify_all()
 
+    def withdraw(self, promise: int) -> None:
+        """A promised file will not come (its cache went back for room)."""
+        with self.lock:
+            self.coming.pop(promise, None)
+            self.changed.notify_all()
+
     def store(self, scope: str, kv: lip.KV, tokens: list[int]) -> str | None:
         """Keep `kv` (holding exactly `tokens`) as a file; returns its path, or None
         when it adds nothing."""

@@ -95,6 +95,11 @@ class Room:
         with self.cond:
             self.running += n
 
+    def wake(self) -> None:
+        """Every thread waiting here looks again (a request was cancelled)."""
+        with self.cond:
+            self.cond.notify_all()
+
     def end(self) -> None:
         """A started request (or a thread it `hold`s) ended: its pages are back; queued
         ones may start."""

@@ -267,8 +267,13 @@ class Server:
         try:
             self._answer(req, c, cid, runs, started)
         finally:
+            with req.lock:
+                kept, req.spare = req.spare, None
             try:
-                self.cache.keep(promise, scope, first.choices[0].kv)
+                if kept is first.choices[0].kv:
+                    self.cache.keep(promise, scope, kept)
+                else:               # given back for another part's room: no file
+                    self.cache.withdraw(promise)
             except Exception as exc:   # noqa: BLE001 - answered already: a cache that
                 print(f"openai_lip: prefix cache: {exc!r}",   # cannot grow fails nothing
                       file=sys.stderr, flush=True)
@@ -329,11 +334,14 @@ class Server:
                                 c.ignore_eos, c.min_tokens, pending)
             if c.stream:        # its last chunk as it ends, not when the slowest one does
                 self._chunk(req, c, cid, ch, ch.out.finish(), [], finish=True)
+            if keep and i == 0:     # for the prefix cache file, unless another needs room
+                req.spare = ch.kv
+            elif ch.kv is not None:
+                req.give_back(ch.kv)
 
         run_parts(req, branch, c.n)
-        for kv in [base, *(ch.kv for ch in choices[1 if keep else 0:])]:
-            if kv is not None and not (keep and kv is choices[0].kv):
-                req.give_back(kv)
+        if base is not choices[0].kv:
+            req.give_back(base)
 
     def _score(self, req: Request, c: Completion, run: Run, base: lip.KV) -> lip.KV:
         """The prompt's own logprobs (`echo` with `logprobs`), as vLLM gives them: its
@@ -342,25 +350,25 @@ class Server:
         the `logprobs` most likely, the token's own among them), none for the first.
         The cache to go on with (another where there was no room: room.py)."""
         prompt, entries = run.prompt, [(run.prompt[0], None, None)]
+        cost = run.prefill_cost = {"computed": 0, "reused": 0, "queue_ms": 0.0, "step_ms": 0.0}
         while len(entries) < len(prompt):
-            have = lip.kv_stat(base)["tokens"]
+            have = len(entries) - 1                # tokens in the cache, each scored
+            if lip.kv_stat(base)["tokens"] != have:
+                raise RuntimeError("the prompt's cache holds other than what was scored")
             chunk = prompt[have:min(have + SCORE_ROWS, len(prompt) - 1)]
-            if not chunk:                          # (cannot be: entries = tokens + 1)
-                raise RuntimeError("the prompt's cache holds more than was scored")
             try:
                 rows = lip.pred_outputs(base, chunk, list(range(len(chunk))))
             except lip.LipError as exc:
                 base = req.no_room(exc, base)
                 continue
             req.check()
+            for key in ("computed", "queue_ms", "step_ms"):    # (a call's, on each row)
+                cost[key] += rows[0].cost.get(key, 0)
             logits = np.stack([row.logits for row in rows]).astype(np.float64)
             logits -= logits.max(axis=1, keepdims=True)
             logprobs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
             for i, row in enumerate(logprobs):
-                at = have + i + 1                  # the prompt token this row predicts
-                if at < len(entries):              # (scored before a rebuild)
-                    continue
-                token = prompt[at]
+                token = prompt[have + i + 1]       # the prompt token this row predicts
                 best = np.argsort(-row, kind="stable")[:c.top_logprobs].tolist()
                 alts = [(t, float(row[t])) for t in best + ([token] if token not in best
                                                             else [])]

@@ -79,14 +79,24 @@ def test_a_batch_that_does_not_fit_at_once_finishes_and_one_that_cannot_is_a_429
         model = predd.call("info")["model"]
         prompts = [predd.call("tokenize", text=f"Story {i}: the river and the lantern "
                               f"{'went on and on ' * 12}")["tokens"] for i in range(8)]
-        huge = predd.call("tokenize", text="lantern " * 300)["tokens"]
+        huge = predd.call("tokenize", text="lantern " * 520)["tokens"]
+    need = [-(-(len(p) + 48) // PAGE) for p in prompts]
     r = complete(server.url, model, prompts, 48, stream=False)
     assert r.status_code == 200, r.text[-500:]
     body = r.json()
     assert [c["index"] for c in body["choices"]] == list(range(8))
     assert [c["finish_reason"] for c in body["choices"]] == ["length"] * 8
     assert body["usage"]["completion_tokens"] == 8 * 48
+    # a short prompt first (whose answer is kept for the prefix cache) and a long one
+    # that fits only once the short one's cache goes back
+    long = huge[:500]
+    assert -(-(len(long) + 48) // PAGE) + need[0] > QUOTA
+    r = complete(server.url, model, [prompts[0], long], 48, stream=False)
+    assert r.status_code == 200, r.text[-500:]
+    assert r.json()["usage"]["completion_tokens"] == 2 * 48
     r = complete(server.url, model, [prompts[0], huge], 400, stream=False)
     assert r.status_code == 429 and r.json()["error"]["code"] == "EDQUOT"
     r = complete(server.url, model, prompts[:2], 48, stream=False)     # it goes on
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2 * 48
+    r = complete(server.url, model, huge, 400, stream=False)           # nothing leaked:
+    assert r.status_code == 429                # alone it still cannot fit, and says so
