@@ -362,7 +362,10 @@ def test_echo_with_logprobs_scores_the_prompt_too(client, predd, model):
     assert first.text == text and first.logprobs.token_logprobs[0] is None
     streamed = [v for c in chunks for ch in c.choices if ch.logprobs
                 for v in ch.logprobs.token_logprobs]
-    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-9)
+    # (the same within the bf16 kernels' rounding: a row's bits may move with the other
+    # rows of its step, here the first request's prefix cache file being saved)
+    assert len(streamed) == n + 3
+    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=2e-3)
 
 
 def test_chat_top_logprobs(client, model):
