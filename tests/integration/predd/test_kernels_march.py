@@ -22,11 +22,12 @@ TESTS = ["tests/unit/predd/test_cpu_kernels.py", "tests/unit/predd/test_quant_in
          "tests/unit/predd/test_quant_linear.py",
          "tests/integration/predd/test_layer_loop.py"]
 # the int8 kernels' result for fixed blocks and rows, without and with a bias (70 weight
-# rows: the last group of 8 is partial), as bytes' digest: the portable build makes the
-# vector build's operations in the same order
+# rows: the last group of 8 is partial; 19 rows of x: with AVX512-VNNI, whole groups two
+# at a time), as bytes' digest: the portable build makes the vector build's operations in
+# the same order
 INT8_DIGEST = (
     "import hashlib, torch; from predd.kernels import cpu_kernels as c, probes as p; k = c.kernels(); "
-    "x = torch.randn(11, 576, generator=torch.Generator().manual_seed(0)); "
+    "x = torch.randn(19, 576, generator=torch.Generator().manual_seed(0)); "
     "b = torch.randn(70, generator=torch.Generator().manual_seed(1)); "
     "print(k.int8_dots, hashlib.sha256(b''.join(k.bind(p.random_blocks(kind, 70, 576)[0], "
     "bias, int8=True)(x).numpy().tobytes() for kind in ('Q4_1', 'Q8_0') "
