@@ -63,11 +63,11 @@ class Request:
             with self.lock:
                 spare, self.spare = self.spare, None
         if spare is not None:
-            self._give_back(spare)
+            self.give_back(spare)
             return kv
         if self.room is None:
             raise exc
-        return self.room.no_room(exc, kv, self._give_back, self._rebuild, self.halted)
+        return self.room.no_room(exc, kv, self.give_back, self._rebuild, self.halted)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -86,9 +86,6 @@ class Request:
 
     def give_back(self, kv: lip.KV) -> None:
         """Close `kv`, a cache of this request's, now (not when the request ends)."""
-        self._give_back(kv)
-
-    def _give_back(self, kv: lip.KV) -> None:
         with self.lock:
             if kv in self.kvs:
                 self.kvs.remove(kv)

@@ -187,12 +187,10 @@ class PrefixCache:
         try:
             return self.store(scope, kv, lip.kv_tokens(kv))
         finally:
-            with self.lock:
-                self.coming.pop(promise, None)
-                self.changed.notify_all()
+            self.withdraw(promise)
 
     def withdraw(self, promise: int) -> None:
-        """A promised file will not come (its cache went back for room)."""
+        """A promise ends: kept (`keep`), or its cache went back for room."""
         with self.lock:
             self.coming.pop(promise, None)
             self.changed.notify_all()

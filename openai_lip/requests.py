@@ -56,6 +56,11 @@ class Completion:
     min_tokens: int = 0
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's own logprobs are asked for: `echo` with `logprobs`."""
+        return self.echo and self.logprobs
+
+    @property
     def sample(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p}
 

@@ -250,7 +250,7 @@ class Server:
                 run.matchers = [self.grammar.matcher(c.schema) for _ in range(c.n)]
         if c.stream:
             self.replies.send({"id": req.rid, "status": 200, "stream": True})
-            for run in [] if scored(c) else runs:     # (else once the prompt is scored)
+            for run in [] if c.scores_prompt else runs:     # (else once the prompt is scored)
                 opening = {"role": "assistant", "content": ""} if c.chat else \
                     lip.decode(run.prompt) if c.echo else ""
                 for ch in run.choices:
@@ -289,7 +289,7 @@ class Server:
         max_tokens = c.max_tokens or min(DEFAULT_MAX_TOKENS,
                                          self.info["max_position"] - len(prompt))
         matchers = run.matchers
-        if scored(c):           # every prompt position's output: none from a cache file
+        if c.scores_prompt:           # every prompt position's output: none from a cache file
             base = req.track(self.cache.fresh())
             base = self._score(req, c, run, base)
             if c.stream:
@@ -298,8 +298,8 @@ class Server:
         else:
             base, run.cached = self.cache.lookup(scope, prompt[:-1])
             req.track(base)
-        rest = prompt[lip.kv_stat(base)["tokens"] if scored(c) else run.cached:-1]
-        if c.n == 1 and not (matchers or c.top_logprobs or scored(c)):   # one generate
+        rest = [] if c.scores_prompt else prompt[run.cached:-1]   # (scored: all but the last)
+        if c.n == 1 and not (matchers or c.top_logprobs or c.scores_prompt):   # one generate
             pending, rest = rest, []
             if pending:
                 run.prefill_cost = {"computed": len(pending), "reused": run.cached}
@@ -364,10 +364,8 @@ class Server:
             req.check()
             for key in ("computed", "queue_ms", "step_ms"):    # (a call's, on each row)
                 cost[key] += rows[0].cost.get(key, 0)
-            logits = np.stack([row.logits for row in rows]).astype(np.float64)
-            logits -= logits.max(axis=1, keepdims=True)
-            logprobs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-            for i, row in enumerate(logprobs):
+            for i, dist in enumerate(rows):
+                row = dist.logprobs()
                 token = prompt[have + i + 1]       # the prompt token this row predicts
                 best = np.argsort(-row, kind="stable")[:c.top_logprobs].tolist()
                 alts = [(t, float(row[t])) for t in best + ([token] if token not in best
@@ -406,11 +404,6 @@ class Server:
         chunk = self.format.chunk(c, cid, ch, text, entries, finish)
         if chunk is not None:
             self.replies.send({"id": req.rid, "chunk": chunk})
-
-
-def scored(c: Completion) -> bool:
-    """Whether the prompt's own logprobs are asked for: `echo` with `logprobs`."""
-    return c.echo and c.logprobs
 
 
 def main(argv: list[str] | None = None) -> None:
