@@ -366,7 +366,9 @@ class KVStore:
 def parse_export(blob: bytes, mine: dict, vocab: int, max_length: int
                  ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     """(length, token ids, positions, K/V [layers, 2, n, Hkv, D]) of an export made for
-    the cache `mine` describes; EINVAL (E2BIG past `max_length` entries) on anything
+    the cache `mine` describes, its K/V as `mine` holds them (float32 and bfloat16
+    entries are read into a pool of the other: widened exactly, or rounded to nearest
+    even); EINVAL (E2BIG past `max_length` entries) on anything
     else: a bad header, another model/geometry/dtype, lengths that disagree, token ids
     outside the vocabulary, positions outside [0, MAX_POSITION), K/V of the wrong size
     or holding NaN or infinity (it would poison every call that attends to it).
@@ -393,6 +395,13 @@ def parse_export(blob: bytes, mine: dict, vocab: int, max_length: int
         raise _corrupt(f"header is not msgpack ({type(exc).__name__})") from None
     if not isinstance(meta, dict):
         raise _corrupt("header is not a map")
+    theirs = meta.get("dtype")
+    if (isinstance(theirs, str) and theirs != mine["dtype"] and theirs in CONVERTIBLE
+            and mine["dtype"] in CONVERTIBLE
+            and meta.get("numpy_dtype") == CONVERTIBLE[theirs]):
+        meta = {**meta, "numpy_dtype": mine["numpy_dtype"], "dtype": mine["dtype"]}
+    else:
+        theirs = mine["dtype"]
     for key, value in mine.items():
         if meta.get(key) != value:
             raise ProtocolError("EINVAL", f"export is for {key}={_short(meta.get(key))}, "
@@ -408,14 +417,30 @@ def parse_export(blob: bytes, mine: dict, vocab: int, max_length: int
         raise _corrupt(f"shape {_short(meta.get('shape'))}, expected {shape}")
     tokens = _int_array(meta.get("tokens"), n, "tokens", vocab)
     positions = _int_array(meta.get("positions"), n, "positions", MAX_POSITION)
-    dtype = np.dtype(mine["numpy_dtype"])
+    dtype = np.dtype(CONVERTIBLE.get(theirs, mine["numpy_dtype"]))
     want = int(np.prod(shape)) * dtype.itemsize
     if len(blob) - at - head_len != want:
         raise _corrupt(f"{len(blob) - at - head_len} bytes of K/V, expected {want}")
     kv = np.frombuffer(blob, dtype=dtype, offset=at + head_len).reshape(shape)
-    if not _finite(kv, mine["dtype"]):
+    if not _finite(kv, theirs):
         raise ProtocolError("EINVAL", "KV export holds NaN or infinite K/V")
+    if theirs != mine["dtype"]:
+        kv = _convert(kv, mine["dtype"])
+        if not _finite(kv, mine["dtype"]):     # float32 beyond bfloat16's range
+            raise ProtocolError("EINVAL", f"KV export holds K/V beyond {mine['dtype']}'s range")
     return n, tokens, positions, kv
+
+
+CONVERTIBLE = {"float32": "float32", "bfloat16": "uint16"}   # dtype: numpy dtype of its bits
+
+
+def _convert(kv: np.ndarray, to: str) -> np.ndarray:
+    """float32 K/V as bfloat16 bits (rounded to nearest even, as torch rounds), or
+    bfloat16 bits widened to float32 (exact)."""
+    if to == "float32":
+        return (kv.astype(np.uint32) << 16).view(np.float32)
+    bits = kv.view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def _corrupt(why: str) -> ProtocolError:

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from symphony_protocol import ProtocolError
-from predd.memory.kvstore import EXPORT_MAGIC
+from predd.memory.kvstore import EXPORT_MAGIC, KVStore
+from predd.memory.pool import Pool
 from predd.server.request_limits import MAX_POSITION
-from tests.unit.predd.kvstore_world import World, LAYERS, HEADS, DIM, VOCAB
+from tests.unit.predd.kvstore_world import (FakePages, World, LAYERS, HEADS, DIM, VOCAB,
+                                            MAX_LENGTH)
 
 
 # ---------------------------------------------------------------- export / import
@@ -74,6 +76,48 @@ def test_import_for_another_model_is_einval():
         w.import_(blob)
     assert err.value.code == "EINVAL" and "model" in err.value.message
     assert w.same(snap) and w.store.objects == {}
+
+
+class Bf16Pages(FakePages):
+    """FakePages of a bfloat16 pool (its values' raw bits, as PagedKVCache reads them)."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        super().__init__(num_pages, page_size)
+        self.kv = np.zeros(self.kv.shape, np.uint16)
+
+    def describe(self):
+        return {**super().describe(), "dtype": "bfloat16", "numpy_dtype": "uint16"}
+
+
+def test_import_converts_between_float32_and_bfloat16_entries():
+    """A float32 export into a bfloat16 pool is rounded as torch rounds (to nearest even;
+    a float32 model's `--kv-dtype bfloat16`), and back it is widened exactly; a value
+    beyond bfloat16's range is EINVAL with nothing taken."""
+    import torch
+    src = World(num_pages=4, page_size=4)
+    a = src.filled(3)
+    slots = src.store.slots(src.obj(a))
+    # ties to even both ways, a value between two bf16 steps, a float32 denormal
+    src.pages.kv[0, 0, slots[0], 0, :] = [1.00390625, 1.01171875, -3.0000002, 1e-40]
+    pages = Bf16Pages(4, 4)
+    store = KVStore(Pool(4, 4), pages)
+    b = store.import_(src.store.export(a), VOCAB, MAX_LENGTH)
+    got = pages.read_slots(store.slots(b))
+    want = torch.from_numpy(src.pages.read_slots(slots)).to(torch.bfloat16)
+    assert np.array_equal(got, want.view(torch.uint16).numpy())
+    assert got[0, 0, 0, 0].tolist() == [0x3F80, 0x3F82, 0xC040, 0x0001]
+    assert store.entries(b.oid)[0].tolist() == src.want[a][0]
+
+    back = World(num_pages=4, page_size=4)
+    c = back.import_(store.export(b.oid)).oid
+    assert np.array_equal(back.pages.read_slots(back.store.slots(back.obj(c))),
+                          want.float().numpy())
+
+    src.pages.kv[1, 1, slots[2], 0, 3] = 3.4e38          # rounds past bf16's largest
+    with pytest.raises(ProtocolError) as err:
+        store.import_(src.store.export(a), VOCAB, MAX_LENGTH)
+    assert err.value.code == "EINVAL" and "beyond bfloat16's range" in err.value.message
+    assert store.pool.free_pages == 3 and len(store.objects) == 1
 
 
 def seal(unsealed: bytes) -> bytes:
@@ -140,7 +184,11 @@ def corrupt_blobs(blob: bytes) -> dict[str, bytes]:
             {**meta, "positions": [MAX_POSITION] + meta["positions"][1:]}),
         "NaN K/V": rebuild(meta, kv_with(float("nan"))),
         "infinite K/V": rebuild(meta, kv_with(float("inf"))),
-        "dtype": rebuild({**meta, "dtype": "bfloat16"}),
+        "dtype": rebuild({**meta, "dtype": "float16"}),
+        "bfloat16 named, float32 sent": rebuild({**meta, "dtype": "bfloat16"}),
+        "bfloat16's bits named, float32 sent": rebuild(
+            {**meta, "dtype": "bfloat16", "numpy_dtype": "uint16"}),
+        "dtype a list": rebuild({**meta, "dtype": ["bfloat16"]}),
         "model": rebuild({**meta, "model": "other"}),
         "layers": rebuild({**meta, "layers": LAYERS + 1}),
         "head_dim": rebuild({**meta, "head_dim": DIM * 2}),
@@ -179,7 +227,10 @@ EXPECTED_MESSAGE = {
     "position negative": f"positions: out of range [0, {MAX_POSITION})",
     "position past int32": f"positions: out of range [0, {MAX_POSITION})",
     "NaN K/V": NON_FINITE, "infinite K/V": NON_FINITE,
-    "dtype": "export is for dtype='bfloat16', this predd has 'float32'",
+    "dtype": "export is for dtype='float16', this predd has 'float32'",
+    "bfloat16 named, float32 sent": "export is for dtype='bfloat16', this predd has 'float32'",
+    "bfloat16's bits named, float32 sent": K_V_SIZE,
+    "dtype a list": "export is for dtype=['bfloat16'], this predd has 'float32'",
     "model": "export is for model='other', this predd has 'fake'",
     "layers": "export is for layers=3", "head_dim": "export is for head_dim=8",
 }
