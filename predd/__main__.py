@@ -35,7 +35,8 @@ from predd.worker import cuda_graphs
 from predd.model import dtype
 from predd.worker import tp as tp_mod
 from predd.model.dtype import DTYPES
-from predd.worker.runner import LINEAR_CHOICES, Runner, RunnerConfig, TensorParallel
+from predd.worker.runner import (KV_DTYPE_CHOICES, LINEAR_CHOICES, Runner, RunnerConfig,
+                                 TensorParallel)
 from predd.engine.scheduler import SchedulerConfig
 from predd.engine import speculation
 from predd.server.loop import Server
@@ -76,6 +77,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(docs/architecture.md, \"The step on a GPU: FlashInfer and CUDA "
                          "graphs\")")
     ap.add_argument("--kv-pages", type=int, default=2048, help="KV pool size in pages")
+    ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
+                    help="the KV pool's dtype: the model's, or bfloat16 under a float32 "
+                         "model on the CPU (half the bytes; attention still computes in "
+                         "float32); auto (default): bfloat16 where --dtype auto chose "
+                         "float32 on a CPU and --attention is cpu, else the model's "
+                         "(docs/architecture.md)")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--addr", help="ZeroMQ endpoint (default ipc://RUNDIR/predd.sock)")
     ap.add_argument("--rundir", help="runtime directory (default $SYMPHONY_RUNDIR)")
@@ -216,7 +223,8 @@ def _main(argv: list[str] | None) -> int:
                                      quant_rows=args.quant_rows,
                                      cuda_graphs=args.cuda_graphs, max_batch=args.max_batch,
                                      layer_loop=args.layer_loop == "on",
-                                     cascade=args.cascade == "on"),
+                                     cascade=args.cascade == "on",
+                                     kv_dtype=args.kv_dtype),
                         progress=log, tp=tp)
         if tp:
             tp_mod.ready()

@@ -119,7 +119,8 @@ def start_predd(*args: str, timeout: float = 600.0):
     info = lip.info()
     lip.client().close()
     log(f"bench: predd {' '.join(args)}: attention {info['attention']}, "
-        f"linear {info.get('linear') or '?'} ({info.get('linear_reason') or '?'})")
+        f"linear {info.get('linear') or '?'} ({info.get('linear_reason') or '?'}), "
+        f"KV {info.get('kv_dtype') or '?'} ({info.get('kv_dtype_reason') or '?'})")
     return daemon
 
 

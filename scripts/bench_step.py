@@ -11,6 +11,7 @@ the earlier GPU step timings in docs/benchmarks.md include.
                                  [--linear auto|packed|...] [--device cuda --dtype float16]
                                  [--model PATH] [--cuda-graphs auto|on|off]
                                  [--shared N] [--layer-loop on|off] [--cascade on|off]
+                                 [--kv-dtype auto|float32|bfloat16]
                                  [--prefill N [--prompts P]]
 """
 from __future__ import annotations
@@ -48,6 +49,9 @@ def main() -> int:
                     help="a predd --layer-loop choice")
     ap.add_argument("--cascade", default="on", choices=("on", "off"),
                     help="a predd --cascade choice")
+    ap.add_argument("--kv-dtype", default="auto",
+                    help="a predd --kv-dtype choice (auto: the model's dtype here, as "
+                         "--dtype is never auto)")
     ap.add_argument("--shared", type=int, default=0,
                     help="the first N entries (whole pages) are one set of pages in every "
                          "call's table: forks of one cached document (B2)")
@@ -66,7 +70,7 @@ def main() -> int:
                                  linear=args.linear, cuda_graphs=args.cuda_graphs,
                                  max_batch=max(args.calls, 64),
                                  layer_loop=args.layer_loop == "on",
-                                 cascade=args.cascade == "on"),
+                                 cascade=args.cascade == "on", kv_dtype=args.kv_dtype),
                     progress=lambda msg: print(msg, file=sys.stderr)
                     if "ready" in msg or "CUDA graphs" in msg else None)
     order = np.random.default_rng(0).permutation(args.calls * per + fresh).astype(np.int32)

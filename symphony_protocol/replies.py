@@ -132,6 +132,8 @@ class InfoReply(Reply):
     layer_loop_reason: str = ""    # why not, where it is off
     cascade: bool = False      # calls' shared prefixes attended together (predd --cascade)
     cascade_reason: str = ""   # why not, where it is off
+    kv_dtype: str = ""         # the KV pool's dtype (predd --kv-dtype)
+    kv_dtype_reason: str = ""  # why
 
 
 @dataclass(kw_only=True)

@@ -81,6 +81,7 @@ class TorchAttention:
 
         def run(layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
             kv = cache.kv[layer].permute(1, 3, 0, 2, 4).index_select(2, pages).view(shape)
+            kv = kv.to(q.dtype)
             out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kv[0], kv[1], pad))
 
         return run
@@ -110,9 +111,12 @@ class TorchAttention:
                 qm = q[start:start + n].transpose(0, 1)[None]             # [1, H, n, D]
                 if pages_t is None:
                     km, vm = k[start:start + n], v[start:start + n]       # [n, Hkv, D]
+                    if cache.dtype != k.dtype:   # as the pool holds them (bf16 under f32)
+                        km, vm = km.to(cache.dtype).to(k.dtype), vm.to(cache.dtype).to(k.dtype)
                 else:
                     km = paged[:, 0].index_select(0, pages_t).flatten(0, 1)[:kv_len]
                     vm = paged[:, 1].index_select(0, pages_t).flatten(0, 1)[:kv_len]
+                    km, vm = km.to(q.dtype), vm.to(q.dtype)
                 o = F.scaled_dot_product_attention(
                     qm, km.transpose(0, 1)[None], vm.transpose(0, 1)[None],
                     attn_mask=mask, is_causal=mask is None, enable_gqa=True)

@@ -26,7 +26,7 @@ def row_writer(cache: PagedKVCache, k_rows: torch.Tensor) -> StoreKV:
 
     def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         flat = cache.flat(layer)                           # [P*2*ps, Hkv, D]
-        flat.index_copy_(0, k_rows, k)
-        flat.index_copy_(0, v_rows, v)
+        flat.index_copy_(0, k_rows, k.to(flat.dtype))     # (rounded where the pool is
+        flat.index_copy_(0, v_rows, v.to(flat.dtype))     # bf16 under float32 rows)
 
     return store

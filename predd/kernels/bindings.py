@@ -42,7 +42,9 @@ SIGNATURES = {
     "shared_prefix_tiles_bf16": (ctypes.c_int, [ptr, i64, ptr, i64, i64, i64, i64, ptr,
                                                  ptr, ptr, ptr, ptr, ptr, ptr, i64, f32,
                                                  ptr]),
+    "paged_attention_f32_kvbf16": (ctypes.c_int, attention),
     "store_entries": (None, [ptr, ptr, i64, ptr, ptr, i64, i64, i64]),
+    "store_entries_bf16": (None, [ptr, ptr, i64, ptr, ptr, i64, i64, i64]),
     "plan_rows": (i64, [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr]),
     "plan_tiles": (i64, [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]),
     "plan_prefixes": (i64, [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
@@ -50,6 +52,7 @@ SIGNATURES = {
     "plan_step": (None, [i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr]),
     "run_layers_f32": (ctypes.c_int, [ptr, i64, ptr]),
     "run_layers_bf16": (ctypes.c_int, [ptr, i64, ptr]),
+    "run_layers_f32_kvbf16": (ctypes.c_int, [ptr, i64, ptr]),
     "kernel_layout": (i64, [ptr, i64]),
 }
 

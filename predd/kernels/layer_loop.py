@@ -66,6 +66,9 @@ def problem(model: LlamaModel, backend, dtype: torch.dtype, tp: bool) -> str | N
         return f"it runs float32 and bfloat16 models, this one is {str(dtype)[6:]}"
     if tp:
         return "tensor parallel: the layers' outputs are all-reduced between the kernels"
+    pool = backend.cache.dtype
+    if pool != dtype and (dtype, pool) != (torch.float32, torch.bfloat16):
+        return f"no kernels for a {str(dtype)[6:]} model over a {str(pool)[6:]} pool"
     if dtype == torch.bfloat16 and not backend.kernel.bf16_blocks:
         return "the CPU has no bf16 dot products for the block kernels"
     for i, layer in enumerate(model.model.layers):
@@ -105,6 +108,8 @@ class LayerLoop:
         self.final_norm = model.model.norm.weight.data_ptr()   # (its eps: `problem`)
         self.dtype = layers[0].input_layernorm.weight.dtype
         suffix = library.SUFFIX[self.dtype]
+        if cache.dtype != self.dtype:       # float32 rows over a bfloat16 pool (`problem`)
+            suffix += "_kv" + library.SUFFIX[cache.dtype]
         self.run_layers = getattr(self.kernels._lib, f"run_layers_{suffix}")
         self._plan = self.kernels._lib.plan_step
         self._out = np.zeros(4, np.int64)    # plan_step's counts

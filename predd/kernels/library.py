@@ -286,18 +286,20 @@ class Kernels:
 
         def run(q: torch.Tensor, out: torch.Tensor, paged: torch.Tensor) -> None:
             _, _, page_size, kv_heads, head_dim = paged.shape
-            if (q.dtype not in SUFFIX or out.dtype != q.dtype or paged.dtype != q.dtype
+            op = self._attention_op(q.dtype, paged.dtype)
+            if (op is None or out.dtype != q.dtype
                     or q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous()
                     or not paged.is_contiguous() or not q.is_cpu):
                 raise ValueError("paged_attention takes float32 or bfloat16 rows of "
-                                 "contiguous heads, out and pool of the same dtype")
+                                 "contiguous heads and out, over a pool of their dtype or "
+                                 "(float32 rows) of bfloat16")
             span = self.row_span(rows, kv_heads)
             start = prior = None
             if shared is not None and q.dtype == torch.bfloat16:
                 start, prior = self.attend_shared(
                     shared, q.data_ptr(), q.stride(0), paged.data_ptr(), page_size, kv_heads,
                     q.shape[1], head_dim, indices, row_token, row_pages)
-            status = self._op("paged_attention", q.dtype)(
+            status = op(
                 q.data_ptr(), q.stride(0), out.data_ptr(), paged.data_ptr(), page_size,
                 kv_heads, q.shape[1], head_dim, *tables, head_dim ** -0.5, span, start, prior)
             if status != 0:
@@ -307,10 +309,19 @@ class Kernels:
         run.keeps = (indices, row_token, row_pages, row_visible, shared)   # behind the pointers
         return run
 
+    def _attention_op(self, q: torch.dtype, pool: torch.dtype):
+        """The row kernel for rows of `q` over a pool of `pool` (None: none)."""
+        if q == pool and q in SUFFIX:
+            return self._op("paged_attention", q)
+        if q == torch.float32 and pool == torch.bfloat16:
+            return self._lib.paged_attention_f32_kvbf16
+        return None
+
     def bind_store(self, rows: np.ndarray, page_size: int
                    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool]:
         """`store(paged, k, v)`: the step's new K and V ([T, Hkv, D], rows may be strided,
-        heads contiguous; one dtype with the pool) into the K rows `rows` (int64, one
+        heads contiguous; the pool's dtype, or float32 into a bfloat16 pool, rounded as
+        torch rounds) into the K rows `rows` (int64, one
         per new token; predd.worker.paged_kv.PagedKVCache.rows) of `paged` [P, 2, ps, Hkv, D]
         and the V rows page_size after them. False (nothing stored) for tensors of
         another layout: the caller stores them its own way."""
@@ -321,12 +332,17 @@ class Kernels:
             entry = paged.shape[-2] * paged.shape[-1]
             if (k.shape != v.shape or k.shape[0] != n or k.shape[1] * k.shape[2] != entry
                     or k.stride(2) != 1 or k.stride(1) != k.shape[2] or k.stride() != v.stride()
-                    or k.dtype != paged.dtype or v.dtype != paged.dtype
-                    or not paged.is_contiguous() or not (k.is_cpu and v.is_cpu and paged.is_cpu)):
+                    or k.dtype != v.dtype or not paged.is_contiguous()
+                    or not (k.is_cpu and v.is_cpu and paged.is_cpu)):
                 return False
-            size = paged.element_size()
-            self._lib.store_entries(paged.data_ptr(), at, n, k.data_ptr(), v.data_ptr(),
-                                    k.stride(0) * size, entry * size, page_size)
+            if k.dtype == paged.dtype:
+                copy = self._lib.store_entries
+            elif k.dtype == torch.float32 and paged.dtype == torch.bfloat16:
+                copy = self._lib.store_entries_bf16
+            else:
+                return False
+            copy(paged.data_ptr(), at, n, k.data_ptr(), v.data_ptr(),
+                 k.stride(0) * k.element_size(), entry * paged.element_size(), page_size)
             return True
 
         store.keeps = rows

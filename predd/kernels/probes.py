@@ -144,9 +144,10 @@ def _layer_ops_error(lib: Kernels, ops: type, dtype: torch.dtype) -> float:
 def _probe_attention(lib: Kernels) -> float:
     """The largest difference from plain softmax attention on a small random case: three
     rows over 1, 19 and 40 entries of scattered pages, two query heads per kv head; in
-    float32, and in bfloat16 beyond what rounding the output to bf16 explains (half a
-    unit in its last place, 2^-8 relative)."""
+    float32, in float32 over a bfloat16 pool (predd --kv-dtype), and in bfloat16 beyond what
+    rounding the output to bf16 explains (half a unit in its last place, 2^-8 relative)."""
     errors = [_attention_error(lib, torch.float32),
+              _attention_error(lib, torch.float32, pool=torch.bfloat16),
               _attention_error(lib, torch.bfloat16, 2.0 ** -8)]
     if lib.attention_blocks:   # a chunk of 6 rows after 34 entries: the block kernel
         errors.append(_attention_error(lib, torch.bfloat16, 2.0 ** -8, chunk=6))
@@ -154,12 +155,13 @@ def _probe_attention(lib: Kernels) -> float:
 
 
 def _attention_error(lib: Kernels, dtype: torch.dtype, rounding: float = 0.0,
-                     chunk: int = 0) -> float:
+                     chunk: int = 0, pool: torch.dtype | None = None) -> float:
     """Three rows over 1, 19 and 40 entries (pages of 4, head_dim 16); or, with `chunk`,
-    one call's `chunk` rows seeing 35.. entries (pages of 16, head_dim 64: the tiles)."""
+    one call's `chunk` rows seeing 35.. entries (pages of 16, head_dim 64: the tiles).
+    `pool`: the pool's dtype where it is not `dtype`."""
     gen = torch.Generator().manual_seed(0)
     ps, kv_heads, heads, d = (16, 2, 4, 64) if chunk else (4, 2, 4, 16)
-    paged = torch.randn(16, 2, ps, kv_heads, d, generator=gen).to(dtype)
+    paged = torch.randn(16, 2, ps, kv_heads, d, generator=gen).to(pool or dtype)
     rows = chunk or 3
     q = torch.randn(rows, heads, d, generator=gen).to(dtype)
     out = torch.zeros(rows, heads, d, dtype=dtype)

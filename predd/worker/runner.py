@@ -48,6 +48,7 @@ class RunnerConfig:
     max_batch: int = 64             # the most calls a step carries (the largest graph)
     layer_loop: bool = True         # a step's layers in one C call where it can (CPU)
     cascade: bool = True            # forks' shared pages attended once, in blocks (CPU)
+    kv_dtype: str = "auto"          # a KV_DTYPE_CHOICES name (`Runner.kv_dtype`)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Launch:
 
 
 LINEAR_CHOICES = ("auto", "plain", "packed", "quantized", "int8")
+KV_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ class Runner:
         if config.threads:
             torch.set_num_threads(config.threads)
         started = time.monotonic()
+        # refused before the model loads
+        attention, _ = resolve_attention(config.attention, config.device, config.dtype)
+        self.kv_dtype, self.kv_dtype_reason = self._kv_dtype(config.kv_dtype, attention)
         self.model_config, weights = load_weights(
             config.model_path, self.dtype, progress,
             tp_mod.part_of(tp.world, tp.rank) if tp else None)
@@ -106,11 +111,10 @@ class Runner:
         # int8: a step's long calls by the dense weight (quant_linear.CallRows; `_pack`)
         self.call_rows: quant_linear.CallRows | None = None
         self.linear, self.linear_reason = self._pack(config.linear)
-        attention, _ = resolve_attention(config.attention, config.device, config.dtype)
         graphs, self.graphs_reason = cuda_graphs.resolve(config.cuda_graphs, config.device,
                                                          attention, tp is not None)
-        pool = PagedKVCache(local, config.kv_pages, config.page_size, self.dtype, self.device,
-                            spare_pages=1 if graphs else 0)
+        pool = PagedKVCache(local, config.kv_pages, config.page_size, self.kv_dtype,
+                            self.device, spare_pages=1 if graphs else 0)
         self.backend = make_backend(attention, pool)
         if self.backend.name == "cpu":     # its kernels do the layers' small ops too
             self.model.ops = cpu_kernels.CpuOps(cpu_kernels.kernels())
@@ -133,7 +137,33 @@ class Runner:
                  f"linear {self.linear}: {self.linear_reason}{self._graphs_note()}"
                  f"{self._layer_loop_note()}) "
                  f"in {time.monotonic() - started:.1f}s; KV pool {config.kv_pages} pages "
-                 f"x {config.page_size} = {pool.kv.numel() * pool.kv.element_size() / 2**20:.0f} MiB")
+                 f"x {config.page_size} = {pool.kv.nbytes / 2**20:.0f} MiB "
+                 f"({str(self.kv_dtype)[6:]}: {self.kv_dtype_reason})")
+
+    def _kv_dtype(self, requested: str, attention: str) -> tuple[torch.dtype, str]:
+        """(the KV pool's dtype, why) for `--kv-dtype requested`: the model's, or bfloat16
+        for a float32 model on the CPU, whose attention widens each value as it reads it
+        (half the bytes a step's attention reads; measured: docs/kernels.md, "A bfloat16
+        pool for float32 models"). `auto` takes bfloat16 where `--dtype auto` chose
+        float32 on a CPU and predd's own attention kernel runs, else the model's dtype.
+        ValueError (EINVAL) for any other pair."""
+        if requested not in KV_DTYPE_CHOICES:
+            raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, "
+                             f"not {requested!r} (EINVAL)")
+        mixed = self.dtype == torch.float32 and self.device.type == "cpu"
+        if requested == "auto":
+            if mixed and self.config.dtype_auto and attention == "cpu":
+                return torch.bfloat16, ("auto: a float32 model on the CPU, its attention "
+                                        "reading bfloat16 entries")
+            return self.dtype, "auto: the model's dtype"
+        kv = DTYPES[requested]
+        if kv == self.dtype:
+            return kv, "asked for"
+        if kv == torch.bfloat16 and mixed:
+            return kv, "asked for"
+        raise ValueError(f"--kv-dtype {requested}: the pool holds the model's dtype "
+                         f"({str(self.dtype)[6:]}), or bfloat16 under a float32 model on "
+                         f"the CPU (EINVAL)")
 
     def _pack(self, requested: str) -> tuple[str, str]:
         """(`int8`, `quantized`, `packed` or `plain`, why) for `--linear requested`: packs

@@ -82,6 +82,7 @@ class FakeRunner:
         self.graphs, self.graphs_reason = None, "fake"
         self.layer_loop, self.layer_loop_reason = None, "fake"
         self.cascade_reason = "fake"
+        self.kv_dtype, self.kv_dtype_reason = "float32", "fake"
         self.fail = lambda chunk: False       # raise in the pass (after scribbling NaN)
         self.nan = lambda chunk: False        # NaN logits, no exception
         self.batches: list[int] = []          # chunks per execute call

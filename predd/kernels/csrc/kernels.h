@@ -33,8 +33,12 @@ void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t n);
     int64_t span, const int64_t *row_start, const float *prior
 int paged_attention_f32(PREDD_ATTENTION_ARGS);
 int paged_attention_bf16(PREDD_ATTENTION_ARGS);
+/* float32 q and out over a bfloat16 pool (a float32 model's `--kv-dtype bfloat16`) */
+int paged_attention_f32_kvbf16(PREDD_ATTENTION_ARGS);
 void store_entries(void *kv, const int64_t *rows, int64_t n, const void *k, const void *v,
                    int64_t src_stride, int64_t entry, int64_t page_size);
+void store_entries_bf16(void *kv, const int64_t *rows, int64_t n, const void *k,
+                        const void *v, int64_t src_stride, int64_t entry, int64_t page_size);
 int attention_tiles_bf16(int use);
 int paged_attention_tiles_bf16(const void *q, int64_t q_stride, void *out, const void *kv,
                                int64_t page_size, int64_t kv_heads, int64_t heads,
@@ -159,6 +163,7 @@ struct step {
 
 int run_layers_f32(const struct layer *layers, int64_t n, const struct step *s);
 int run_layers_bf16(const struct layer *layers, int64_t n, const struct step *s);
+int run_layers_f32_kvbf16(const struct layer *layers, int64_t n, const struct step *s);
 
 /* The structs above as this build lays them out, for the bindings to compare with their
  * own: out[0] the count of values written, then for prefixes, projection, layer and step

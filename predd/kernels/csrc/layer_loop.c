@@ -13,14 +13,8 @@
 
 #include "kernels.h"
 
-/* The layer loop once per dtype: E the element type, t its suffix. Layers 0 .. n - 1 of
- * a step: x takes each block's output in place, delta holds the last one's; with
- * `final_norm`, x takes that too and h is the model's final norm of every row (what
- * predd.model.llama.LlamaModel.head computes of the rows it wants: one kernel call less from
- * Python, whose few ops after the layers cost several times what they cost alone). 0, or
- * -1 where attention or an int8 projection could not allocate its scratch (ENOMEM; x
- * is then half-way). */
-#define LAYERS(E, t, TILES) \
+/* A projection of rows of E (the element type, t its suffix) by its blocks' kernel */
+#define PROJECT(E, t, TILES) \
 static int project_##t(const struct projection *p, const E *x, int64_t rows, E *y) \
 { \
     if (TILES && p->kind == PREDD_LANES) \
@@ -39,9 +33,18 @@ static int project_##t(const struct projection *p, const E *x, int64_t rows, E *
     else \
         return -1;            /* a kind this dtype has no kernel for: never computed */ \
     return 0; \
-} \
-\
-static int rows_##t(const struct step *s, const void *kv, const int64_t *token, \
+}
+
+/* The layer loop once per dtype of the rows (E, projections by project_##t) and of the
+ * pool (K, its attention paged_attention_##a, its store STORE): run_layers_##a. Layers
+ * 0 .. n - 1 of a step: x takes each block's output in place, delta holds the last one's;
+ * with `final_norm`, x takes that too and h is the model's final norm of every row (what
+ * predd.model.llama.LlamaModel.head computes of the rows it wants: one kernel call less from
+ * Python, whose few ops after the layers cost several times what they cost alone). 0, or
+ * -1 where attention or an int8 projection could not allocate its scratch (ENOMEM; x
+ * is then half-way). */
+#define LOOP(E, t, TILES, a, K, STORE) \
+static int rows_##a(const struct step *s, const void *kv, const int64_t *token, \
                     const int64_t *pages, const int64_t *visible, int64_t n, int64_t span, \
                     const struct prefixes *p) \
 { \
@@ -50,26 +53,26 @@ static int rows_##t(const struct step *s, const void *kv, const int64_t *token, 
         s->qkv, width, kv, s->page_size, s->kv_heads, s->heads, s->head_dim, s->indices, \
         token, pages, p->index, p->row, p->rows, p->pages, p->groups, s->scale, \
         p->prior) == 0; \
-    return paged_attention_##t(s->qkv, width, s->attn, kv, s->page_size, s->kv_heads, \
+    return paged_attention_##a(s->qkv, width, s->attn, kv, s->page_size, s->kv_heads, \
                                s->heads, s->head_dim, s->indices, token, pages, visible, n, \
                                s->max_visible, s->scale, span, shared ? p->start : 0, \
                                p->prior); \
 } \
 \
-static int attend_##t(const struct step *s, const void *kv) \
+static int attend_##a(const struct step *s, const void *kv) \
 { \
     const int64_t width = (s->heads + 2 * s->kv_heads) * s->head_dim; \
     if (TILES && s->calls && paged_attention_tiles_bf16( \
             s->qkv, width, s->attn, kv, s->page_size, s->kv_heads, s->heads, s->head_dim, \
             s->indices, s->row_token, s->row_pages, s->row_visible, s->call_row, \
             s->call_rows, s->calls, s->max_visible, s->scale) == 0) \
-        return s->rest ? rows_##t(s, kv, s->rest_token, s->rest_pages, s->rest_visible, \
+        return s->rest ? rows_##a(s, kv, s->rest_token, s->rest_pages, s->rest_visible, \
                                   s->rest, s->span_rest, &s->shared_rest) : 0; \
-    return rows_##t(s, kv, s->row_token, s->row_pages, s->row_visible, s->T, s->span_rows, \
+    return rows_##a(s, kv, s->row_token, s->row_pages, s->row_visible, s->T, s->span_rows, \
                     &s->shared_rows); \
 } \
 \
-int run_layers_##t(const struct layer *layers, int64_t n, const struct step *s) \
+int run_layers_##a(const struct layer *layers, int64_t n, const struct step *s) \
 { \
     const int64_t T = s->T, H = s->heads, KV = s->kv_heads, D = s->head_dim; \
     const int64_t width = (H + 2 * KV) * D; \
@@ -80,9 +83,9 @@ int run_layers_##t(const struct layer *layers, int64_t n, const struct step *s) 
         if (project_##t(&l->qkv, h, T, qkv) != 0) \
             return -1; \
         rope_##t(qkv, width, s->cos, s->sin, T, H + KV, D); \
-        store_entries(l->kv, s->store_rows, T, qkv + H * D, qkv + (H + KV) * D, \
-                      width * (int64_t)sizeof(E), KV * D * (int64_t)sizeof(E), s->page_size); \
-        if (attend_##t(s, l->kv) != 0) \
+        STORE(l->kv, s->store_rows, T, qkv + H * D, qkv + (H + KV) * D, \
+              width * (int64_t)sizeof(E), KV * D * (int64_t)sizeof(K), s->page_size); \
+        if (attend_##a(s, l->kv) != 0) \
             return -1; \
         if (project_##t(&l->o, s->attn, T, delta) != 0) \
             return -1; \
@@ -98,8 +101,11 @@ int run_layers_##t(const struct layer *layers, int64_t n, const struct step *s) 
     return 0; \
 }
 
-LAYERS(float, f32, 0)
-LAYERS(uint16_t, bf16, 1)
+PROJECT(float, f32, 0)
+PROJECT(uint16_t, bf16, 1)
+LOOP(float, f32, 0, f32, float, store_entries)
+LOOP(uint16_t, bf16, 1, bf16, uint16_t, store_entries)
+LOOP(float, f32, 0, f32_kvbf16, uint16_t, store_entries_bf16)
 
 /* (kernels.h) */
 int64_t kernel_layout(int64_t *out, int64_t cap)

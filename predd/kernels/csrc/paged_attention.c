@@ -1,5 +1,6 @@
 /* Paged attention on the CPU, reading K and V where they lie in the pool: float32, or
- * bfloat16 storage (q, the pool, out) computed in float32.
+ * bfloat16 storage (q, the pool, out), or float32 q and out over a bfloat16 pool,
+ * computed in float32.
  *
  * Built by predd/kernels/cpu_kernels.py on the machine that runs it (cc -O3 -march=native
  * -fno-trapping-math -fopenmp) and called through ctypes. OpenMP here is the same
@@ -111,14 +112,14 @@ static inline __m512 load16(const void *p, int64_t i, const int bf16)
     return bf16_widen16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
 }
 
-/* q . k over n values, n a multiple of 64: qraw in the pool's type, qf the same
- * widened to float32 (bf16 without VDPBF16PS reads qf) */
+/* q . k over n values, n a multiple of 64: qraw in q's type (bf16 where `qb`), qf the
+ * same as float32, k bf16 where `kb` (both bf16 with VDPBF16PS read qraw, else qf) */
 static inline float dot_wide(const void *qraw, const float *qf, const void *k, int64_t n,
-                             const int bf16)
+                             const int qb, const int kb)
 {
     __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
-    if (bf16) {
+    if (qb && kb) {
         const uint16_t *q16 = qraw, *k16 = k;
         for (int64_t d = 0; d < n; d += 64) {
             a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q16 + d),
@@ -130,9 +131,10 @@ static inline float dot_wide(const void *qraw, const float *qf, const void *k, i
     }
 #endif
     (void)qraw;
+    (void)qb;
     for (int64_t d = 0; d < n; d += 32) {
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16(k, d, bf16), a);
-        b = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d + 16), load16(k, d + 16, bf16), b);
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16(k, d, kb), a);
+        b = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d + 16), load16(k, d + 16, kb), b);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
 }
@@ -211,16 +213,17 @@ static inline __attribute__((always_inline)) void weighted_sum_heads(
 
 #endif
 
-/* q . k over n values: qraw in the pool's type, qf the same as float32 */
+/* q . k over n values: qraw in q's type, qf the same as float32, k bf16 where `kb` */
 static inline float dot_q(const void *qraw, const float *qf, const void *k, int64_t n,
-                          const int bf16)
+                          const int qb, const int kb)
 {
 #ifdef WIDE
     if (n % 64 == 0)
-        return dot_wide(qraw, qf, k, n, bf16);
+        return dot_wide(qraw, qf, k, n, qb, kb);
 #endif
     (void)qraw;
-    return dot(qf, k, n, bf16);
+    (void)qb;
+    return dot(qf, k, n, kb);
 }
 
 /* weighted_sum for the G query heads that read one kv head: head g's probabilities at
@@ -270,13 +273,15 @@ static inline __attribute__((always_inline)) void weighted_sum_group(
     row_pages, row_visible, rows, max_visible, scale, span, row_start, prior
 
 /* One task: query row r's heads of kv heads h0 .. h0 + sp - 1 (scores, acc, qf: the
- * thread's scratch). `bf16` is a literal at each call (see paged_attention). */
+ * thread's scratch). `qb` (q and out bf16) and `kb` (the pool bf16) are literals at each
+ * call (see paged_attention). */
 static inline __attribute__((always_inline)) void attend_task(
-    const int bf16, ARGS, int64_t r, int64_t h0, int64_t sp, float *scores, float *acc,
-    float *qf)
+    const int qb, const int kb, ARGS, int64_t r, int64_t h0, int64_t sp, float *scores,
+    float *acc, float *qf)
 {
     (void)span;                                      /* this task's: sp */
-    const int64_t size = bf16 ? 2 : 4;               /* bytes per value */
+    const int64_t size = kb ? 2 : 4;                 /* bytes per K or V value */
+    const int64_t qsize = qb ? 2 : 4;                /* bytes per q or out value */
     const int64_t G = heads / kv_heads, D = head_dim, S = sp * G;
     const int64_t entry = kv_heads * D;              /* values per entry (K or V) */
     const int64_t page = 2 * page_size * entry;      /* values per page */
@@ -286,9 +291,9 @@ static inline __attribute__((always_inline)) void attend_task(
     /* a shared prefix's part, done (shared_prefix_tiles_bf16): entries from `start` on */
     const int64_t start = row_start ? row_start[r] : 0;
     const float *pr = start ? prior + (r * heads + h0 * G) * (D + 2) : NULL;
-    const void *qt = AT(q, row_token[r] * q_stride + h0 * G * D);
-    const float *qh = qt;
-    if (bf16) {
+    const char *qt = (const char *)q + (row_token[r] * q_stride + h0 * G * D) * qsize;
+    const float *qh = (const float *)qt;
+    if (qb) {
         for (int64_t i = 0; i < S * D; i++)
             qf[i] = load1(qt, i, 1);
         qh = qf;
@@ -310,7 +315,7 @@ static inline __attribute__((always_inline)) void attend_task(
         const void *next = j0 + page_size < L
             ? AT(kv, pages[j0 / page_size + 1] * page + h0 * D) : NULL;
 #ifdef PAGE_DOTS
-        if (bf16 && n == PAGE_DOTS && D % 64 == 0) {     /* a whole page of 16 entries */
+        if (qb && kb && n == PAGE_DOTS && D % 64 == 0) {  /* a whole page of 16 entries */
             for (int64_t s = 0; s < S; s++) {
                 /* the next page's entries asked for a few at a time, one share for each
                  * head, not all before the page: ~100 lines at once filled the queue
@@ -320,7 +325,8 @@ static inline __attribute__((always_inline)) void attend_task(
                     prefetch_entries((const char *)next + e0 * entry * size, e1 - e0,
                                      entry * size, sp * D * size);
                 const __m512 x = _mm512_mul_ps(
-                    dots16_bf16(AT(qt, s * D), AT(kv, k + (s / G) * D), entry, D),
+                    dots16_bf16((const uint16_t *)qt + s * D, AT(kv, k + (s / G) * D),
+                                entry, D),
                     _mm512_set1_ps(scale));
                 _mm512_storeu_ps(scores + s * L + j0, x);
                 page_best[s] = _mm512_max_ps(page_best[s], x);
@@ -332,8 +338,8 @@ static inline __attribute__((always_inline)) void attend_task(
             prefetch_entries(next, page_size, entry * size, sp * D * size);
         for (int64_t e = 0; e < n; e++) {
             for (int64_t s = 0; s < S; s++) {
-                const float x = dot_q(AT(qt, s * D), qh + s * D,
-                                      AT(kv, k + e * entry + (s / G) * D), D, bf16) * scale;
+                const float x = dot_q(qt + s * D * qsize, qh + s * D,
+                                      AT(kv, k + e * entry + (s / G) * D), D, qb, kb) * scale;
                 scores[s * L + j0 + e] = x;
                 best[s] = x > best[s] ? x : best[s];
             }
@@ -368,7 +374,7 @@ static inline __attribute__((always_inline)) void attend_task(
 #ifdef WIDE
     /* bf16 V is widened in pairs (weighted_sum_heads): the sums are kept in that order
      * while the pages add into them (the same sums, in other lanes) */
-    const int pairs = bf16 && D % 64 == 0;
+    const int pairs = kb && D % 64 == 0;
     if (pairs && pr)
         for (int64_t i = 0; i < S * D; i += 32)
             bf16_pairs_order(acc + i, 1);
@@ -381,7 +387,7 @@ static inline __attribute__((always_inline)) void attend_task(
                                                    + page_size * entry + h0 * D) : NULL;
         for (int64_t h = 0; h < sp; h++)
             weighted_sum_group(acc + h * G * D, scores + h * G * L + j0, L,
-                               AT(kv, v + h * D), n, entry, D, G, bf16,
+                               AT(kv, v + h * D), n, entry, D, G, kb,
                                next ? next + h * D * size : NULL);
     }
 #ifdef WIDE
@@ -393,7 +399,7 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t s = 0; s < S; s++) {
         const float inv = 1.0f / total[s];
         for (int64_t d = 0; d < D; d++)
-            store1(out, o + s * D + d, acc[s * D + d] * inv, bf16);
+            store1(out, o + s * D + d, acc[s * D + d] * inv, qb);
     }
 }
 
@@ -406,9 +412,10 @@ static inline __attribute__((always_inline)) void attend_task(
  * [rows][heads][head_dim + 2] float32: per query head the sum of V weighted by
  * e^(score - best), best, and the weights' total (shared_prefix_tiles_bf16,
  * attention_tiles.c); the rest is added to it as online softmax does. The parallel
- * region is one for both dtypes (OpenMP outlines it before inlining, so `bf16` is a
- * variable in it): each task branches once to the body inlined for its dtype. */
-static inline __attribute__((always_inline)) int paged_attention(const int bf16, ARGS)
+ * region is one for every dtype (OpenMP outlines it before inlining, so `qb` and `kb` are
+ * variables in it): each task branches once to the body inlined for its dtypes. */
+static inline __attribute__((always_inline)) int paged_attention(const int qb, const int kb,
+                                                                 ARGS)
 {
     /* a task a row and `span` kv heads; but where the rows do not share out evenly over
      * the threads, the last rows % threads rows take a task a kv head, after the others
@@ -437,10 +444,12 @@ static inline __attribute__((always_inline)) int paged_attention(const int bf16,
             const int64_t r = t < 0 ? task / groups : rows - split + t / kv_heads;
             const int64_t h0 = t < 0 ? task % groups * span : t % kv_heads;
             const int64_t sp = t < 0 ? span : 1;
-            if (bf16)
-                attend_task(1, PASS, r, h0, sp, scores, acc, qf);
+            if (qb)
+                attend_task(1, 1, PASS, r, h0, sp, scores, acc, qf);
+            else if (kb)
+                attend_task(0, 1, PASS, r, h0, sp, scores, acc, qf);
             else
-                attend_task(0, PASS, r, h0, sp, scores, acc, qf);
+                attend_task(0, 0, PASS, r, h0, sp, scores, acc, qf);
         }
         free(scores);
         free(acc);
@@ -449,8 +458,9 @@ static inline __attribute__((always_inline)) int paged_attention(const int bf16,
     return failed ? -1 : 0;
 }
 
-int paged_attention_f32(ARGS) { return paged_attention(0, PASS); }
-int paged_attention_bf16(ARGS) { return paged_attention(1, PASS); }
+int paged_attention_f32(ARGS) { return paged_attention(0, 0, PASS); }
+int paged_attention_bf16(ARGS) { return paged_attention(1, 1, PASS); }
+int paged_attention_f32_kvbf16(ARGS) { return paged_attention(0, 1, PASS); }
 
 /* The step's new K and V into their slots: entry i of k (at k + i * src_stride bytes,
  * `entry` bytes of contiguous heads) to row rows[i] of the layer's pool seen as rows of
@@ -464,5 +474,23 @@ void store_entries(void *kv, const int64_t *rows, int64_t n, const void *k, cons
         memcpy((char *)kv + rows[i] * entry, (const char *)k + i * src_stride, entry);
         memcpy((char *)kv + (rows[i] + page_size) * entry, (const char *)v + i * src_stride,
                entry);
+    }
+}
+
+/* store_entries of float32 K and V into a bfloat16 pool (`entry` its bytes), each value
+ * rounded to nearest even as torch rounds (a NaN stays NaN, quietened: bf16.h) */
+void store_entries_bf16(void *kv, const int64_t *rows, int64_t n, const void *k,
+                        const void *v, int64_t src_stride, int64_t entry, int64_t page_size)
+{
+    uint16_t *pool = kv;
+    entry /= 2;                                      /* in values */
+    for (int64_t i = 0; i < n; i++) {
+        const float *ki = (const float *)((const char *)k + i * src_stride);
+        const float *vi = (const float *)((const char *)v + i * src_stride);
+        uint16_t *kd = pool + rows[i] * entry, *vd = pool + (rows[i] + page_size) * entry;
+        for (int64_t j = 0; j < entry; j++)
+            kd[j] = bf16_narrow(ki[j]);
+        for (int64_t j = 0; j < entry; j++)
+            vd[j] = bf16_narrow(vi[j]);
     }
 }

@@ -77,7 +77,9 @@ def info(e: Engine, s: Session, r: p.Info, extra: list[bytes], now: float) -> p.
         cuda_graphs=e.runner.graphs is not None, cuda_graphs_reason=e.runner.graphs_reason,
         layer_loop=e.runner.layer_loop is not None,
         layer_loop_reason=e.runner.layer_loop_reason or "",
-        cascade=e.runner.cascade_reason is None, cascade_reason=e.runner.cascade_reason or "")
+        cascade=e.runner.cascade_reason is None, cascade_reason=e.runner.cascade_reason or "",
+        kv_dtype=str(e.runner.kv_dtype).removeprefix("torch."),
+        kv_dtype_reason=e.runner.kv_dtype_reason)
 
 
 def stats(e: Engine, s: Session, r: p.Stats, extra: list[bytes], now: float) -> p.StatsReply:

@@ -51,13 +51,17 @@ def _both(runner: Runner, chunks: list[Chunk]) -> tuple[list, torch.Tensor, list
     return fast, fast_pool, slow, runner.cache.kv.clone()
 
 
-@pytest.mark.parametrize("dtype, linear", [("float32", "quantized"), ("float32", "int8"),
-                                           ("bfloat16", "quantized")])
-def test_the_loop_in_c_gives_the_python_loops_bits(gguf_path, dtype, linear):
+@pytest.mark.parametrize("dtype, linear, kv", [
+    ("float32", "quantized", "float32"), ("float32", "int8", "float32"),
+    ("bfloat16", "quantized", "bfloat16"),
+    ("float32", "int8", "bfloat16"), ("float32", "quantized", "bfloat16")])
+def test_the_loop_in_c_gives_the_python_loops_bits(gguf_path, dtype, linear, kv):
+    """(`kv`: the pool's dtype; bfloat16 under a float32 model is --kv-dtype's)"""
     if dtype == "bfloat16" and not cpu_kernels.kernels().bf16_blocks:
         pytest.skip("no bf16 block kernels here: a bf16 model's layers stay in Python")
-    runner = _runner(gguf_path, dtype, linear)
+    runner = _runner(gguf_path, dtype, linear, kv_dtype=kv)
     assert runner.layer_loop is not None and runner.layer_loop_reason is None
+    assert runner.cache.kv.dtype == getattr(torch, kv)
     assert runner.linear == linear
     if dtype == "bfloat16":     # AVX2 without bf16 dot products: the same products by FMAs
         assert ("(bf16 rows by float32 FMAs)" in runner.linear_reason) is \

@@ -1,5 +1,6 @@
 """A cache that lives on the disk tier survives a restart of both daemons through
-kvfsd's fsync (the disk tier itself is swap and dies with predd: docs/memory.md)."""
+kvfsd's fsync (the disk tier itself is swap and dies with predd: docs/memory.md), from a
+float32 pool and from a bfloat16 one under the float32 model (predd --kv-dtype)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,11 +13,14 @@ ARGS = ("--kv-pages", "32", "--disk-pages", "64", "--max-step-tokens", "256", "-
 
 
 @pytest.mark.slow
-def test_a_cache_on_disk_is_fsynced_and_restored_bit_exact(tmp_path):
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_a_cache_on_disk_is_fsynced_and_restored_bit_exact(tmp_path, kv):
     import liblip as lip
     rundir, state = str(tmp_path / "run"), str(tmp_path / "state")
-    predd = start_predd(rundir, *ARGS)
+    args = (*ARGS, "--kv-dtype", kv)
+    predd = start_predd(rundir, *args)
     lip.connect(predd.addr, dead_after_s=60)
+    assert lip.info()["kv_dtype"] == kv
     kvfs = start_kvfsd(predd.addr, state)
     try:
         m = kvfs.mount
@@ -33,7 +37,7 @@ def test_a_cache_on_disk_is_fsynced_and_restored_bit_exact(tmp_path):
         lip.client().close()
         assert predd.stop() == 0
 
-        predd = start_predd(rundir, *ARGS)
+        predd = start_predd(rundir, *args)
         lip.connect(predd.addr, dead_after_s=60)
         kvfs = start_kvfsd(predd.addr, state)
         m = kvfs.mount

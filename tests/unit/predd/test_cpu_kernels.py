@@ -579,8 +579,40 @@ def test_the_kernel_store_writes_where_index_copy_does_and_declines_other_layout
     assert torch.equal(ours.kv[0].view(flat.shape)[touched], flat[touched])
     before = ours.kv.clone()
     assert not store(ours.kv[0], k.transpose(1, 2), v.transpose(1, 2))
-    assert not store(ours.kv[0], k.float(), v.float())
-    assert torch.equal(ours.kv, before)
+    wide = ours.kv[0].float()                 # bf16 rows into a float32 pool: declined
+    assert not store(wide, k, v)
+    assert torch.equal(ours.kv, before) and torch.equal(wide, before[0].float())
+
+
+@pytest.mark.parametrize("kv_heads,heads,head_dim", SHAPES)
+def test_float32_rows_over_a_bfloat16_pool_are_float32_over_its_values(kv_heads, heads,
+                                                                       head_dim):
+    """A float32 model's `--kv-dtype bfloat16`: the new K/V are stored rounded as torch
+    rounds them, and every kind of call (decodes, chunks by the row kernel, by SDPA
+    after a past and fresh) attends as the float32 pool of the same values would: the
+    row kernel to the bit (each value widened as it is read, the same sums in the same
+    order), and the torch backend over the bf16 pool to the bit of its float32 run."""
+    calls = [(9, 1), (37, 1), (11, 5), (30, 3), (100, 70), (80, 80), (64, 64)] + [
+        (5 + i, 1) for i in range(6)]
+    ours, ref, tables, _ = _step(calls, kv_heads=kv_heads, heads=heads, head_dim=head_dim,
+                                 pages=128, dtype=torch.bfloat16)
+    ref.kv.copy_(ours.kv.float())
+    qkv = torch.randn(sum(n for _, n in calls), heads + 2 * kv_heads, head_dim)
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    rounded = [x.to(torch.bfloat16).float() for x in (k, v)]
+    mixed = PagedKVCache(ref.cfg, ref.num_pages, ref.page_size, torch.bfloat16, ref.device)
+    mixed.kv.copy_(ours.kv)
+    got = CpuAttention(mixed).prepare(tables)(0, q, k, v)
+    want = CpuAttention(ref).prepare(tables)(0, q, *rounded)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(mixed.kv.float(), ref.kv)
+    torch_pool = PagedKVCache(ref.cfg, ref.num_pages, ref.page_size, torch.bfloat16,
+                              ref.device)
+    torch_pool.kv.copy_(ours.kv)
+    by_torch = TorchAttention(torch_pool).prepare(tables)(0, q, k, v)
+    assert torch.equal(by_torch, TorchAttention(ref).prepare(tables)(0, q, *rounded))
+    assert torch.equal(torch_pool.kv, mixed.kv)
+    assert torch.allclose(got, by_torch, atol=2e-6), float((got - by_torch).abs().max())
 
 
 def test_greedy_rows_take_the_kernel_here_and_torch_without_it(monkeypatch):

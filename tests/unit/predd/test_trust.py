@@ -44,6 +44,7 @@ class FakeRunner:
         self.graphs, self.graphs_reason = None, "fake"
         self.layer_loop, self.layer_loop_reason = None, "fake"
         self.cascade_reason = "fake"
+        self.kv_dtype, self.kv_dtype_reason = "float32", "fake"
 
     def execute(self, chunks, host=True):
         return [torch.zeros(len(c.outputs), VOCAB) for c in chunks]
