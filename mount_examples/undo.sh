@@ -63,18 +63,23 @@ fi
 [ -t 0 ] && say "type a message; Ctrl+Z or /undo takes back the last turn; Ctrl+D quits"
 while :; do
     [ -t 0 ] && printf '> ' >&2
+    # waiting for a line, Ctrl+Z undoes at once: in the trap, which runs before `read`
+    # blocks where the signal comes first (a flag checked before `read` would leave a
+    # moment in which a Ctrl+Z waits for the next line), or interrupts it
+    interrupted=0
+    trap 'interrupted=1; undo' TSTP
+    [ "$wants_undo" -eq 1 ] && { wants_undo=0; undo; }   # one that came before the trap
     if IFS= read -r line; then
+        trap 'wants_undo=1' TSTP
         case $line in
             /undo) undo ;;
             "") ;;
             *) turn "$line" ;;
         esac
-    elif [ "$wants_undo" -eq 1 ]; then        # Ctrl+Z interrupted the read
-        wants_undo=0
-        undo
-    else
+    elif [ "$interrupted" -eq 0 ]; then
         break                                 # end of input
     fi
+    trap 'wants_undo=1' TSTP
     [ "$wants_undo" -eq 1 ] && { wants_undo=0; undo; }
     [ -t 0 ] || say "ready"
 done
