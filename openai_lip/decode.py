@@ -40,9 +40,11 @@ class Request:
     """One request: whether it was cancelled, and the caches it holds (all freed when
     it ends, or at once on cancel — predd frees them after their running call)."""
 
-    def __init__(self, rid, room=None) -> None:
+    def __init__(self, rid, room=None, places: int = 1) -> None:
         self.rid = rid
         self.room = room                    # openai_lip.room.Room, or None
+        self.places = places                # held in the room once started: one a part
+        self.idle = places - 1              # of those, for parts not started yet
         self.cancelled = threading.Event()  # the client cancelled it
         self.halted = threading.Event()     # cancelled, or one of its threads failed
         self.failure: BaseException | None = None   # ... that thread's error
@@ -83,6 +85,26 @@ class Request:
             if not self.halted.is_set():
                 self.failure = exc
                 self.halted.set()
+
+    def use(self, places: int) -> None:
+        """`places` more parts of the request start: they use places it holds idle."""
+        with self.lock:
+            places = min(places, self.idle)
+            self.idle -= places
+        if places and self.room is not None:
+            self.room.use(places)
+
+    def release(self, places: int) -> None:
+        """Give `places` of the request's places in the room back: one a part of it that
+        held memory as it ends; all that are left (idle ones too) when the request
+        ends."""
+        with self.lock:
+            places = min(places, self.places)
+            self.places -= places
+            idle = max(self.idle - self.places, 0)     # the used ones go first
+            self.idle -= idle
+        if places and self.room is not None:
+            self.room.end(places, idle)
 
     def give_back(self, kv: lip.KV) -> None:
         """Close `kv`, a cache of this request's, now (not when the request ends)."""
@@ -346,15 +368,15 @@ class Choice:
 
 def run_parts(req: Request, work: Callable[[int], object], count: int) -> None:
     """work(i) for i < count, one thread each (`run_threads`): a batch's prompts, a
-    prompt's choices. Each part holds memory of its own, so each counts in the request's
-    room while it runs (`Room.hold`; the request's own count is the last part's). The
-    first part to fail halts the others at their next call, and its error is the one
-    raised."""
+    prompt's choices. Each part holds memory of its own: each has a place of the request's
+    in the room (taken when it started: `Request.places`), given back as the part ends,
+    but the last one's, which is the request's own (or, for a prompt's choices, the
+    prompt's). The first part to fail halts the others at their next call, and its error
+    is the one raised."""
     if count == 1:
         work(0)
         return
-    if req.room is not None:
-        req.room.hold(count - 1)
+    req.use(count - 1)
     lock, left = threading.Lock(), [count]
 
     def part(i: int) -> None:
@@ -368,8 +390,8 @@ def run_parts(req: Request, work: Callable[[int], object], count: int) -> None:
             with lock:
                 left[0] -= 1
                 last = not left[0]
-            if req.room is not None and not last:
-                req.room.end()
+            if not last:
+                req.release(1)
     try:
         run_threads(part, count)
     except BaseException:

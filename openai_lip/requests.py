@@ -126,7 +126,8 @@ def _messages(body: dict) -> list[dict]:
         raise _bad("messages must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or m["role"] not in ROLES:
             raise _bad(f"each message needs a role in {sorted(ROLES)}", f"messages[{i}].role")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": _content(m, i)})

@@ -4,11 +4,21 @@ pool is full).
 
 As in vLLM, which queues requests and preempts running ones rather than fail them, no
 request fails because others hold the memory:
-* requests past `max_running` wait in a queue per caller (scope), the callers taken in
-  turn and each caller's requests first come first started, so one caller's flood does
-  not hold back the others; past `max_queued` in all, or a quarter of that for one
-  caller: 429, EAGAIN. None starts while a running one waits for room, so new arrivals
-  do not take the pages the waiting ones need;
+* a request takes a place for each thread of it that holds memory (a batch's prompts
+  times their choices) when it starts, and gives each back as that thread ends;
+* requests wait in a queue per caller (scope) while `max_running` places are taken,
+  the callers taken in turn and each caller's requests first come first started, so one
+  caller's flood does not hold back the others. A turn gives its caller one free place;
+  a request asking for several keeps those its turns gave it (`reserved`) until it has
+  them all, and then starts: a batch of 64 prompts takes 64 turns, as 64 requests
+  would, not one, and never more places than there are. One request gathers places at
+  a time (`collecting`; another's turns pass meanwhile), so two cannot each hold part
+  of what both need. Past `max_queued` places asked
+  for in all, or a quarter of that by one caller: 429, EAGAIN. None starts while a
+  running one waits for room, so new arrivals do not take the pages the waiting ones
+  need;
+* for room (below), only places a thread uses count: those a request holds for parts
+  not yet started (`idle`) do not make it or others wait;
 * a refused call first has the prefix cache's files removed (their pages go back unless
   a request holds a fork of one) and is tried again;
 * otherwise the request waits until another makes progress or ends, and tries again;
@@ -36,25 +46,33 @@ class Room:
         self.drop_cache = drop_cache          # True when it removed something
         self.max_running, self.max_queued = max_running, max_queued
         self.cond = threading.Condition()
-        self.queues: dict[str, collections.deque] = {}   # per scope, in turn order
-        self.queued = 0
-        self.running = 0        # started and not ended
+        # per scope, in turn order: (item, start, places) in arrival order
+        self.queues: dict[str, collections.deque] = {}
+        self.backlog: dict[str, int] = {}   # per scope queued: places its requests ask
+        self.queued = 0         # places the queued requests ask for
+        self.running = 0        # places of the requests started and not ended
+        self.idle = 0           # of those, held for parts not started (`use`)
+        self.reserved = 0       # free places kept for the first request of ...
+        self.collecting: str | None = None  # ... this caller, gathering them
         self.waiting = 0        # of those, waiting for room with their caches
         self.parked = 0         # of those, waiting with their caches given back
         self.ended = 0          # requests ended and caches given back so far: a clock
 
     # ------------------------------------------------------------ admission
 
-    def submit(self, item, start: Callable[[], None], scope: str = "") -> bool:
-        """Queue `item` for `scope` (a caller); `start()` is called (under no lock) when
-        it may run. False when the queue is full, in all or for this caller."""
+    def submit(self, item, start: Callable[[], None], scope: str = "",
+               places: int = 1) -> bool:
+        """Queue `item` for `scope` (a caller), to hold `places` once started (it `end`s
+        each); `start()` is called (under no lock) when it may run. False when the queue
+        is full, in all or for this caller."""
+        places = max(1, places)
         with self.cond:
-            mine = self.queues.get(scope)
-            if self.queued >= self.max_queued or \
-                    (mine is not None and len(mine) >= max(1, self.max_queued // 4)):
+            if self.queued + places > max(self.max_queued, places) or \
+                    self.backlog.get(scope, 0) + places > max(1, self.max_queued // 4, places):
                 return False
-            self.queues.setdefault(scope, collections.deque()).append((item, start))
-            self.queued += 1
+            self.queues.setdefault(scope, collections.deque()).append((item, start, places))
+            self.queued += places
+            self.backlog[scope] = self.backlog.get(scope, 0) + places
             ready = self._take()
         self._start(ready)
         return True
@@ -62,49 +80,81 @@ class Room:
     def withdraw(self, item) -> bool:
         """Take a queued `item` out (a request cancelled before it started)."""
         with self.cond:
-            for scope, q in self.queues.items():
-                for entry in q:
-                    if entry[0] is item:
-                        q.remove(entry)
-                        self.queued -= 1
-                        if not q:
-                            del self.queues[scope]
-                        return True
-        return False
+            found = next(((scope, entry) for scope, q in self.queues.items() for entry in q
+                          if entry[0] is item), None)
+            if found is None:
+                return False
+            scope, entry = found
+            if entry is self.queues[scope][0] and self.collecting == scope:
+                self.collecting, self.reserved = None, 0   # its places are free again
+            self.queues[scope].remove(entry)
+            self.queued -= entry[2]
+            self.backlog[scope] -= entry[2]
+            if not self.queues[scope]:
+                self._forget(scope)
+            ready = self._take()            # one waiting behind it may fit now
+        self._start(ready)
+        return True
+
+    def _forget(self, scope: str) -> None:
+        """`scope` has nothing queued: its turn goes (nothing is kept for it)."""
+        self.queues.pop(scope, None)
+        self.backlog.pop(scope, None)
+        if self.collecting == scope:
+            self.collecting, self.reserved = None, 0
 
     def _take(self) -> list:
-        """Whom to start now: a request of each caller in turn (the one served goes to
-        the back of the turn order)."""
+        """Whom to start now, while a place is free and not kept: the callers in turn
+        (each turn to the back of the order), a turn giving its caller's first request
+        a free place; it starts once it has the places it asks for (at most
+        `max_running`: a request of more starts alone), keeping those it has meanwhile
+        where no other request is gathering places (else its turn passes)."""
         ready = []
-        while self.queues and self.running < self.max_running and \
+        while self.queues and self.running + self.reserved < self.max_running and \
                 self.waiting + self.parked == 0:
             scope = next(iter(self.queues))
             q = self.queues.pop(scope)
-            ready.append(q.popleft())
+            item, start, places = q[0]
+            kept = self.reserved if self.collecting == scope else 0
+            if kept + 1 < min(places, self.max_running):      # not yet
+                if self.collecting in (None, scope):          # this place kept for it
+                    self.collecting = scope
+                    self.reserved += 1
+                self.queues[scope] = q
+                continue
+            q.popleft()
+            if self.collecting == scope:
+                self.collecting, self.reserved = None, 0
+            self.queued -= places
+            self.backlog[scope] -= places
+            self.running += places
+            self.idle += places - 1             # its own thread uses one
+            ready.append((item, start))
             if q:
                 self.queues[scope] = q
-            self.queued -= 1
-            self.running += 1
+            else:
+                self._forget(scope)
         return ready
-
-    def hold(self, n: int) -> None:
-        """A started request goes on in n more threads that each hold memory (a batch's
-        prompts, a prompt's choices): each counts as a request running, and `end`s when
-        it is done, so a thread refused room sees its siblings as others making progress
-        (or waiting), and queued requests start as they end."""
-        with self.cond:
-            self.running += n
 
     def wake(self) -> None:
         """Every thread waiting here looks again (a request was cancelled)."""
         with self.cond:
             self.cond.notify_all()
 
-    def end(self) -> None:
-        """A started request (or a thread it `hold`s) ended: its pages are back; queued
-        ones may start."""
+    def use(self, places: int) -> None:
+        """A started request's parts take `places` of its idle places (threads that
+        hold memory: a thread refused room sees them as others making progress, or
+        waiting)."""
         with self.cond:
-            self.running -= 1
+            self.idle -= places
+
+    def end(self, places: int = 1, idle: int = 0) -> None:
+        """A started request gives back `places` of its places, `idle` of them unused (a
+        thread of it that held memory ended; the rest when it ends): their pages are
+        back; queued ones may start."""
+        with self.cond:
+            self.running -= places
+            self.idle -= idle
             self.ended += 1
             self.cond.notify_all()
             ready = self._take()
@@ -124,7 +174,7 @@ class Room:
         if self.drop_cache():
             return kv
         with self.cond:
-            others = self.running - 1 - self.waiting - self.parked   # making progress
+            others = self.running - self.idle - 1 - self.waiting - self.parked   # going on
             if others > 0:
                 self.waiting += 1
                 clock = self.ended
@@ -147,7 +197,7 @@ class Room:
                 clock = self.ended
                 self.cond.notify_all()
                 self.cond.wait_for(lambda: self.ended != clock or cancelled.is_set() or
-                                   self.running == self.parked)   # none holds any
+                                   self.running - self.idle == self.parked)  # none holds any
         finally:
             with self.cond:
                 self.parked -= 1

@@ -165,16 +165,27 @@ class Server:
             self.replies.send({"id": rid, "status": 200, "body": self.models()})
             self.replies.send({"id": rid, "done": True})
             return
+        try:        # checked first: a request's places are its prompts times its choices
+            c = parse(msg.get("body"), chat=op == "chat", served=self.model)
+        except RequestError as exc:
+            self._error(rid, exc)
+            return
+        except Exception as exc:   # noqa: BLE001 - one request fails, the server goes on
+            print(f"openai_lip: request {rid!r}: {exc!r}", file=sys.stderr, flush=True)
+            self._error(rid, RequestError(500, f"internal error: {exc}", None, "EIO"))
+            return
+        places = c.n * max(len(c.prompts), 1)
         with self.lock:
-            req = None if rid in self.requests else Request(rid, self.room)
+            req = None if rid in self.requests else Request(rid, self.room, places)
             if req is not None:
                 self.requests[rid] = req
         if req is None:
             self._error(rid, RequestError(400, "a request with this id is in progress",
                                           None, "EEXIST"))
             return
-        start = threading.Thread(target=self._serve, args=(req, msg), daemon=True).start
-        if not self.room.submit(req, start, str(msg.get("scope") or "")):
+        scope = str(msg.get("scope") or "")
+        start = threading.Thread(target=self._serve, args=(req, c, scope), daemon=True).start
+        if not self.room.submit(req, start, scope, places):
             with self.lock:
                 self.requests.pop(rid, None)
             self._error(rid, RequestError(429, "too many requests waiting", None, "EAGAIN"))
@@ -185,10 +196,9 @@ class Server:
             "id": self.model, "object": "model", "created": self.created,
             "owned_by": "symphony", "max_model_len": self.info["max_position"]}]}
 
-    def _serve(self, req: Request, msg: dict) -> None:
+    def _serve(self, req: Request, c: Completion, scope: str) -> None:
         try:
-            c = parse(msg.get("body"), chat=msg.get("op") == "chat", served=self.model)
-            self.complete(req, c, str(msg.get("scope") or ""))
+            self.complete(req, c, scope)
         except RequestError as exc:
             self._error(req.rid, exc)
         except Cancelled:
@@ -206,7 +216,7 @@ class Server:
             req.free()
             with self.lock:
                 self.requests.pop(req.rid, None)
-            self.room.end()
+            req.release(req.places)
 
     def _error(self, rid, exc: RequestError) -> None:
         kind = {400: "invalid_request_error", 404: "invalid_request_error",

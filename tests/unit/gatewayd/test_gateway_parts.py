@@ -202,6 +202,7 @@ def test_completion_request_fields():
     ({"model": None}, "model"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
     ({"n": 17}, "n"), ({"n": True}, "n"), ({"max_tokens": 0}, "max_tokens"),

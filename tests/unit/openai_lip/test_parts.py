@@ -1,8 +1,8 @@
 """A request's parts in the OpenAI program (openai_lip/decode.py `run_parts`): a batch's
-prompts and a prompt's choices, each a holder of memory in the room while it runs
-(`Room.hold`), the first real failure halting the others and answering the request,
-and a finished choice's kept cache the first thing given back for room. Real threads,
-fake caches; no daemon."""
+prompts and a prompt's choices, each a holder of memory in the room while it runs (a
+place of the request's, given back as the part ends), the first real failure halting
+the others and answering the request, and a finished choice's kept cache the first
+thing given back for room. Real threads, fake caches; no daemon."""
 from __future__ import annotations
 
 import threading
@@ -15,15 +15,15 @@ from openai_lip.decode import Cancelled, Request, run_parts
 from openai_lip.room import Room
 
 
-def started() -> tuple[Room, Request]:
+def started(places: int = 1) -> tuple[Room, Request]:
     room = Room(lambda: False)
-    req = Request("r", room)
-    assert room.submit(req, lambda: None) and room.running == 1
+    req = Request("r", room, places)
+    assert room.submit(req, lambda: None, "", places) and room.running == places
     return room, req
 
 
 def test_each_part_counts_in_the_room_while_it_runs():
-    room, req = started()
+    room, req = started(3)
     all_in, gate = threading.Barrier(4, timeout=10), threading.Event()
 
     def part(i: int) -> None:
@@ -35,15 +35,17 @@ def test_each_part_counts_in_the_room_while_it_runs():
     assert room.running == 3 and room.ended == 0
     gate.set()
     t.join()
-    assert room.running == 1 and room.ended == 2     # the request's own count: its `end`
-    room.end()
-    assert room.running == 0
+    assert room.running == 1 and room.ended == 2     # the request's own place
+    req.release(req.places)                          # ... given back as it ends
+    assert room.running == 0 and req.places == 0
+    req.release(1)                                   # never more than it holds
+    assert room.running == 0 and room.ended == 3
 
 
 def test_the_first_real_failure_is_the_answer_and_halts_the_rest():
     """An inner choice fails; the other prompt, halted, fails with an error halting
     caused (a room error, a freed cache): the request's error is the first one."""
-    room, req = started()
+    room, req = started(3)
     real = RuntimeError("the grammar refused every token")
 
     def prompt(i: int) -> None:
@@ -64,7 +66,7 @@ def test_the_first_real_failure_is_the_answer_and_halts_the_rest():
 
 
 def test_a_cancel_is_reported_as_a_cancel():
-    room, req = started()
+    room, req = started(2)
 
     def part(i: int) -> None:
         if i == 0:

@@ -69,6 +69,113 @@ def test_callers_are_started_in_turn():
     assert r.queued == 0 and not r.queues
 
 
+def test_a_request_of_several_places_waits_as_many_turns():
+    """A batch asking 3 places (its prompts times their choices) beside a caller's
+    single requests: the callers' turns alternate over the places that come free, the
+    batch keeping those its turns give it, so two of the caller's requests start while
+    it gathers three; then it starts holding them, never past the limit."""
+    r = Room(never, max_running=3, max_queued=64)
+    order = []
+    for i in range(7):
+        if i == 3:
+            assert r.submit("batch", lambda: order.append("batch"), "batch", 3)
+        assert r.submit(i, lambda i=i: order.append(i), "x")
+    assert order == [0, 1, 2] and r.running == 3 and r.queued == 7
+    r.end()                             # the batch's turn: the free place kept
+    assert order == [0, 1, 2] and r.reserved == 1 and r.collecting == "batch"
+    r.end()                             # x's turn
+    assert order == [0, 1, 2, 3] and r.running == 2
+    for _ in range(3):
+        r.end()
+    assert order == [0, 1, 2, 3, 4, "batch"] and r.running == 3 and r.idle == 2
+    assert r.reserved == 0 and r.collecting is None and r.backlog == {"x": 2}
+    r.end(3, idle=2)
+    assert order == [0, 1, 2, 3, 4, "batch", 5, 6] and r.running == 2 and r.idle == 0
+    r.end(2)
+    assert r.running == 0 and r.queued == 0 and not r.queues and r.collecting is None
+
+
+def test_a_batch_never_takes_more_places_than_there_are():
+    """63 places taken, a batch of 64 and then another caller's request: the other
+    request starts on the second place to come free, not after the whole batch."""
+    r = Room(never, max_running=64, max_queued=4096)
+    order = []
+    for i in range(63):
+        assert r.submit(i, lambda: None, "x")
+    assert r.submit("batch", lambda: order.append("batch"), "b", 64)
+    assert r.submit("c", lambda: order.append("c"), "c")
+    assert r.reserved == 1 and order == []
+    r.end()                                       # the batch's turn came first
+    assert order == [] and r.running == 62 and r.reserved == 2
+    r.end()
+    assert order == ["c"] and r.running == 62 and r.reserved == 2
+    peak = 0
+    while "batch" not in order:
+        r.end()
+        peak = max(peak, r.running + r.reserved)
+    assert peak <= 64 and r.running == 64 and r.reserved == 0
+
+
+def test_the_queue_limits_count_places():
+    r = Room(never, max_running=1, max_queued=16)
+    assert r.submit("a", lambda: None, "a")                # running
+    assert r.submit("b", lambda: None, "b", 4)             # 4 places asked: b's quarter
+    assert not r.submit("b2", lambda: None, "b")
+    assert r.submit("c", lambda: None, "c", 4) and r.queued == 8
+    assert r.withdraw("b") and r.queued == 4 and "b" not in r.backlog
+    assert r.submit("b2", lambda: None, "b")
+
+
+def test_one_request_gathers_places_at_a_time():
+    """Two batches of 4 on 4 free places, alone: the first gathers all four and starts;
+    had each kept every other place, neither would ever have had its four."""
+    r = Room(never, max_running=4, max_queued=64)
+    order = []
+    assert r.submit("a", lambda: None, "a")
+    assert r.submit("b1", lambda: order.append("b1"), "b", 4)
+    assert r.submit("c1", lambda: order.append("c1"), "c", 4)
+    assert r.collecting == "b" and r.reserved == 3 and order == []
+    r.end()
+    assert order == ["b1"] and r.running == 4 and r.reserved == 0
+    r.end(4, idle=3)
+    assert order == ["b1", "c1"] and r.running == 4 and r.collecting is None
+
+
+def test_a_withdrawn_batch_frees_the_places_kept_for_it():
+    r = Room(never, max_running=2, max_queued=64)
+    order = []
+    assert r.submit("a", lambda: None, "a") and r.submit("c", lambda: None, "c")
+    assert r.submit("batch", lambda: None, "b", 4) and r.submit("b2", lambda: None, "b")
+    assert r.submit("x1", lambda: order.append("x1"), "x")
+    r.end()                          # b's turn: the free place kept for its batch
+    assert r.collecting == "b" and r.reserved == 1 and r.running == 1 and order == []
+    assert r.withdraw("batch")       # ... free again: x's turn
+    assert r.collecting is None and r.reserved == 0 and order == ["x1"] and r.running == 2
+    assert list(r.queues) == ["b"]
+
+
+def test_places_held_for_parts_not_started_do_not_count_as_others_for_room():
+    """A request of 3 places whose first thread finds no room while nothing else holds
+    memory fails at once: its 2 places for parts not started are no one making
+    progress. Once its parts have started (`use`), they are."""
+    r = Room(never, max_running=4)
+    assert r.submit("req", lambda: None, "", 3) and r.running == 3 and r.idle == 2
+    with pytest.raises(lip.LipError) as e:
+        r.no_room(NO_ROOM, [1], None, None, threading.Event())
+    assert e.value is NO_ROOM
+    r.use(2)
+    assert r.idle == 0
+    gone = threading.Event()
+    t = threading.Thread(target=lambda: r.no_room(NO_ROOM, [1], None, None, gone))
+    t.start()
+    eventually(lambda: r.waiting == 1)                     # two others going on: it waits
+    gone.set()
+    r.wake()
+    t.join(5)
+    r.end(3)
+    assert r.running == 0 and r.idle == 0
+
+
 def test_the_prefix_cache_goes_first():
     dropped = []
     r = Room(lambda: dropped.append(1) or True)
