@@ -11,9 +11,10 @@ request fails because others hold the memory:
   caller's flood does not hold back the others. A turn gives its caller one free place;
   a request asking for several keeps those its turns gave it (`reserved`) until it has
   them all, and then starts: a batch of 64 prompts takes 64 turns, as 64 requests
-  would, not one, and never more places than there are. One request gathers places at
-  a time (`collecting`; another's turns pass meanwhile), so two cannot each hold part
-  of what both need. Past `max_queued` places asked
+  would, not one, and never more places than there are. Requests gather places
+  together only while all they ask for fits in `max_running` (`collecting`; another's
+  turns pass meanwhile), so two cannot each hold part of what both need. Past
+  `max_queued` places asked
   for in all, or a quarter of that by one caller: 429, EAGAIN. None starts while a
   running one waits for room, so new arrivals do not take the pages the waiting ones
   need;
@@ -52,8 +53,8 @@ class Room:
         self.queued = 0         # places the queued requests ask for
         self.running = 0        # places of the requests started and not ended
         self.idle = 0           # of those, held for parts not started (`use`)
-        self.reserved = 0       # free places kept for the first request of ...
-        self.collecting: str | None = None  # ... this caller, gathering them
+        self.reserved = 0       # free places kept for requests gathering them:
+        self.collecting: dict[str, list[int]] = {}  # caller: [kept, needed] of its first
         self.waiting = 0        # of those, waiting for room with their caches
         self.parked = 0         # of those, waiting with their caches given back
         self.ended = 0          # requests ended and caches given back so far: a clock
@@ -85,8 +86,8 @@ class Room:
             if found is None:
                 return False
             scope, entry = found
-            if entry is self.queues[scope][0] and self.collecting == scope:
-                self.collecting, self.reserved = None, 0   # its places are free again
+            if entry is self.queues[scope][0] and scope in self.collecting:
+                self.reserved -= self.collecting.pop(scope)[0]   # its places free again
             self.queues[scope].remove(entry)
             self.queued -= entry[2]
             self.backlog[scope] -= entry[2]
@@ -100,31 +101,35 @@ class Room:
         """`scope` has nothing queued: its turn goes (nothing is kept for it)."""
         self.queues.pop(scope, None)
         self.backlog.pop(scope, None)
-        if self.collecting == scope:
-            self.collecting, self.reserved = None, 0
+        if scope in self.collecting:
+            self.reserved -= self.collecting.pop(scope)[0]
 
     def _take(self) -> list:
         """Whom to start now, while a place is free and not kept: the callers in turn
         (each turn to the back of the order), a turn giving its caller's first request
         a free place; it starts once it has the places it asks for (at most
         `max_running`: a request of more starts alone), keeping those it has meanwhile
-        where no other request is gathering places (else its turn passes)."""
+        where what every gathering request asks for fits in `max_running` (else its
+        turn passes)."""
         ready = []
         while self.queues and self.running + self.reserved < self.max_running and \
                 self.waiting + self.parked == 0:
             scope = next(iter(self.queues))
             q = self.queues.pop(scope)
             item, start, places = q[0]
-            kept = self.reserved if self.collecting == scope else 0
-            if kept + 1 < min(places, self.max_running):      # not yet
-                if self.collecting in (None, scope):          # this place kept for it
-                    self.collecting = scope
+            need = min(places, self.max_running)
+            kept = self.collecting.get(scope, [0, need])
+            if kept[0] + 1 < need:                            # not yet
+                if scope in self.collecting or need + sum(
+                        n for _, n in self.collecting.values()) <= self.max_running:
+                    kept[0] += 1                              # this place kept for it
+                    self.collecting[scope] = kept
                     self.reserved += 1
                 self.queues[scope] = q
                 continue
             q.popleft()
-            if self.collecting == scope:
-                self.collecting, self.reserved = None, 0
+            if scope in self.collecting:
+                self.reserved -= self.collecting.pop(scope)[0]
             self.queued -= places
             self.backlog[scope] -= places
             self.running += places

@@ -82,17 +82,17 @@ def test_a_request_of_several_places_waits_as_many_turns():
         assert r.submit(i, lambda i=i: order.append(i), "x")
     assert order == [0, 1, 2] and r.running == 3 and r.queued == 7
     r.end()                             # the batch's turn: the free place kept
-    assert order == [0, 1, 2] and r.reserved == 1 and r.collecting == "batch"
+    assert order == [0, 1, 2] and r.reserved == 1 and r.collecting == {"batch": [1, 3]}
     r.end()                             # x's turn
     assert order == [0, 1, 2, 3] and r.running == 2
     for _ in range(3):
         r.end()
     assert order == [0, 1, 2, 3, 4, "batch"] and r.running == 3 and r.idle == 2
-    assert r.reserved == 0 and r.collecting is None and r.backlog == {"x": 2}
+    assert r.reserved == 0 and r.collecting == {} and r.backlog == {"x": 2}
     r.end(3, idle=2)
     assert order == [0, 1, 2, 3, 4, "batch", 5, 6] and r.running == 2 and r.idle == 0
     r.end(2)
-    assert r.running == 0 and r.queued == 0 and not r.queues and r.collecting is None
+    assert r.running == 0 and r.queued == 0 and not r.queues and r.collecting == {}
 
 
 def test_a_batch_never_takes_more_places_than_there_are():
@@ -126,19 +126,32 @@ def test_the_queue_limits_count_places():
     assert r.submit("b2", lambda: None, "b")
 
 
-def test_one_request_gathers_places_at_a_time():
+def test_requests_gather_places_together_only_where_all_they_ask_for_fits():
     """Two batches of 4 on 4 free places, alone: the first gathers all four and starts;
-    had each kept every other place, neither would ever have had its four."""
+    had each kept every other place, neither would ever have had its four. Beside a
+    batch of 3, a request of 2 gathers too (5 fit in 8) and starts first."""
     r = Room(never, max_running=4, max_queued=64)
     order = []
     assert r.submit("a", lambda: None, "a")
     assert r.submit("b1", lambda: order.append("b1"), "b", 4)
     assert r.submit("c1", lambda: order.append("c1"), "c", 4)
-    assert r.collecting == "b" and r.reserved == 3 and order == []
+    assert r.collecting == {"b": [3, 4]} and r.reserved == 3 and order == []
     r.end()
     assert order == ["b1"] and r.running == 4 and r.reserved == 0
     r.end(4, idle=3)
-    assert order == ["b1", "c1"] and r.running == 4 and r.collecting is None
+    assert order == ["b1", "c1"] and r.running == 4 and r.collecting == {}
+    r = Room(never, max_running=8, max_queued=64)
+    order = []
+    for i in range(8):
+        assert r.submit(i, lambda: None, "x")
+    assert r.submit("three", lambda: order.append("three"), "t", 3)
+    assert r.submit("two", lambda: order.append("two"), "w", 2)
+    r.end()
+    r.end()
+    assert r.collecting == {"t": [1, 3], "w": [1, 2]} and r.reserved == 2
+    r.end()
+    r.end()
+    assert order == ["two"] and r.collecting == {"t": [2, 3]}
 
 
 def test_a_withdrawn_batch_frees_the_places_kept_for_it():
@@ -148,9 +161,9 @@ def test_a_withdrawn_batch_frees_the_places_kept_for_it():
     assert r.submit("batch", lambda: None, "b", 4) and r.submit("b2", lambda: None, "b")
     assert r.submit("x1", lambda: order.append("x1"), "x")
     r.end()                          # b's turn: the free place kept for its batch
-    assert r.collecting == "b" and r.reserved == 1 and r.running == 1 and order == []
-    assert r.withdraw("batch")       # ... free again: x's turn
-    assert r.collecting is None and r.reserved == 0 and order == ["x1"] and r.running == 2
+    assert r.collecting == {"b": [1, 2]} and r.reserved == 1 and r.running == 1
+    assert order == [] and r.withdraw("batch")       # ... free again: x's turn
+    assert r.collecting == {} and r.reserved == 0 and order == ["x1"] and r.running == 2
     assert list(r.queues) == ["b"]
 
 
