@@ -10,7 +10,9 @@ from collections.abc import Callable
 def run_threads(work: Callable[[int], object], count: int) -> None:
     """work(i) for i in range(count), one thread each (one alone runs on the caller's
     thread). Returns when all have ended; then raises the first error one of them
-    raised."""
+    raised. Where a thread cannot start (the process is out of threads), that error is
+    raised once the branches already started have ended, the others never run: a
+    caller's cleanup never races a branch still running."""
     if count == 1:
         work(0)
         return
@@ -22,10 +24,14 @@ def run_threads(work: Callable[[int], object], count: int) -> None:
         except BaseException as exc:   # noqa: BLE001 - re-raised in the caller's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    started: list[threading.Thread] = []
+    try:
+        for i in range(count):
+            t = threading.Thread(target=guarded, args=(i,))
+            t.start()
+            started.append(t)
+    finally:
+        for t in started:
+            t.join()
     if errors:
         raise errors[0]

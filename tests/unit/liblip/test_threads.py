@@ -31,3 +31,24 @@ def test_the_first_error_is_raised_once_every_branch_has_ended():
     assert sorted(ended) == [0, 2]
     with pytest.raises(ValueError, match="branch 1"):
         run_threads(lambda i: work(1), 1)
+
+
+def test_a_thread_that_cannot_start_is_raised_after_the_started_ones_end(monkeypatch):
+    gate, ended = threading.Event(), []
+    real_start, starts = threading.Thread.start, []
+
+    def start(self):
+        starts.append(self)
+        if len(starts) == 3:
+            gate.set()                  # the first two may end only now
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+    def work(i: int) -> None:
+        gate.wait(10)
+        threading.Event().wait(0.2)     # still running a while after the failed start
+        ended.append(i)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        run_threads(work, 4)
+    assert sorted(ended) == [0, 1] and len(starts) == 3
