@@ -385,7 +385,7 @@ def main() -> int:
         daemon.stop()
     # vLLM's KV entries are in the model's dtype (Symphony's pool may hold bfloat16 under
     # a float32 model: predd --kv-dtype): its offload is sized in those bytes
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}
+    width = bench_vllm.DTYPE_BYTES
     token_bytes = (info["bytes_per_page"] / PAGE * width[info["dtype"]]
                    / width[info.get("kv_dtype") or info["dtype"]])
     if "host_pages" not in info and set(args.variants) - {"base"}:
