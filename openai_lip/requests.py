@@ -61,6 +61,11 @@ class Completion:
         return self.echo and self.logprobs
 
     @property
+    def parts(self) -> int:
+        """Its choices in all: n for each prompt (a chat is one prompt)."""
+        return self.n * max(len(self.prompts), 1)
+
+    @property
     def sample(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p}
 
@@ -212,7 +217,7 @@ def parse(body, chat: bool, served: str) -> Completion:
         c.echo = _bool(body, "echo")
     c.max_tokens = _int(body, "max_tokens", 1, 1 << 20, c.max_tokens)
     c.n = _int(body, "n", 1, MAX_N, 1)
-    if c.n * max(len(c.prompts), 1) > MAX_CHOICES:
+    if c.parts > MAX_CHOICES:
         raise _bad(f"n times the prompts may be at most {MAX_CHOICES}",
                    "n" if c.n > 1 else "prompt")
     c.temperature = _float(body, "temperature", 0.0, 2.0, 1.0)

@@ -174,9 +174,8 @@ class Server:
             print(f"openai_lip: request {rid!r}: {exc!r}", file=sys.stderr, flush=True)
             self._error(rid, RequestError(500, f"internal error: {exc}", None, "EIO"))
             return
-        places = c.n * max(len(c.prompts), 1)
         with self.lock:
-            req = None if rid in self.requests else Request(rid, self.room, places)
+            req = None if rid in self.requests else Request(rid, self.room, c.parts)
             if req is not None:
                 self.requests[rid] = req
         if req is None:
@@ -185,7 +184,7 @@ class Server:
             return
         scope = str(msg.get("scope") or "")
         start = threading.Thread(target=self._serve, args=(req, c, scope), daemon=True).start
-        if not self.room.submit(req, start, scope, places):
+        if not self.room.submit(req, start, scope, c.parts):
             with self.lock:
                 self.requests.pop(rid, None)
             self._error(rid, RequestError(429, "too many requests waiting", None, "EAGAIN"))
