@@ -49,12 +49,11 @@ class Room:
         self.cond = threading.Condition()
         # per scope, in turn order: (item, start, places) in arrival order
         self.queues: dict[str, collections.deque] = {}
-        self.backlog: dict[str, int] = {}   # per scope queued: places its requests ask
         self.queued = 0         # places the queued requests ask for
         self.running = 0        # places of the requests started and not ended
         self.idle = 0           # of those, held for parts not started (`use`)
-        self.reserved = 0       # free places kept for requests gathering them:
-        self.collecting: dict[str, list[int]] = {}  # caller: [kept, needed] of its first
+        # per caller gathering places: [kept, needed] of its first request
+        self.collecting: dict[str, list[int]] = {}
         self.waiting = 0        # of those, waiting for room with their caches
         self.parked = 0         # of those, waiting with their caches given back
         self.ended = 0          # requests ended and caches given back so far: a clock
@@ -69,11 +68,10 @@ class Room:
         places = max(1, places)
         with self.cond:
             if self.queued + places > max(self.max_queued, places) or \
-                    self.backlog.get(scope, 0) + places > max(1, self.max_queued // 4, places):
+                    self.backlog(scope) + places > max(1, self.max_queued // 4, places):
                 return False
             self.queues.setdefault(scope, collections.deque()).append((item, start, places))
             self.queued += places
-            self.backlog[scope] = self.backlog.get(scope, 0) + places
             ready = self._take()
         self._start(ready)
         return True
@@ -86,23 +84,24 @@ class Room:
             if found is None:
                 return False
             scope, entry = found
-            if entry is self.queues[scope][0] and scope in self.collecting:
-                self.reserved -= self.collecting.pop(scope)[0]   # its places free again
+            if entry is self.queues[scope][0]:
+                self.collecting.pop(scope, None)   # the places kept for it are free again
             self.queues[scope].remove(entry)
             self.queued -= entry[2]
-            self.backlog[scope] -= entry[2]
             if not self.queues[scope]:
-                self._forget(scope)
+                del self.queues[scope]      # (its only request was its first)
             ready = self._take()            # one waiting behind it may fit now
         self._start(ready)
         return True
 
-    def _forget(self, scope: str) -> None:
-        """`scope` has nothing queued: its turn goes (nothing is kept for it)."""
-        self.queues.pop(scope, None)
-        self.backlog.pop(scope, None)
-        if scope in self.collecting:
-            self.reserved -= self.collecting.pop(scope)[0]
+    @property
+    def reserved(self) -> int:
+        """Free places kept for the requests gathering them."""
+        return sum(kept for kept, _ in self.collecting.values())
+
+    def backlog(self, scope: str) -> int:
+        """The places `scope`'s queued requests ask for."""
+        return sum(entry[2] for entry in self.queues.get(scope, ()))
 
     def _take(self) -> list:
         """Whom to start now, while a place is free and not kept: the callers in turn
@@ -124,21 +123,16 @@ class Room:
                         n for _, n in self.collecting.values()) <= self.max_running:
                     kept[0] += 1                              # this place kept for it
                     self.collecting[scope] = kept
-                    self.reserved += 1
                 self.queues[scope] = q
                 continue
             q.popleft()
-            if scope in self.collecting:
-                self.reserved -= self.collecting.pop(scope)[0]
+            self.collecting.pop(scope, None)
             self.queued -= places
-            self.backlog[scope] -= places
             self.running += places
             self.idle += places - 1             # its own thread uses one
             ready.append((item, start))
             if q:
                 self.queues[scope] = q
-            else:
-                self._forget(scope)
         return ready
 
     def wake(self) -> None:

@@ -88,7 +88,7 @@ def test_a_request_of_several_places_waits_as_many_turns():
     for _ in range(3):
         r.end()
     assert order == [0, 1, 2, 3, 4, "batch"] and r.running == 3 and r.idle == 2
-    assert r.reserved == 0 and r.collecting == {} and r.backlog == {"x": 2}
+    assert r.reserved == 0 and r.collecting == {} and r.backlog("x") == 2
     r.end(3, idle=2)
     assert order == [0, 1, 2, 3, 4, "batch", 5, 6] and r.running == 2 and r.idle == 0
     r.end(2)
@@ -122,7 +122,7 @@ def test_the_queue_limits_count_places():
     assert r.submit("b", lambda: None, "b", 4)             # 4 places asked: b's quarter
     assert not r.submit("b2", lambda: None, "b")
     assert r.submit("c", lambda: None, "c", 4) and r.queued == 8
-    assert r.withdraw("b") and r.queued == 4 and "b" not in r.backlog
+    assert r.withdraw("b") and r.queued == 4 and r.backlog("b") == 0
     assert r.submit("b2", lambda: None, "b")
 
 
