@@ -435,12 +435,13 @@ CONVERTIBLE = {"float32": "float32", "bfloat16": "uint16"}   # dtype: numpy dtyp
 
 
 def _convert(kv: np.ndarray, to: str) -> np.ndarray:
-    """float32 K/V as bfloat16 bits (rounded to nearest even, as torch rounds), or
-    bfloat16 bits widened to float32 (exact)."""
+    """float32 K/V as bfloat16 bits, or bfloat16 bits as float32: torch's conversions
+    (rounded to nearest even, as the pool's own stores round; widened exactly)."""
+    import torch               # (only here: the store itself is numpy's)
+    t = torch.from_numpy(np.array(kv))          # a copy: the export's buffer is read-only
     if to == "float32":
-        return (kv.astype(np.uint32) << 16).view(np.float32)
-    bits = kv.view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return t.view(torch.bfloat16).float().numpy()
+    return t.to(torch.bfloat16).view(torch.uint16).numpy()
 
 
 def _corrupt(why: str) -> ProtocolError:
