@@ -152,7 +152,7 @@ class Runner:
                              f"not {requested!r} (EINVAL)")
         mixed = self.dtype == torch.float32 and self.device.type == "cpu"
         if requested == "auto":
-            if mixed and self.config.dtype_auto and attention == "cpu":
+            if self._auto_float32 and attention == "cpu":
                 return torch.bfloat16, ("auto: a float32 model on the CPU, its attention "
                                         "reading bfloat16 entries")
             return self.dtype, "auto: the model's dtype"
@@ -234,6 +234,14 @@ class Runner:
         return "quantized", (f"{why}: {packed}, {count} of them computed from the "
                              f"checkpoint's Q4_1/Q8_0 blocks{tiles} at {upto} ({how})")
 
+    @property
+    def _auto_float32(self) -> bool:
+        """Whether `--dtype auto` chose float32 on a CPU (no bf16 arithmetic there): where
+        `auto` takes int8 dot products and a bfloat16 pool; a float32 model asked for by
+        name keeps exact weights and entries."""
+        return self.config.dtype_auto and self.dtype == torch.float32 \
+            and self.device.type == "cpu"
+
     def _int8(self, requested: str) -> tuple[bool, str]:
         """(whether the blocks take int8 dot products, why): asked for, or under `auto`
         where `--dtype auto` chose float32 (a CPU without bf16 arithmetic) and the
@@ -243,8 +251,7 @@ class Runner:
         `--linear quantized` does."""
         if requested == "int8":         # (a float32 model: `_pack`)
             return True, "asked for"
-        if requested != "auto" or self.dtype != torch.float32 or self.device.type != "cpu" \
-                or not self.config.dtype_auto or cpu_kernels.problem() \
+        if requested != "auto" or not self._auto_float32 or cpu_kernels.problem() \
                 or cpu_kernels.kernels().int8_dots == "portable":
             return False, ""
         return True, "--dtype auto chose float32; --dtype float32 keeps float32 rows"
