@@ -9,6 +9,10 @@ flags: another CPU builds it again. Nothing of it goes into the project's venv.
 `batched(...)` runs it for B sequences at once, each a prompt of `prompt` tokens then
 `new` generated tokens, and returns per B the whole run's seconds (prompt and
 generation, as B1 times Symphony's programs) and llama.cpp's own generation-only rate.
+On a CPU with AMX it runs with `--no-repack`: llama.cpp's AMX matmul, which a native
+build uses for Q4_0/Q4_1 weights there, crashes with SIGSEGV on SmolLM2's Q4_1 file
+(llama.cpp issues #20824, and #16315 on its wrong Q4_1 results); the option leaves the
+weights in their GGUF layout for its AVX-512 dot products.
 
     python scripts/bench_llama_cpp.py build      # what bench-setup runs
     python scripts/bench_llama_cpp.py run [--programs 1,8] [--prompt 32] [--new-tokens 64]
@@ -41,14 +45,25 @@ def home() -> str:
     return os.path.join(bench_dir(), "llama.cpp")
 
 
-def stamp_text() -> str:
-    """The pin and a digest of the CPU's flags: a build made for another CPU is redone."""
+def flags_line() -> str:
+    """/proc/cpuinfo's line of the CPU's flags ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        flags = ""
-    return f"{PIN} {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+        return ""
+
+
+def stamp_text() -> str:
+    """The pin and a digest of the CPU's flags: a build made for another CPU is redone."""
+    return f"{PIN} {hashlib.sha256(flags_line().encode()).hexdigest()[:16]}"
+
+
+def options(flags: str | None = None) -> list[str]:
+    """The run's options that depend on the CPU's flags (this CPU's where None):
+    `--no-repack` where it has AMX."""
+    flags = flags_line() if flags is None else flags
+    return ["--no-repack"] if "amx_int8" in flags.partition(":")[2].split() else []
 
 
 def binary() -> str:
@@ -117,7 +132,10 @@ def batched(gguf: str, programs: list[int], prompt: int, new: int, threads: int,
     exe = binary()
     ctx = max(programs) * (prompt + new) + 64
     argv = [exe, "-m", gguf, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt),
-            "-ntg", str(new), "-npl", ",".join(map(str, programs)), "-t", str(threads)]
+            "-ntg", str(new), "-npl", ",".join(map(str, programs)), "-t", str(threads),
+            *options()]
+    if options():
+        log(f"bench: llama.cpp with {' '.join(options())} (its AMX path fails on this CPU)")
     best: dict[int, tuple[float, float]] = {}
     for _ in range(repeat):
         done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
