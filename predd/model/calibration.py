@@ -11,6 +11,12 @@ CPU's model and flags, the kernel library, torch's version and thread count; the
 adds the dtype and the projections' shapes and kinds), and later starts read it. Where
 the directory cannot be written, or is not this user's alone, the measurement is made at
 each start and the start-up line says why. Delete the directory to measure again.
+
+A measurement made while other processes (or, in a VM, the hypervisor: steal time) took
+the cores is slower on both paths, unevenly, and may choose another limit than a quiet
+machine. `Contention` measures their share of this process's CPUs over the measurement
+(/proc/stat); the record keeps it (`others`), and above `LOADED` every start that reads
+the record says so, with the file to delete.
 """
 from __future__ import annotations
 
@@ -25,6 +31,62 @@ from pathlib import Path
 import torch
 
 from predd.kernels import build, cpu_kernels
+
+
+LOADED = 0.2     # others' share of the CPUs above which a start-up line warns
+
+
+def busy_seconds(stat: str, cpus: set[int]) -> float | None:
+    """Seconds the CPUs `cpus` spent on anything but idle and I/O wait since boot (steal
+    included: the hypervisor gave the time to another), from /proc/stat's text `stat`;
+    None where a CPU's line is missing."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    busy, seen = 0, set()
+    for line in stat.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
+            continue
+        fields = [int(v) for v in rest.split()]
+        # user nice system idle iowait irq softirq steal (guest is within user)
+        busy += sum(fields[:8]) - fields[3] - fields[4]
+        seen.add(int(name[3:]))
+    return busy / tick if seen == cpus else None
+
+
+class Contention:
+    """Other processes' share of this process's CPUs from its making to `share()`."""
+
+    def __init__(self, stat_path: str = "/proc/stat") -> None:
+        self.path = stat_path
+        try:
+            self.cpus = os.sched_getaffinity(0)
+        except (AttributeError, OSError):
+            self.cpus = set()
+        self.t0, self.own0, self.busy0 = time.monotonic(), time.process_time(), self._busy()
+
+    def _busy(self) -> float | None:
+        try:
+            with open(self.path) as f:
+                return busy_seconds(f.read(), self.cpus) if self.cpus else None
+        except OSError:
+            return None
+
+    def share(self) -> float | None:
+        """(busy time of the CPUs − this process's CPU time) / (wall time × CPUs), in
+        [0, 1]; None where /proc/stat cannot say."""
+        busy, wall = self._busy(), time.monotonic() - self.t0
+        if busy is None or self.busy0 is None or wall <= 0:
+            return None
+        others = busy - self.busy0 - (time.process_time() - self.own0)
+        return min(1.0, max(0.0, others / (wall * len(self.cpus))))
+
+
+def contended(others: object) -> str:
+    """The start-up line's warning for a record measured beside others' work, else ""."""
+    if not isinstance(others, (int, float)) or others <= LOADED:
+        return ""
+    return (f"other processes had {others:.0%} of the CPUs while it was measured: delete "
+            "the record to measure again on a quiet machine")
 
 
 def directory() -> Path:

@@ -336,8 +336,8 @@ def calibrate(model: nn.Module, dtype: torch.dtype, reps: int = 3
     def measure(rows: int) -> dict[str, tuple[float, float]]:
         xs = {w: torch.randn(rows, w, generator=gen).to(dtype) for w in widths}
         best: dict[str, list[float]] = {g: [float("inf")] * 2 for g, _ in layers}
-        for path in (0, 1):                  # 0: the blocks, 1: the dense weight
-            for _ in range(reps):
+        for _ in range(reps):                # the paths in turn: a burst of others' work
+            for path in (0, 1):              # slows both alike (0: blocks, 1: dense)
                 spent = dict.fromkeys(best, 0.0)
                 for group, m in layers:
                     x = xs[m.blocks.columns()]
@@ -377,15 +377,19 @@ def calibrated(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, int], st
                                   [*shape, count] for shape, count in shapes.items())})
     record, problem = calibration.load(key)
     if not _valid(record, {group for group, _ in layers}):
+        contention = calibration.Contention()
         limits, timings = calibrate(model, dtype)
-        record, where = calibration.store(key, {"limits": limits, "timings": timings})
+        fresh = {"limits": limits, "timings": timings, "others": contention.share()}
+        record, where = calibration.store(key, fresh)
         if not _valid(record, set(limits)):           # another's, unreadable
-            record, where = {"limits": limits, "timings": timings}, f"not stored: {where}"
+            record, where = fresh, f"not stored: {where}"
         how = f"measured, {where}"
     else:
-        how = f"measured {record.get('measured', '?')}, from {calibration.directory()}"
-    if problem:
-        how += f"; {problem}"
+        how = (f"measured {record.get('measured', '?')}, from "
+               f"{calibration.directory() / (key + '.json')}")
+    for note in (problem, calibration.contended(record.get("others"))):
+        if note:
+            how += f"; {note}"
     for group, m in layers:
         m.limit = record["limits"][group]
     return dict(record["limits"]), f"{how}; rows: blocks/dense ms a step: {record['timings']}"

@@ -164,7 +164,8 @@ def test_limits_are_measured_once_then_read_from_the_cache(tmp_path, monkeypatch
     assert limits == {"qkv_proj": 8, "lm_head": 2} and model.qkv_proj.limit == 8
     [stored] = (tmp_path / "calibration").glob("*.json")
     assert f"measured, {stored}" in how and how.endswith("1: 1.0/2.0")
-    assert json.loads(stored.read_text())["limits"] == limits
+    record = json.loads(stored.read_text())
+    assert record["limits"] == limits and 0.0 <= record["others"] <= 1.0
     again = _model()
     assert quant_linear.calibrated(again, torch.float32)[0] == limits    # not measured
     assert measured == [torch.float32] and again.qkv_proj.limit == 8
@@ -188,6 +189,24 @@ def test_a_stored_record_wins_over_a_second_measurement(tmp_path, monkeypatch):
     assert record["limits"] == {"a": 4} and where.endswith("k.json")
     assert calibration.load("k")[0]["limits"] == {"a": 4}
     assert [p.name for p in (tmp_path / "calibration").iterdir()] == ["k.json"]
+
+
+def test_a_record_measured_beside_others_work_says_so_at_every_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("SYMPHONY_CACHE", str(tmp_path))
+    monkeypatch.setattr(quant_linear, "calibrate",
+                        lambda model, dtype: ({"qkv_proj": 3, "lm_head": 1}, "t"))
+    monkeypatch.setattr(calibration.Contention, "share", lambda self: 0.45)
+    how = quant_linear.calibrated(_model(), torch.float32)[1]
+    [stored] = (tmp_path / "calibration").glob("*.json")
+    assert json.loads(stored.read_text())["others"] == 0.45
+    assert "other processes had 45% of the CPUs while it was measured" in how
+    monkeypatch.setattr(quant_linear, "calibrate", lambda *a: pytest.fail("measured"))
+    limits, how = quant_linear.calibrated(_model(), torch.float32)
+    assert limits == {"qkv_proj": 3, "lm_head": 1}
+    assert f"from {stored}; other processes had 45%" in how
+    record = json.loads(stored.read_text())
+    stored.write_text(json.dumps({**record, "others": 0.1}))    # quiet enough: nothing said
+    assert "other processes" not in quant_linear.calibrated(_model(), torch.float32)[1]
 
 
 def test_a_broken_or_foreign_record_is_measured_again(tmp_path, monkeypatch):
