@@ -8,12 +8,12 @@
 Never imports torch: a LIP stays a small process.
 
 May import: msgpack, numpy, zmq, the protocol (symphony_protocol) and, where installed,
-tokenizers (`decode`: predd's tokenizer held here); never predd, kvfsd
+tokenizers (`decode`, `encode`: predd's tokenizer held here); never predd, kvfsd
 or gatewayd. `liblip.sandbox` (`lip run --sandbox`) uses the standard library only.
 """
 from liblip.api import (KV, chat_template, client, client_of, connect, decode, detokenize,
-                        fsck, info, info_cached, io_wait, kv_close, kv_create, kv_export, kv_extract,
-                        kv_fork, kv_free, kv_import, kv_merge, kv_open, kv_policy,
+                        encode, fsck, info, info_cached, io_wait, kv_close, kv_create,
+                        kv_export, kv_extract, kv_fork, kv_free, kv_import, kv_merge, kv_open, kv_policy,
                         kv_positions, kv_rehome, kv_remove, kv_save, kv_stat, kv_tokens, kv_truncate,
                         ps, send_to_user, stats, tokenize, tokenizer)
 from liblip.client import LipError
@@ -24,7 +24,8 @@ from liblip.textstream import TextStream, stream_text
 
 __all__ = [
     "KV", "Distribution", "Generated", "LipError", "Sampled", "TextStream", "TopK",
-    "chat_template", "client", "client_of", "connect", "decode", "detokenize", "fsck",
+    "chat_template", "client", "client_of", "connect", "decode", "detokenize", "encode",
+    "fsck",
     "generate", "generate_into", "generate_stream", "info", "info_cached", "io_wait", "kv_close", "kv_create",
     "kv_export", "kv_extract", "kv_fork", "kv_free", "kv_import", "kv_merge", "kv_open",
     "kv_policy", "kv_positions",

@@ -131,6 +131,21 @@ def decode(tokens: Sequence[int], skip_special: bool = False) -> str:
     return backend.decode(ids, skip_special_tokens=skip_special)
 
 
+def encode(text: str, add_special: bool = False) -> list[int]:
+    """`tokenize`'s ids, encoded in this process with predd's own tokenizer (asked for
+    once a predd address with the `tokenizer` call): no round trip, so the text costs
+    predd nothing and the call does not wait for a step to end. The encoding runs with
+    the GIL released (the program's other threads go on). Where the `tokenizers` package
+    is missing or predd does not answer that call, `tokenize`. Unlike predd's
+    `tokenize`, no limit on the text's length: its cost is this process's."""
+    held = _held()
+    if held is None:
+        return tokenize(text, add_special)
+    if not isinstance(text, str):
+        raise LipError("EINVAL", "tokenize.text: must be a string")
+    return held[0].encode_batch([text], add_special_tokens=add_special)[0].ids
+
+
 def tokenizer():
     """predd's tokenizer as a `tokenizers.Tokenizer` held in this process (asked for once
     a predd address with the `tokenizer` call); None where the `tokenizers` package is

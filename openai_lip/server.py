@@ -237,7 +237,7 @@ class Server:
                 raise RequestError(400, "prompt has a token id outside the vocabulary", "prompt")
             ids = prompt
         else:
-            ids = lip.tokenize(prompt)
+            ids = lip.encode(prompt)      # here, not a round trip to predd a prompt
             if not ids:
                 raise RequestError(400, "prompt is empty", "prompt")
         room = self.info["max_position"] - len(ids)

@@ -3,8 +3,8 @@
 llguidance needs each token's bytes (`detokenize` of a single byte-level token cannot
 show half a UTF-8 character). They come from predd's own tokenizer held in the program
 (`lip.tokenizer()`: 0.07 s for SmolLM2), else from the model's GGUF file with the `gguf`
-package (2.4 s of CPU: it parses every field); encoding is predd's own `tokenize`, so
-both sides cut text alike.
+package (2.4 s of CPU: it parses every field); encoding is predd's own tokenizer
+(`lip.encode`: the one held here, else a `tokenize` call), so both sides cut text alike.
 """
 from __future__ import annotations
 
@@ -77,4 +77,4 @@ class PreddTokenizer:
     def __call__(self, text: bytes | str) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return lip.tokenize(text)
+        return lip.encode(text)

@@ -1,5 +1,6 @@
-"""`lip.decode`: predd's own tokenizer held in the program gives `detokenize`'s text
-exactly, with no round trip a call; and predd's checks of the ids hold."""
+"""`lip.decode` and `lip.encode`: predd's own tokenizer held in the program gives
+`detokenize`'s text and `tokenize`'s ids exactly, with no round trip a call; and predd's
+checks of the ids hold."""
 import random
 
 import pytest
@@ -20,6 +21,24 @@ def test_decode_gives_detokenizes_text_for_every_kind_of_sequence(lip):
     before = lip.stats()["requests"]
     lip.decode(sequences[2])
     assert lip.stats()["requests"] == before + 1          # the stats call only
+
+
+def test_encode_gives_tokenizes_ids_for_every_kind_of_text(lip):
+    rng = random.Random(7)
+    pieces = ["Hello", " wörld", " — ", "😀", "\t", "\n\n", "  ", "12345", "<|im_start|>",
+              "<|im_end|>", "user", "\u00e9t\u00e9", "ﬁ", "\x00", "日本語", "'s", "?!"]
+    texts = ["", " ", "Hello wörld — 😀 tabs\t and\nnew lines <|im_start|>user",
+             *("".join(rng.choice(pieces) for _ in range(rng.randrange(1, 60)))
+               for _ in range(40))]
+    for text in texts:
+        for special in (False, True):
+            assert lip.encode(text, special) == lip.tokenize(text, special), repr(text)
+    before = lip.stats()["requests"]
+    lip.encode(texts[2] * 50)
+    assert lip.stats()["requests"] == before + 1          # the stats call only
+    with pytest.raises(lip.LipError) as bad:
+        lip.encode(b"bytes")
+    assert bad.value.code == "EINVAL"
 
 
 def test_decode_refuses_ids_outside_the_vocabulary_as_detokenize_does(lip):
