@@ -138,11 +138,16 @@ def encode(text: str, add_special: bool = False) -> list[int]:
     the GIL released (the program's other threads go on). Where the `tokenizers` package
     is missing or predd does not answer that call, `tokenize`. Unlike predd's
     `tokenize`, no limit on the text's length: its cost is this process's."""
+    if not isinstance(text, str) or not isinstance(add_special, bool):
+        raise LipError("EINVAL", "encode: text must be a string and add_special a bool")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LipError("EINVAL", "encode: text is not Unicode text (a lone surrogate)") \
+            from None
     held = _held()
     if held is None:
         return tokenize(text, add_special)
-    if not isinstance(text, str):
-        raise LipError("EINVAL", "tokenize.text: must be a string")
     return held[0].encode_batch([text], add_special_tokens=add_special)[0].ids
 
 

@@ -15,6 +15,8 @@ Fields this server cannot honour (tools, logit_bias, penalties, best_of, suffix)
 """
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field
 
 MAX_N = 16
@@ -195,6 +197,11 @@ def parse(body, chat: bool, served: str) -> Completion:
     other than the `served` one."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
+    try:        # JSON's \ud800 escapes make strings that are not Unicode text
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad("the request body has a string that is not Unicode text (a lone "
+                   "surrogate escape)", None) from None
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model is required", "model")

@@ -53,12 +53,13 @@ from openai_lip.format import Formatter
 from openai_lip.prefix_cache import PrefixCache
 from openai_lip.requests import DEFAULT_MAX_TOKENS, Completion, RequestError, parse
 from openai_lip.room import Room
+from openai_lip.vocab import longest_token_chars
 from symphony_protocol import default_mount
 
 MAX_REQUESTS = 64       # requests running at once; more wait in a queue
 SPARE_CACHES = 32       # empty caches made ahead (prefix_cache.EmptyCaches)
 MAX_QUEUED = 4096       # requests waiting to start; more are a 429
-STATUS_OF = {"EINVAL": 400, "EDQUOT": 429, "EAGAIN": 429, "ENOSPC": 503, "EIO": 503}
+STATUS_OF = {"EINVAL": 400, "E2BIG": 400, "EDQUOT": 429, "EAGAIN": 429, "ENOSPC": 503, "EIO": 503}
 
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode   # one encoder for every line
@@ -140,7 +141,9 @@ class Server:
                                  spares=SPARE_CACHES)
         self.grammar = Grammar(args.model)
         self.grammar.preload()
-        lip.tokenizer()                      # predd's tokenizer, fetched before any request
+        # predd's tokenizer, fetched before any request; a prompt longer than this many
+        # characters a token of the context is refused before it is encoded
+        self.longest_token = longest_token_chars(lip.tokenizer())
         self.format = Formatter(self.model)
         self.requests: dict = {}
         self.lock = threading.Lock()
@@ -237,6 +240,12 @@ class Server:
                 raise RequestError(400, "prompt has a token id outside the vocabulary", "prompt")
             ids = prompt
         else:
+            most = self.info["max_position"] * (self.longest_token or 0)
+            if most and len(prompt) > most:
+                raise RequestError(400, f"the prompt ({len(prompt)} characters) is longer "
+                                   f"than any text of the model's context "
+                                   f"({self.info['max_position']} tokens) can be", "prompt",
+                                   "context_length_exceeded")
             ids = lip.encode(prompt)      # here, not a round trip to predd a prompt
             if not ids:
                 raise RequestError(400, "prompt is empty", "prompt")

@@ -9,6 +9,7 @@ package (2.4 s of CPU: it parses every field); encoding is predd's own tokenizer
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import liblip as lip
@@ -45,6 +46,17 @@ def tokenizer_vocab(tok) -> list[bytes]:
     for text, i in tok.get_vocab(with_added_tokens=True).items():
         table[i] = b"\xff" + text.encode() if i in special else bytes(decode[c] for c in text)
     return table
+
+
+def longest_token_chars(tok) -> int | None:
+    """The most characters of text one token of `tok` stands for: its longest token
+    string (a byte-level token's characters are its bytes, each at most one character of
+    the text; a byte-fallback token's string is longer than its byte). A text of more
+    characters than the context times this cannot fit the context, whatever it encodes
+    to. None where there is no tokenizer, or a normalizer could shrink a text first."""
+    if tok is None or json.loads(tok.to_str()).get("normalizer") is not None:
+        return None
+    return max(len(t) for t in tok.get_vocab(with_added_tokens=True))
 
 
 def gguf_vocab(path: str) -> list[bytes]:

@@ -81,12 +81,13 @@ class Contention:
         return min(1.0, max(0.0, others / (wall * len(self.cpus))))
 
 
-def contended(others: object) -> str:
-    """The start-up line's warning for a record measured beside others' work, else ""."""
+def contended(others: object, stored: bool = True) -> str:
+    """The start-up line's warning for a record measured beside others' work (`stored`:
+    kept for later starts, which its deletion undoes), else ""."""
     if not isinstance(others, (int, float)) or others <= LOADED:
         return ""
-    return (f"other processes had {others:.0%} of the CPUs while it was measured: delete "
-            "the record to measure again on a quiet machine")
+    return (f"other processes had {others:.0%} of the CPUs while it was measured"
+            + (": delete the record to measure again on a quiet machine" if stored else ""))
 
 
 def directory() -> Path:

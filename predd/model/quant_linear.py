@@ -376,6 +376,7 @@ def calibrated(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, int], st
                               "rows": CALIBRATION_ROWS, "projections": sorted(
                                   [*shape, count] for shape, count in shapes.items())})
     record, problem = calibration.load(key)
+    stored = True
     if not _valid(record, {group for group, _ in layers}):
         contention = calibration.Contention()
         limits, timings = calibrate(model, dtype)
@@ -383,11 +384,12 @@ def calibrated(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, int], st
         record, where = calibration.store(key, fresh)
         if not _valid(record, set(limits)):           # another's, unreadable
             record, where = fresh, f"not stored: {where}"
+        stored = not where.startswith("not stored")
         how = f"measured, {where}"
     else:
         how = (f"measured {record.get('measured', '?')}, from "
                f"{calibration.directory() / (key + '.json')}")
-    for note in (problem, calibration.contended(record.get("others"))):
+    for note in (problem, calibration.contended(record.get("others"), stored)):
         if note:
             how += f"; {note}"
     for group, m in layers:

@@ -400,6 +400,31 @@ def test_invalid_requests_are_400(client, model, kwargs, param):
     assert err.value.body["type"] == "invalid_request_error"
 
 
+def test_a_prompt_no_context_can_hold_is_400_before_it_is_encoded(client, model):
+    """SmolLM2's longest token is 81 characters and its context 8,192 tokens: a prompt of
+    more than 663,552 characters cannot fit, whatever it encodes to, and is refused by its
+    length (the message says so); a shorter one is encoded (in the program) and refused by
+    its token count."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="ab" * 340_000, max_tokens=1)
+    assert err.value.body["code"] == "context_length_exceeded"
+    assert err.value.body["param"] == "prompt" and "680000 characters" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="ab " * 20_000, max_tokens=1)
+    assert err.value.body["code"] == "context_length_exceeded"
+    assert err.value.body["param"] == "max_tokens"
+
+
+def test_a_lone_surrogate_is_400(server, model):
+    """JSON's escapes can name half a UTF-16 pair, which is no text (the openai package
+    cannot send one: it is written raw)."""
+    import httpx
+    body = '{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 1}' % model
+    reply = httpx.post(server.url + "/v1/completions", content=body.encode(), timeout=60,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and "lone surrogate" in reply.json()["error"]["message"]
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-5", max_tokens=2,

@@ -36,9 +36,10 @@ def test_encode_gives_tokenizes_ids_for_every_kind_of_text(lip):
     before = lip.stats()["requests"]
     lip.encode(texts[2] * 50)
     assert lip.stats()["requests"] == before + 1          # the stats call only
-    with pytest.raises(lip.LipError) as bad:
-        lip.encode(b"bytes")
-    assert bad.value.code == "EINVAL"
+    for bad in ((b"bytes",), ("\ud800",), ("x", 1)):     # not text; a lone surrogate
+        with pytest.raises(lip.LipError) as err:
+            lip.encode(*bad)
+        assert err.value.code == "EINVAL"
 
 
 def test_decode_refuses_ids_outside_the_vocabulary_as_detokenize_does(lip):

@@ -220,6 +220,17 @@ def test_bad_chat_requests(change, param):
     assert (err.value.status, err.value.param) == (400, param)
 
 
+@pytest.mark.parametrize("body,chat", [
+    ({"prompt": "a \ud800 b"}, False), ({"prompt": ["ok", "\udfff"]}, False),
+    ({"messages": [{"role": "user", "content": "\ud83d"}]}, True),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": ["\ud800"]}, True)])
+def test_a_string_that_is_not_unicode_text_is_a_400(body, chat):
+    """JSON's escapes can make lone surrogates, which no tokenizer or msgpack takes."""
+    with pytest.raises(RequestError) as err:
+        parse({"model": "m", **body}, chat=chat, served="m")
+    assert err.value.status == 400 and "lone surrogate" in err.value.message
+
+
 def test_unknown_model_is_404():
     with pytest.raises(RequestError) as err:
         parse({**CHAT, "model": "gpt-4"}, chat=True, served="m")

@@ -50,3 +50,6 @@ def test_a_record_measured_beside_others_work_says_so():
     assert calibration.contended(calibration.LOADED) == ""
     assert calibration.contended("0.9") == ""
     assert calibration.contended(0.45).startswith("other processes had 45% of the CPUs")
+    assert "delete the record" in calibration.contended(0.45)
+    assert calibration.contended(0.45, stored=False) == \
+        "other processes had 45% of the CPUs while it was measured"   # nothing to delete

@@ -165,7 +165,8 @@ def test_limits_are_measured_once_then_read_from_the_cache(tmp_path, monkeypatch
     [stored] = (tmp_path / "calibration").glob("*.json")
     assert f"measured, {stored}" in how and how.endswith("1: 1.0/2.0")
     record = json.loads(stored.read_text())
-    assert record["limits"] == limits and 0.0 <= record["others"] <= 1.0
+    assert record["limits"] == limits
+    assert record["others"] is None or 0.0 <= record["others"] <= 1.0   # None: no /proc/stat
     again = _model()
     assert quant_linear.calibrated(again, torch.float32)[0] == limits    # not measured
     assert measured == [torch.float32] and again.qkv_proj.limit == 8
