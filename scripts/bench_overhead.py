@@ -68,11 +68,13 @@ def measure(addr: str, n: int, tokens: int, mode: str) -> dict:
 
 def split_of(before: dict, after: dict, wall: float) -> dict:
     """predd's time between two `stats` replies, a step at a time: its parts' wall time
-    (`time_ms`; the `*_cpu` entries are its thread's CPU within those parts, shown but not
-    added again), its launch waits, and the non-model share of its busy time."""
-    split = {k: after["time_ms"][k] - before["time_ms"][k] for k in after["time_ms"]}
+    (`time_ms`; the `*_cpu` entries are its thread's CPU within those parts, and
+    `in_flight` the messages answered during a forward pass: shown, not added again),
+    its launch waits, and the non-model share of its busy time."""
+    split = {k: after["time_ms"][k] - before["time_ms"].get(k, 0.0) for k in after["time_ms"]}
     steps = after["steps"] - before["steps"]
-    rest = sum(v for k, v in split.items() if k != "forward" and not k.endswith("_cpu"))
+    rest = sum(v for k, v in split.items()
+               if k not in ("forward", "in_flight") and not k.endswith("_cpu"))
     busy = rest + split["forward"]
     return {"steps": steps, "per_step_ms": {k: round(v / max(steps, 1), 3)
                                             for k, v in split.items()},

@@ -41,13 +41,15 @@ class Counters:
     answered_in_flight: int = 0   # requests answered while a step's pass ran (Intake)
     # raw pred rows by the way they went back: the session's logits buffer or a frame
     logits_rows: dict[str, int] = field(default_factory=lambda: {"buffer": 0, "frame": 0})
-    # where predd's time goes (seconds): the model's forward passes and the rest; and
-    # the CPU of predd's thread handling messages (`requests` is their wall time, which
-    # counts a reply's send while the woken program has the core) and in a step outside
-    # its forward pass (`step_cpu`: schedule, prepare and outputs)
+    # where predd's time goes (seconds): the model's forward passes and the rest; the
+    # turns that answer messages while a pass runs on the device (`in_flight`: within
+    # `forward`, not beside it); and the CPU of predd's thread handling messages
+    # (`requests` is their wall time, which counts a reply's send while the woken program
+    # has the core) and in a step outside its forward pass (`step_cpu`: schedule, prepare
+    # and outputs)
     time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("schedule", "prepare", "forward", "outputs", "requests", "requests_cpu",
-         "step_cpu"), 0.0))
+        ("schedule", "prepare", "forward", "outputs", "requests", "in_flight",
+         "requests_cpu", "step_cpu"), 0.0))
     queue_hist: Histogram = field(default_factory=Histogram)   # per admitted call
     step_hist: Histogram = field(default_factory=Histogram)    # per forward pass
 

@@ -190,7 +190,7 @@ class Server:
                 break
             finally:
                 if counters.requests != handled:    # a turn that answered something
-                    times["requests"] += time.monotonic() - started
+                    times["in_flight"] += time.monotonic() - started   # within `forward`
                     times["requests_cpu"] += time.thread_time() - cpu
         return ended
 
