@@ -140,15 +140,14 @@ def encode(text: str, add_special: bool = False) -> list[int]:
     `tokenize`, no limit on the text's length: its cost is this process's."""
     if not isinstance(text, str) or not isinstance(add_special, bool):
         raise LipError("EINVAL", "encode: text must be a string and add_special a bool")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise LipError("EINVAL", "encode: text is not Unicode text (a lone surrogate)") \
-            from None
     held = _held()
-    if held is None:
-        return tokenize(text, add_special)
-    return held[0].encode_batch([text], add_special_tokens=add_special)[0].ids
+    try:
+        if held is None:
+            return tokenize(text, add_special)
+        return held[0].encode_batch([text], add_special_tokens=add_special)[0].ids
+    except (TypeError, UnicodeEncodeError):   # tokenizers' and msgpack's refusal of a
+        raise LipError("EINVAL", "encode: text is not Unicode text (a lone surrogate)") \
+            from None                           # str with a lone surrogate: no UTF-8
 
 
 def tokenizer():

@@ -59,7 +59,8 @@ from symphony_protocol import default_mount
 MAX_REQUESTS = 64       # requests running at once; more wait in a queue
 SPARE_CACHES = 32       # empty caches made ahead (prefix_cache.EmptyCaches)
 MAX_QUEUED = 4096       # requests waiting to start; more are a 429
-STATUS_OF = {"EINVAL": 400, "E2BIG": 400, "EDQUOT": 429, "EAGAIN": 429, "ENOSPC": 503, "EIO": 503}
+STATUS_OF = {"EINVAL": 400, "E2BIG": 400, "EDQUOT": 429, "EAGAIN": 429, "ENOSPC": 503,
+             "EIO": 503}
 
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode   # one encoder for every line
@@ -141,9 +142,10 @@ class Server:
                                  spares=SPARE_CACHES)
         self.grammar = Grammar(args.model)
         self.grammar.preload()
-        # predd's tokenizer, fetched before any request; a prompt longer than this many
-        # characters a token of the context is refused before it is encoded
-        self.longest_token = longest_token_chars(lip.tokenizer())
+        # predd's tokenizer, fetched before any request; a prompt of more characters than
+        # any text of the context can have is refused before it is encoded (0: no bound)
+        self.max_prompt_chars = self.info["max_position"] * (
+            longest_token_chars(lip.tokenizer()) or 0)
         self.format = Formatter(self.model)
         self.requests: dict = {}
         self.lock = threading.Lock()
@@ -240,8 +242,7 @@ class Server:
                 raise RequestError(400, "prompt has a token id outside the vocabulary", "prompt")
             ids = prompt
         else:
-            most = self.info["max_position"] * (self.longest_token or 0)
-            if most and len(prompt) > most:
+            if self.max_prompt_chars and len(prompt) > self.max_prompt_chars:
                 raise RequestError(400, f"the prompt ({len(prompt)} characters) is longer "
                                    f"than any text of the model's context "
                                    f"({self.info['max_position']} tokens) can be", "prompt",

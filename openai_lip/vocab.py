@@ -9,7 +9,6 @@ package (2.4 s of CPU: it parses every field); encoding is predd's own tokenizer
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 
 import liblip as lip
@@ -54,7 +53,7 @@ def longest_token_chars(tok) -> int | None:
     the text; a byte-fallback token's string is longer than its byte). A text of more
     characters than the context times this cannot fit the context, whatever it encodes
     to. None where there is no tokenizer, or a normalizer could shrink a text first."""
-    if tok is None or json.loads(tok.to_str()).get("normalizer") is not None:
+    if tok is None or tok.normalizer is not None:
         return None
     return max(len(t) for t in tok.get_vocab(with_added_tokens=True))
 

@@ -132,10 +132,11 @@ def batched(gguf: str, programs: list[int], prompt: int, new: int, threads: int,
     exe = binary()
     ctx = max(programs) * (prompt + new) + 64
     argv = [exe, "-m", gguf, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt),
-            "-ntg", str(new), "-npl", ",".join(map(str, programs)), "-t", str(threads),
-            *options()]
-    if options():
-        log(f"bench: llama.cpp with {' '.join(options())} (its AMX path fails on this CPU)")
+            "-ntg", str(new), "-npl", ",".join(map(str, programs)), "-t", str(threads)]
+    extra = options()
+    if extra:
+        argv += extra
+        log(f"bench: llama.cpp with {' '.join(extra)} (its AMX path fails on this CPU)")
     best: dict[int, tuple[float, float]] = {}
     for _ in range(repeat):
         done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)

@@ -71,7 +71,7 @@ def split_of(before: dict, after: dict, wall: float) -> dict:
     (`time_ms`; the `*_cpu` entries are its thread's CPU within those parts, and
     `in_flight` the messages answered during a forward pass: shown, not added again),
     its launch waits, and the non-model share of its busy time."""
-    split = {k: after["time_ms"][k] - before["time_ms"].get(k, 0.0) for k in after["time_ms"]}
+    split = {k: after["time_ms"][k] - before["time_ms"][k] for k in after["time_ms"]}
     steps = after["steps"] - before["steps"]
     rest = sum(v for k, v in split.items()
                if k not in ("forward", "in_flight") and not k.endswith("_cpu"))
